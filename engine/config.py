@@ -1,0 +1,48 @@
+"""Engine configuration: every knob the scheduler and the KV cache read, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """What the engine is asked to run and under which limits.
+
+    `max_running_requests` is the number of request slots (rows of the request table);
+    `max_prefill_tokens` is the per-step prefill token budget (longer prompts are chunked);
+    `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use).
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_memory_gb: float | None = None
+    max_running_requests: int = 32
+    max_prefill_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be at least 1 (or None to size the pool automatically); "
+                             f"got {self.num_pages}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
+
+    @property
+    def model_path(self) -> str:
+        """The checkpoint to load: the given one, else the embedded demo model."""
+        return self.model if self.model else str(DEMO_MODEL_DIR)

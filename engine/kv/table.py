@@ -1,0 +1,37 @@
+"""Request table: one row per request slot, mapping token positions to KV token slots."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RequestTable:
+    """`table[slot, pos]` is the KV-pool token slot holding position `pos` of the request in `slot`.
+
+    Kernels read this map directly, so they never need to know the page size.
+    """
+
+    def __init__(self, num_slots: int, max_len: int, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.table = torch.zeros((num_slots, max_len), dtype=torch.int64, device=device)
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.holder: list[str | None] = [None] * num_slots
+
+    @property
+    def available_size(self) -> int:
+        """Free request slots."""
+        return len(self._free)
+
+    def allocate(self, rid: str) -> int:
+        slot = self._free.pop()
+        self.holder[slot] = rid
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.holder[slot] = None
+        self._free.append(slot)
+
+    def write(self, slot: int, start: int, token_slots: torch.Tensor) -> None:
+        """Record where positions [start, start + len(token_slots)) of the slot's request live."""
+        self.table[slot, start : start + token_slots.numel()] = token_slots

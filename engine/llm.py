@@ -1,0 +1,199 @@
+"""LLM: the in-process engine (model + KV memory + scheduler) and its offline and step-by-step API."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import fields
+
+import torch
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.kv.cache import make_cache_manager
+from engine.kv.pool import KVPool
+from engine.kv.table import RequestTable
+from engine.model.loader import TORCH_DTYPES, load_model, resolve_model_path
+from engine.outputs import RequestOutput, StepResult
+from engine.request import Req, SamplingParams
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.scheduler.budget import pages_for
+from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
+from kernels.attention import make_backend
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+def _kv_budget_bytes(config: EngineConfig) -> int:
+    """Memory for the KV pool when the user gave no page count."""
+    if config.kv_memory_gb is not None:
+        return int(config.kv_memory_gb * 2**30)
+    if config.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        return int(free * 0.85)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(4 * 2**30, available // 4)
+
+
+class LLM:
+    """Load a checkpoint and serve requests through the continuous-batching scheduler, in process."""
+
+    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", page_size: int = 16,
+                 num_pages: int | None = None, max_running_requests: int = 32, max_prefill_tokens: int = 2048,
+                 seed: int = 0, **options: object) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        self.config = EngineConfig(model=model, device=device, dtype=dtype, page_size=page_size,
+                                   num_pages=num_pages, max_running_requests=max_running_requests,
+                                   max_prefill_tokens=max_prefill_tokens, seed=seed, **options)  # type: ignore[arg-type]
+        cfg = self.config
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {cfg.device!r} requested but CUDA is not available; use device='cpu'")
+        self.device = torch.device(cfg.device)
+        self.model_path = resolve_model_path(cfg.model_path)
+        self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
+        spec = self.model.spec
+
+        context = spec.max_position_embeddings
+        if cfg.max_model_len is not None:
+            context = min(context, cfg.max_model_len)
+        num_pages = cfg.num_pages
+        if num_pages is None:
+            per_page = KVPool.bytes_per_page(spec.num_layers, cfg.page_size, spec.num_kv_heads, spec.head_dim,
+                                             TORCH_DTYPES[cfg.dtype])
+            demand = cfg.max_running_requests * pages_for(context, cfg.page_size)
+            num_pages = max(1, min(demand, _kv_budget_bytes(cfg) // per_page))
+        self.num_pages = num_pages
+        self.max_seq_len = min(context, num_pages * cfg.page_size)
+        self.kv = KVPool(spec.num_layers, num_pages, cfg.page_size, spec.num_kv_heads, spec.head_dim,
+                         TORCH_DTYPES[cfg.dtype], self.device)
+        self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
+        self.cache = make_cache_manager("naive", num_pages, cfg.page_size)
+        backend = make_backend(cfg.attention_backend, cfg.device)
+        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device)
+        self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids)
+        self._rng = torch.Generator().manual_seed(cfg.seed)
+        self._uid = 0
+        self._live: dict[str, Req] = {}
+
+    # -- request intake ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids for a text prompt, chat messages, or ids given directly (checked against the vocab)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer files; pass the prompt as a list of token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = apply_chat_template(self.tokenizer, prompt)  # type: ignore[arg-type]
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model.spec.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+            ids = list(prompt)
+        else:
+            raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages "
+                             "({'role': ..., 'content': ...})")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
+        """Queue a request at the back of the waiting queue; returns its request id."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
+        params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this checkpoint has none")
+        ids = self.encode_prompt(prompt)
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but at most {self.max_seq_len - 1} fit (model context "
+                             f"{self.model.spec.max_position_embeddings}, KV pool {self.num_pages} pages x "
+                             f"{self.config.page_size} tokens); shorten the prompt or enlarge the pool")
+        rid = rid if rid is not None else uuid.uuid4().hex[:12]
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already in use; choose another")
+        # Like the seed's _process_one_msg: shrink the output budget to what the context allows.
+        max_output = min(params.max_tokens, self.max_seq_len - len(ids))
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        generator = None if params.greedy else torch.Generator(device=self.device).manual_seed(seed)
+        self._uid += 1
+        req = Req(rid=rid, uid=self._uid, input_ids=ids, params=params, max_output=max_output, generator=generator,
+                  detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+        self._live[rid] = req
+        self.scheduler.add_request(req)
+        return rid
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        result = self.scheduler.step()
+        for rid in result.finished:
+            self._live.pop(rid, None)
+        return result
+
+    def abort(self, rid: str) -> None:
+        if not self.scheduler.abort(rid):
+            raise ValueError(f"unknown request id {rid!r} (never added, or already finished)")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def request(self, rid: str) -> Req | None:
+        """A live (not yet finished) request, for inspection."""
+        return self._live.get(rid)
+
+    def stats(self) -> dict[str, object]:
+        """Scheduler occupancy: queue lengths, who holds each request slot, and KV page counts."""
+        pages = self.cache.counts()
+        pm = self.scheduler.prefill_manager
+        return {
+            "waiting": len(pm.waiting),
+            "running": len(self.scheduler.decode_manager.running) + (pm.chunked is not None),
+            "slots": list(self.table.holder),
+            "pages": {"free": pages.free, "used": pages.used, "cached": pages.cached, "locked": pages.locked,
+                      "total": pages.total},
+        }
+
+    def check_integrity(self) -> None:
+        """At idle every page is free or cached and every slot free; raise AssertionError otherwise."""
+        self.cache.check_integrity()
+        if not self.has_unfinished():
+            held = [h for h in self.table.holder if h is not None]
+            if held or self.cache.allocator.owner:
+                raise AssertionError(f"idle engine still holds slots {held} / pages {self.cache.allocator.owner}")
+
+    # -- offline ----------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion through the scheduler; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        reqs = {rid: self._live[rid] for rid in rids}
+        wanted = set(rids)
+        with tqdm(total=len(rids), desc="generate", disable=not use_tqdm) as bar:
+            while wanted:
+                done = wanted.intersection(self.step().finished)
+                wanted -= done
+                bar.update(len(done))
+        return [self._output(reqs[rid]) for rid in rids]
+
+    @staticmethod
+    def _output(req: Req) -> RequestOutput:
+        return RequestOutput(rid=req.rid, prompt_token_ids=req.input_ids, token_ids=list(req.output_ids),
+                             text=req.detokenizer.text if req.detokenizer else "",
+                             finish_reason=req.finish_reason or "", cached_tokens=req.prefix_len)

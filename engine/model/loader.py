@@ -1,0 +1,81 @@
+"""Find a checkpoint directory, read its config, and load its safetensors into our model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from engine.model.llama import CausalLM, ModelSpec
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint directory, or a hub id already in the local HF cache (downloaded if allowed)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is a directory but has no config.json; point --model at an HF "
+                             f"checkpoint directory (config.json + *.safetensors)")
+        return path
+    if path.exists() or model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise ValueError(f"model {model!r} is not a checkpoint directory, and not a hub id of the form "
+                         f"'org/name'")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(model, local_files_only=True, allow_patterns=patterns))
+    except Exception as cached_err:
+        if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+            raise ValueError(f"model {model!r}: no such directory, and not in the local HF cache "
+                             f"({HF_HUB_CACHE}); HF_HUB_OFFLINE is set, so no download was tried") from cached_err
+        try:
+            return Path(snapshot_download(model, allow_patterns=patterns))
+        except Exception as download_err:
+            raise ValueError(f"model {model!r}: no such directory, not in the local HF cache ({HF_HUB_CACHE}), "
+                             f"and downloading it failed: {download_err}") from download_err
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(path)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)")
+    return files
+
+
+def load_model(path: Path, dtype: str, device: str) -> tuple[CausalLM, PretrainedConfig]:
+    """Build the model for `path`'s architecture and fill it from the checkpoint's tensors."""
+    hf_config = load_hf_config(path)
+    spec = ModelSpec.from_hf_config(hf_config)
+    torch_dtype = TORCH_DTYPES[dtype]
+    with torch.device(device):
+        model = CausalLM(spec).to(torch_dtype)
+    loaded: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                loaded |= model.load_weight(name, f.get_tensor(name))
+    missing = set(model.expected_weights()) - loaded
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
+    model.finish_loading()
+    model.eval()
+    return model, hf_config

@@ -1,0 +1,117 @@
+"""Requests and their sampling parameters: the unit the scheduler moves between queues."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv.cache import PrefixMatch
+from engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. `temperature == 0` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    stop: list[str] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError saying what to change; called on construction and again on submit."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1; got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings; got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class ReqState(enum.Enum):
+    """Where a request is in its life: waiting queue, mid-chunk, running set, or done."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One request's scheduler-visible state.
+
+    `cached_len` counts tokens whose K/V already sit in the paged cache (prefix hits plus
+    everything computed so far); the next forward feeds tokens from there. `pages` lists the KV
+    pages the request reads, in position order; `slot` is its request-table row.
+    """
+
+    rid: str
+    uid: int
+    input_ids: list[int]
+    params: SamplingParams
+    max_output: int
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    cached_len: int = 0
+    prefix_len: int = 0
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    prefix: PrefixMatch = field(default_factory=PrefixMatch)
+    detokenizer: IncrementalDetokenizer | None = None
+    state: ReqState = ReqState.WAITING
+    finish_reason: str | None = None
+    extend_len: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    admit_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def remaining_prompt(self) -> int:
+        """Prompt tokens still to prefill."""
+        return self.input_len - self.cached_len
+
+    @property
+    def kv_budget(self) -> int:
+        """Tokens whose K/V this request may ever store: the prompt plus every output token but the last."""
+        return self.input_len + self.max_output - 1
+
+    @property
+    def can_decode(self) -> bool:
+        """True while the length budget allows another token (EOS is checked separately)."""
+        return len(self.output_ids) < self.max_output
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output."""
+        if end <= self.input_len:
+            return self.input_ids[start:end]
+        return (self.input_ids + self.output_ids)[start:end]

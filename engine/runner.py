@@ -1,0 +1,54 @@
+"""ModelRunner: turns a scheduled batch into flat tensors, runs the model, returns logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv.pool import KVPool
+from engine.kv.table import RequestTable
+from engine.model.llama import CausalLM
+from engine.request import Req
+from kernels.attention.base import AttentionBackend, AttentionBatch
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv: KVPool, table: RequestTable, backend: AttentionBackend,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.table = table
+        self.backend = backend
+        self.device = device
+
+    def forward(self, reqs: list[Req], wants_logits: list[bool]) -> torch.Tensor:
+        """Feed each request's `extend_len` tokens starting at `cached_len` (positions are absolute).
+
+        Returns float32 logits for the last token of each request whose flag in `wants_logits` is set;
+        intermediate prefill chunks get none.
+        """
+        tokens: list[int] = []
+        positions: list[int] = []
+        row_of_token: list[int] = []
+        q_lens, kv_lens, logits_at = [], [], []
+        for req, wants in zip(reqs, wants_logits, strict=True):
+            start, end = req.cached_len, req.cached_len + req.extend_len
+            tokens += req.tokens(start, end)
+            positions += range(start, end)
+            row_of_token += [req.slot] * req.extend_len
+            q_lens.append(req.extend_len)
+            kv_lens.append(end)
+            if wants:
+                logits_at.append(len(tokens) - 1)
+        dev = self.device
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        rows_of_token = torch.tensor(row_of_token, dtype=torch.int64, device=dev)
+        batch = AttentionBatch(
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+            rows=torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=dev),
+            out_slots=self.table.table[rows_of_token, positions_t],
+            table=self.table.table,
+        )
+        meta = self.backend.prepare(batch)
+        return self.model(torch.tensor(tokens, dtype=torch.int64, device=dev), positions_t,
+                          torch.tensor(logits_at, dtype=torch.int64, device=dev), self.kv, self.backend, meta)

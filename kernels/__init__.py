@@ -1,0 +1,1 @@
+"""Compute kernels: attention backends over the paged KV cache (torch reference, Triton, FlashInfer)."""

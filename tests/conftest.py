@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny checkpoints made once per session, transformers as the oracle."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any @triton.jit
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoints import make_checkpoint
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {fam: make_checkpoint(fam, root / fam) for fam in ("llama", "qwen2", "qwen3", "mistral")}
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["llama"]
+
+
+class HFOracle:
+    """Greedy generation with transformers, one prompt at a time (no padding effects), memoised."""
+
+    def __init__(self) -> None:
+        self._models: dict[Path, torch.nn.Module] = {}
+        self._memo: dict[tuple, list[int]] = {}
+
+    def greedy(self, path: Path, prompt: list[int], max_new_tokens: int, eos: list[int] | None = None) -> list[int]:
+        key = (path, tuple(prompt), max_new_tokens, tuple(eos or ()))
+        if key not in self._memo:
+            from transformers import AutoModelForCausalLM
+
+            if path not in self._models:
+                self._models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model = self._models[path]
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=0)
+            self._memo[key] = out[0, len(prompt):].tolist()
+        return self._memo[key]
+
+
+@pytest.fixture(scope="session")
+def hf() -> HFOracle:
+    return HFOracle()

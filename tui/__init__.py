@@ -1,0 +1,1 @@
+"""minichat's terminal front end: the Textual app, the CLI and the benchmark client."""
