@@ -1,0 +1,193 @@
+"""The scheduler, step by step, through the public step API."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.checkpoints import with_eos
+
+
+@pytest.fixture(scope="module")
+def llm(llama_ckpt):
+    return LLM(str(llama_ckpt))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_seed_worked_example_a_b_c(llama_ckpt):
+    """Section 5.2: two slots, A/B/C need 2/5/2 tokens, C arrives after step 0."""
+    llm = LLM(str(llama_ckpt), max_running_requests=2)
+    a = llm.add_request([1, 2, 3], greedy(2), rid="A")
+    b = llm.add_request([4, 5, 6, 7], greedy(5), rid="B")
+    steps = [llm.step()]
+    c = llm.add_request([8, 9], greedy(2), rid="C")
+    while llm.has_unfinished():
+        steps.append(llm.step())
+    table = [(s.kind, s.rids, s.finished) for s in steps]
+    assert table == [
+        ("prefill", [a, b], []),
+        ("decode", [a, b], [a]),
+        ("prefill", [c], []),
+        ("decode", [b, c], [c]),
+        ("decode", [b], []),
+        ("decode", [b], [b]),
+    ]
+    llm.check_integrity()
+
+
+def test_admission_stops_at_first_request_that_does_not_fit(llama_ckpt):
+    """A big request at the head of the queue blocks a small one behind it (no skipping ahead)."""
+    llm = LLM(str(llama_ckpt), page_size=4, num_pages=8)
+    running = llm.add_request([1] * 4, greedy(12))  # reserves 4 of 8 pages
+    llm.step()
+    big = llm.add_request([2] * 10, greedy(8))  # needs 5 pages: does not fit next to `running`
+    small = llm.add_request([3], greedy(2))  # needs 1 page: would fit, but waits its turn
+    res = llm.step()
+    assert res.kind == "decode" and res.rids == [running]
+    assert [r.rid for r in llm.scheduler.prefill_manager.waiting] == [big, small]
+    while llm.has_unfinished():
+        llm.step()
+    llm.check_integrity()
+
+
+def test_chunked_request_continues_first_and_commits_no_token(llama_ckpt):
+    llm = LLM(str(llama_ckpt), max_prefill_tokens=8)
+    long = llm.add_request(list(range(1, 21)), greedy(3))
+    res = llm.step()
+    assert res.kind == "prefill" and res.rids == [long] and res.num_tokens == 8
+    assert llm.request(long).output_ids == [] and not res.deltas
+    assert long not in llm.scheduler.decode_manager.running
+    short = llm.add_request([5, 6], greedy(3))
+    res = llm.step()  # the chunked request goes first, the newcomer takes what budget is left
+    assert res.rids == [long] and res.num_tokens == 8
+    res = llm.step()
+    assert res.rids == [long, short] and res.num_tokens == 4 + 2
+    assert [d.rid for d in res.deltas] == [long, short]
+    assert llm.request(long).cached_len == 20  # positions 0..19 all in the cache
+
+
+@pytest.mark.parametrize("state", ["waiting", "chunked", "running"])
+def test_abort_in_every_state_frees_slot_and_pages(llama_ckpt, state):
+    llm = LLM(str(llama_ckpt), max_prefill_tokens=6, max_running_requests=1)
+    first = llm.add_request(list(range(1, 15)), greedy(50))
+    second = llm.add_request([7, 8, 9], greedy(5))
+    llm.step()  # `first` is now mid-chunk; `second` is waiting (one slot only)
+    if state == "running":
+        llm.step()
+        llm.step()
+        assert first in llm.scheduler.decode_manager.running
+    target = second if state == "waiting" else first
+    if state == "chunked":
+        assert llm.scheduler.prefill_manager.chunked is llm.request(first)
+    llm.abort(target)
+    res = llm.step()
+    assert target in res.finished
+    final = next(d for d in res.deltas if d.rid == target)
+    assert final.finish_reason == "abort"
+    llm.cache.check_integrity()
+    assert target not in llm.table.holder
+    assert target not in llm.cache.allocator.owner.values()
+    while llm.has_unfinished():
+        llm.step()
+    llm.check_integrity()
+    assert llm.stats()["pages"]["free"] == llm.num_pages
+    with pytest.raises(ValueError, match="unknown request id"):
+        llm.abort(target)
+
+
+def test_eos_stops_unless_ignore_eos(llama_ckpt, tmp_path, hf):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    free_run = LLM(str(llama_ckpt)).generate([prompt], greedy(12))[0].token_ids
+    eos = free_run[4]
+    stop_at = free_run.index(eos)
+    llm = LLM(str(with_eos(llama_ckpt, tmp_path / "eos", [eos])))
+    assert eos in llm.eos_ids  # read from generation_config.json
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free_run[: stop_at + 1]
+    assert stopped.token_ids == hf.greedy(llama_ckpt, prompt, 12, eos=sorted(llm.eos_ids))
+    ignored = llm.generate([prompt], greedy(12))[0]
+    assert ignored.finish_reason == "length" and ignored.token_ids == free_run
+    llm.check_integrity()
+
+
+def test_stop_strings_truncate_text_and_finish(llm):
+    prompt = "To be, or not to be"
+    full = llm.generate([prompt], greedy(20))[0].text
+    assert len(full) > 6
+    stop = full[3:6]
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index(stop)]
+    assert len(out.token_ids) < 20
+
+
+def test_streamed_text_never_shows_a_stop_string(llm):
+    prompt = "The quick brown fox"
+    full = llm.generate([prompt], greedy(20))[0].text
+    stop = full[5:9]
+    rid = llm.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop]))
+    pieces = []
+    while llm.has_unfinished():
+        pieces += [d.text for d in llm.step().deltas if d.rid == rid]
+    assert "".join(pieces) == full[: full.index(stop)]
+
+
+def test_sampling_with_seed_is_reproducible(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    alone = llm.generate(prompts[:1], params)[0].token_ids
+    batched = llm.generate(prompts, params)
+    assert batched[0].token_ids == alone  # same seed, same output, whatever else is in the batch
+    other = llm.generate(prompts[:1], SamplingParams(**{**params.__dict__, "seed": 99}))[0].token_ids
+    greedy_out = llm.generate(prompts[:1], greedy(12))[0].token_ids
+    assert alone != other or alone != greedy_out
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"stop": [""]}, "stop"),
+])
+def test_impossible_sampling_params_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_invalid_requests_raise_and_leak_nothing(llama_ckpt):
+    llm = LLM(str(llama_ckpt), page_size=4, num_pages=16)
+    with pytest.raises(ValueError, match="prompt has 80 tokens"):
+        llm.add_request([1] * 80)  # the pool holds 64 tokens
+    with pytest.raises(ValueError, match="empty"):
+        llm.add_request([])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 384\)"):
+        llm.add_request([1, 384])
+    with pytest.raises(ValueError, match="unknown request id"):
+        llm.abort("nope")
+    llm.add_request([1, 2], rid="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request([1, 2], rid="dup")
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLM(str(llama_ckpt), flavour="strawberry")
+    while llm.has_unfinished():
+        llm.step()
+    llm.check_integrity()
+    assert llm.stats()["waiting"] == 0 and all(s is None for s in llm.stats()["slots"])
+
+
+def test_output_budget_is_clamped_to_the_context(llama_ckpt):
+    llm = LLM(str(llama_ckpt), max_model_len=32)
+    out = llm.generate([[1] * 30], greedy(100))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+
+
+def test_chat_messages_use_the_chat_template(llm):
+    msgs = [{"role": "user", "content": "hello"}]
+    ids = llm.encode_prompt(msgs)
+    assert ids == llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert llm.generate([msgs], greedy(3))[0].prompt_token_ids == ids
