@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import configparser
 import itertools
+import json
 import math
 import random
 import re
@@ -40,9 +41,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 
@@ -237,7 +241,7 @@ def encode(chats: list[list[dict]], tokenizer: PreTrainedTokenizerFast, seq_len:
     sides of each dialogue teach the model Shakespeare's language.
     """
     texts = tokenizer.apply_chat_template(chats, tokenize=False)
-    ids = [i for row in tokenizer(texts, add_special_tokens=False)["input_ids"] for i in row]
+    ids = [i for row in tokenizer.backend_tokenizer.encode_batch(texts) for i in row.ids]
     rows = len(ids) // (seq_len + 1)
     return torch.tensor(ids[: rows * (seq_len + 1)]).view(rows, seq_len + 1)
 
@@ -300,7 +304,7 @@ def train(model: LlamaForCausalLM, train_rows: torch.Tensor, val_rows: torch.Ten
     budget_s = args.minutes * 60 if args.minutes else math.inf
     start = time.monotonic()
     step, progress = 0, 0.0
-    bar = tqdm(total=1000, unit="‰", desc="training")
+    bar = tqdm(total=100, unit="%", desc="training", mininterval=2)
     while progress < 1.0:
         batch = train_rows[torch.randint(len(train_rows), (args.batch,))]
         lr = learning_rate(progress, args.lr)
@@ -314,7 +318,7 @@ def train(model: LlamaForCausalLM, train_rows: torch.Tensor, val_rows: torch.Ten
         step += 1
         progress = max(step / args.steps if args.steps else 0.0,
                        (time.monotonic() - start) / budget_s)
-        bar.update(min(1000, int(progress * 1000)) - bar.n)
+        bar.update(min(100, int(progress * 100)) - bar.n)
         bar.set_postfix(step=step, loss=f"{loss.item():.3f}", lr=f"{lr:.1e}")
         if step % args.eval_every == 0:
             tqdm.write(f"step {step}: train loss {loss.item():.3f}, "
@@ -330,8 +334,8 @@ def train(model: LlamaForCausalLM, train_rows: torch.Tensor, val_rows: torch.Ten
     return train_loss, val_loss, step
 
 
-def sample_replies(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
-    """A greedy and a sampled reply to a fixed prompt, as a sanity check of the model."""
+def sample_replies(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
+    """A greedy and a sampled reply to a fixed prompt: a sanity check of the saved checkpoint."""
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": SAMPLE_PROMPT}],
                                            add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True)
@@ -351,15 +355,29 @@ def model_card(stats: dict, replies: dict[str, str]) -> str:
     return MODEL_CARD.format(samples=samples, **stats)
 
 
-def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, card: str) -> None:
-    """Write a self-contained HuggingFace checkpoint with its model card."""
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    """Write the checkpoint in a layout that both transformers 4.x and 5.x load.
+
+    transformers 5 would move the template to chat_template.jinja and record its
+    own tokenizer class, which older versions cannot load; so the tokenizer config
+    is written by hand, with the template inline.
+    """
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        do_sample=True, temperature=0.8, max_new_tokens=256)
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "README.md").write_text(card)
+    tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+    special = {"eos_token": END, "pad_token": END, "additional_special_tokens": SPECIAL_TOKENS[1:]}
+    write_json(out / "special_tokens_map.json", special)
+    write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "unk_token": None, **special,
+        "model_max_length": model.config.max_position_embeddings,
+        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE})
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Pretty-printed JSON, as HuggingFace writes it."""
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def parse_args() -> argparse.Namespace:
@@ -411,15 +429,18 @@ def main() -> None:
     train_loss, val_loss, steps = train(model, train_rows, val_rows, args)
     minutes = (time.monotonic() - start) / 60
 
+    save(model, tokenizer, args.out)
+
     torch.manual_seed(args.seed)
-    replies = sample_replies(model, tokenizer)
+    replies = sample_replies(AutoModelForCausalLM.from_pretrained(args.out),
+                             AutoTokenizer.from_pretrained(args.out))
     stats = {"params": params, "train_loss": train_loss, "val_loss": val_loss, "steps": steps,
              "minutes": minutes, "tokens": steps * args.batch * args.seq_len / 1e6,
              "train_pairs": len(train_chats), "val_pairs": len(val_chats),
              "command": " ".join(["python", "scripts/train_demo_model.py", *sys.argv[1:]]),
              "config": model.config, "vocab": len(tokenizer), "seq_len": args.seq_len,
              "batch": args.batch, "lr": args.lr}
-    save(model, tokenizer, args.out, model_card(stats, replies))
+    (args.out / "README.md").write_text(model_card(stats, replies))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,21 @@ def test_seed_worked_example_a_b_c(llama_ckpt):
     llm.check_integrity()
 
 
+def test_seed_exercise_4_one_token_a_frees_its_slot_at_step_0(llama_ckpt):
+    llm = LLM(str(llama_ckpt), max_running_requests=2)
+    a = llm.add_request([1, 2, 3], greedy(1), rid="A")
+    b = llm.add_request([4, 5, 6, 7], greedy(5), rid="B")
+    steps = [llm.step()]
+    c = llm.add_request([8, 9], greedy(2), rid="C")
+    steps.append(llm.step())
+    steps.append(llm.step())
+    assert [(s.kind, s.rids, s.finished) for s in steps] == [
+        ("prefill", [a, b], [a]),
+        ("prefill", [c], []),
+        ("decode", [b, c], [c]),
+    ]
+
+
 def test_admission_stops_at_first_request_that_does_not_fit(llama_ckpt):
     """A big request at the head of the queue blocks a small one behind it (no skipping ahead)."""
     llm = LLM(str(llama_ckpt), page_size=4, num_pages=8)
