@@ -77,7 +77,7 @@ class LLM:
         self.kv = KVPool(spec.num_layers, num_pages, cfg.page_size, spec.num_kv_heads, spec.head_dim,
                          TORCH_DTYPES[cfg.dtype], self.device)
         self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
-        self.cache = make_cache_manager("naive", num_pages, cfg.page_size)
+        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
         backend = make_backend(cfg.attention_backend, cfg.device)
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids)

@@ -25,7 +25,8 @@ def assert_matches_hf(llm: LLM, path: Path, hf, prompts: list[list[int]], max_to
         assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
         assert out.finish_reason == ("stop" if expected[-1] in llm.eos_ids else "length")
     llm.check_integrity()
-    assert llm.stats()["pages"]["free"] == llm.num_pages
+    pages = llm.stats()["pages"]
+    assert pages["used"] == pages["locked"] == 0 and pages["free"] + pages["cached"] == llm.num_pages
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -32,6 +32,10 @@ class PageAllocator:
             del self.owner[p]
             self._free.append(p)
 
+    def reclaim(self, pages: list[int]) -> None:
+        """Return pages evicted from the prefix cache (they had no request owner) to the free list."""
+        self._free.extend(pages)
+
     def disown(self, pages: list[int]) -> None:
         """Forget the owner of pages that move into the prefix cache (they stay allocated)."""
         for p in pages:

@@ -128,6 +128,9 @@ class NaiveCacheManager(CacheManager):
 
 def make_cache_manager(kind: str, num_pages: int, page_size: int) -> CacheManager:
     """Build the cache policy named in the config."""
-    if kind == "naive":
-        return NaiveCacheManager(PageAllocator(num_pages), page_size)
-    raise ValueError(f"unknown prefix cache {kind!r}; choose 'naive'")
+    from engine.kv.radix import RadixCacheManager
+
+    policies: dict[str, type[CacheManager]] = {"radix": RadixCacheManager, "naive": NaiveCacheManager}
+    if kind not in policies:
+        raise ValueError(f"unknown prefix cache {kind!r}; choose one of {', '.join(policies)}")
+    return policies[kind](PageAllocator(num_pages), page_size)

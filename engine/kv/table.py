@@ -32,6 +32,12 @@ class RequestTable:
         self.holder[slot] = None
         self._free.append(slot)
 
-    def write(self, slot: int, start: int, token_slots: torch.Tensor) -> None:
-        """Record where positions [start, start + len(token_slots)) of the slot's request live."""
-        self.table[slot, start : start + token_slots.numel()] = token_slots
+    def write_pages(self, slot: int, first: int, pages: list[int], page_size: int) -> None:
+        """Record that the request's pages number `first`, `first + 1`, ... are `pages`: position
+        `p` of page `i` lives in token slot `pages[i] * page_size + p % page_size`."""
+        if not pages:
+            return
+        start = first * page_size
+        slots = (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
+        slots = slots[: max(0, self.max_len - start)]
+        self.table[slot, start : start + slots.numel()] = slots.to(self.table.device)

@@ -51,6 +51,7 @@ class PrefillAdder:
         req.pages = list(match.pages)
         req.cached_len = req.prefix_len = len(match.pages) * self.page_size
         req.slot = self.table.allocate(req.rid)
+        self.table.write_pages(req.slot, 0, req.pages, self.page_size)
         req.admit_time = time.monotonic()
         self.reserved += need
         self._take_chunk(req)

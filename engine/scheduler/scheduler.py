@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from engine.kv.cache import CacheManager
 from engine.kv.table import RequestTable
 from engine.outputs import Delta, StepResult
@@ -91,10 +89,8 @@ class Scheduler:
             if need <= 0:
                 continue
             new = self.cache.allocate(need, req.rid)
-            start = len(req.pages) * ps
+            self.table.write_pages(req.slot, len(req.pages), new, ps)
             req.pages += new
-            slots = (torch.tensor(new)[:, None] * ps + torch.arange(ps)[None, :]).flatten()
-            self.table.write(req.slot, start, slots[: max(0, self.table.max_len - start)])
 
     def _append_token(self, req: Req, token: int) -> None:
         now = time.monotonic()
