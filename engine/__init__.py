@@ -1,10 +1,26 @@
 """minichat's serving engine: continuous batching over a paged KV cache, for HF decoder checkpoints."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from engine.config import EngineConfig
-from engine.llm import LLM
 from engine.outputs import Delta, RequestOutput, StepResult
-from engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from engine.request import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "Delta", "EngineConfig", "RequestOutput", "SamplingParams", "StepResult", "__version__"]
+
+# Imported on first use: they pull in torch, which clients (engine.client, the CLI, the TUI) never need.
+_LAZY = {"LLM": "engine.llm", "SamplingParams": "engine.request"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,12 +1,34 @@
-"""The `minichat` command line (typer)."""
+"""The `minichat` command line (typer). Thin: the work happens in engine.server / engine.launcher."""
 
 from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import typing
 
 import typer
 
 import engine
+from engine.config import EngineConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="minichat: a small LLM serving engine and console.")
+
+ADDRESS_HELP = "Engine address: ipc:///path or tcp://127.0.0.1:PORT (default: a per-user ipc socket)."
+ENGINE_HELP = {
+    "model": "HF checkpoint directory or cached hub id (default: the embedded demo model).",
+    "device": "cpu, cuda or cuda:N.",
+    "dtype": "float32, bfloat16 or float16.",
+    "page_size": "Tokens per KV page.",
+    "kv_memory_gb": "Memory for the KV pool when --num-pages is not given.",
+    "max_model_len": "Cap on prompt + output tokens (default: the model's context).",
+    "seed": "Seed for requests that sample without their own seed.",
+    "attention_backend": "Attention kernels; auto picks the best available for the device.",
+    "prefix_cache": "radix (reuse cached prompt prefixes) or naive.",
+    "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
+    "max_running_requests": "Request slots: how many requests may hold KV at once.",
+    "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
+}
 
 
 def _version(value: bool) -> None:
@@ -25,5 +47,83 @@ def root(
         typer.echo(ctx.get_help())
 
 
+def serve(address: str | None, allow_remote: bool, max_waiting_requests: int, max_message_bytes: int,
+          log_level: str, **engine_options: typing.Any) -> None:
+    """Run the engine in the foreground (logs to stderr) until Ctrl-C or SIGTERM."""
+    from engine.server import ServerOptions, StartupError, run_server
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_server(EngineConfig(**engine_options), ServerOptions(address, allow_remote, max_waiting_requests,
+                                                                 max_message_bytes))
+    except StartupError as e:
+        typer.echo(f"minichat serve: error: {e}", err=True)
+        raise typer.Exit(1) from e
+
+
+def _engine_parameters() -> list[inspect.Parameter]:
+    """One --option per EngineConfig field, so new engine knobs reach `minichat serve` by themselves."""
+    hints = typing.get_type_hints(EngineConfig)
+    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
+                              default=typer.Option(f.default, "--" + f.name.replace("_", "-"),
+                                                   help=ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}")))
+            for f in dataclasses.fields(EngineConfig)]
+
+
+serve.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    inspect.Parameter("address", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+                      default=typer.Option(None, "--address", help=ADDRESS_HELP)),
+    inspect.Parameter("allow_remote", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                      default=typer.Option(False, "--allow-remote",
+                                           help="Allow a non-loopback tcp address (the protocol has no auth).")),
+    inspect.Parameter("max_waiting_requests", inspect.Parameter.KEYWORD_ONLY, annotation=int,
+                      default=typer.Option(1024, help="Refuse new requests ('overloaded') beyond this queue.")),
+    inspect.Parameter("max_message_bytes", inspect.Parameter.KEYWORD_ONLY, annotation=int,
+                      default=typer.Option(1 << 20, help="Largest accepted message; bigger ones drop the peer.")),
+    inspect.Parameter("log_level", inspect.Parameter.KEYWORD_ONLY, annotation=str,
+                      default=typer.Option("info", help="debug, info, warning or error.")),
+    *_engine_parameters(),
+])
+app.command("serve")(serve)
+
+
+@app.command()
+def status(
+    address: str | None = typer.Option(None, "--address", help=ADDRESS_HELP),
+    timeout: float = typer.Option(2.0, help="Seconds to wait for the engine."),
+) -> None:
+    """Print the engine's current stats: queues, request slots, KV pages, rates, last steps."""
+    from engine.client import EngineClient, EngineUnavailable
+    from engine.stats import format_stats
+
+    with EngineClient(address, timeout=timeout) as client:
+        try:
+            typer.echo(format_stats(client.stats(timeout), client.info()))
+        except EngineUnavailable as e:
+            typer.echo(f"minichat status: no engine answers at {client.address} ({e})", err=True)
+            raise typer.Exit(1) from e
+
+
+@app.command()
+def stop(
+    address: str | None = typer.Option(None, "--address", help=ADDRESS_HELP),
+    timeout: float = typer.Option(10.0, help="Seconds to wait before killing it."),
+) -> None:
+    """Stop the engine at the address (in-flight requests end with finish reason "abort")."""
+    from engine.addresses import default_address
+    from engine.launcher import stop_engine
+
+    address = address or default_address()
+    pid = stop_engine(address, timeout)
+    if pid is None:
+        typer.echo(f"minichat stop: no engine answers at {address}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"stopped the engine at {address} (pid {pid})")
+
+
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Where an engine listens: the default per-user ipc socket, loopback checks, stale-socket cleanup.
+
+The default address is an `ipc://` socket in a directory only this user can enter (mode 0700), so
+other local users cannot submit work or read stats. `tcp://` is for loopback unless the operator
+explicitly allows remote clients: the protocol has no authentication.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import ipaddress
+import os
+import socket
+import stat
+from pathlib import Path
+
+SOCKET_NAME = "engine.sock"
+# sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+MAX_IPC_PATH = 107
+
+
+class AddressError(ValueError):
+    """The address is malformed, not allowed, or already taken."""
+
+
+def runtime_dir() -> Path:
+    """The per-user directory for sockets and logs, created with mode 0700 and checked to be private."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "minichat" if base else Path.home() / ".cache" / "minichat"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise AddressError(f"{path} belongs to another user; refusing to put the engine's socket there")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def default_address() -> str:
+    return f"ipc://{runtime_dir() / SOCKET_NAME}"
+
+
+def log_path(address: str) -> Path:
+    """The known log file of a background engine at `address` (the launcher writes it)."""
+    if address == default_address():
+        return runtime_dir() / "engine.log"
+    return runtime_dir() / f"engine-{hashlib.sha1(address.encode()).hexdigest()[:10]}.log"
+
+
+def stats_address(address: str) -> str:
+    """The stats PUB socket that goes with an engine address: `<path>.stats` for ipc, port + 1 for tcp."""
+    scheme, rest = split(address)
+    if scheme == "ipc":
+        return f"ipc://{rest}.stats"
+    host, port = _host_port(rest)
+    return f"tcp://{host}:{port + 1}"
+
+
+def split(address: str) -> tuple[str, str]:
+    """('ipc', path) or ('tcp', 'host:port'); AddressError for anything else."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in ("ipc", "tcp") or not rest:
+        raise AddressError(f"address {address!r} must look like ipc:///path/to/socket or tcp://127.0.0.1:PORT")
+    if scheme == "tcp":
+        _host_port(rest)
+    return scheme, rest
+
+
+def _host_port(rest: str) -> tuple[str, int]:
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise AddressError(f"tcp address 'tcp://{rest}' needs a host and an explicit port in 1..65534 "
+                           f"(the stats socket uses port + 1)")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name or a hostname: possibly reachable from outside
+
+
+def check_bindable(address: str, allow_remote: bool = False) -> None:
+    """Refuse addresses an engine must not bind: malformed, too long, or non-loopback without consent."""
+    scheme, rest = split(address)
+    if scheme == "tcp":
+        host, _ = _host_port(rest)
+        if not allow_remote and not is_loopback(host):
+            raise AddressError(f"{address} is not a loopback address; the protocol has no authentication, so "
+                               f"pass --allow-remote to listen beyond this machine")
+        return
+    for path in (rest, rest + ".stats"):
+        if len(path.encode()) > MAX_IPC_PATH:
+            raise AddressError(f"ipc socket path {path!r} is longer than {MAX_IPC_PATH} bytes; choose a shorter one")
+
+
+def ipc_listening(path: str) -> bool:
+    """True if something accepts connections on the unix socket at `path`; a refused connect means stale."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except OSError as e:
+            if e.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK):
+                return False
+            raise
+    return True
+
+
+def remove_stale_ipc(address: str) -> None:
+    """Delete socket files left by an engine that died; AddressError if a live one answers there."""
+    scheme, path = split(address)
+    if scheme != "ipc":
+        return
+    Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for p in (path, path + ".stats"):
+        if not os.path.lexists(p):
+            continue
+        if ipc_listening(p):
+            raise AddressError(f"another process already listens on {p}; stop it (minichat stop "
+                               f"--address {address}) or choose another --address")
+        os.unlink(p)

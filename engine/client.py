@@ -1,0 +1,392 @@
+"""Clients for the engine process: `EngineClient` (blocking) and `AsyncEngineClient` (asyncio).
+
+Both speak the protocol in docs/protocol.md over one DEALER socket, so many requests can stream at
+once over one connection, and read live stats from the engine's PUB socket. Neither imports torch,
+so a TUI or a load generator starts fast.
+
+    with EngineClient() as client:                     # default per-user ipc address
+        for out in client.generate("Once upon a time", max_tokens=32):
+            print(out.text, end="", flush=True)        # out is a Delta, and lastly a Final
+        print(client.stats().counters)
+
+    async with AsyncEngineClient(address) as client:
+        async for out in client.generate([{"role": "user", "content": "hi"}], temperature=0.7):
+            ...
+
+Closing a `generate` iterator before its Final (break, task cancellation) aborts the request, so
+an abandoned stream never keeps generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine import protocol
+from engine.addresses import default_address, ipc_listening, split, stats_address
+from engine.protocol import Aborted, Delta, Error, Final, Info, Params, Pong, Stats, Timings, Usage
+
+Prompt = str | list[int] | list[dict[str, str]]
+Output = Delta | Final
+_Key = tuple[str, object]
+
+
+class EngineError(Exception):
+    """The engine refused a message; `code` is one of protocol.Error's codes."""
+
+    def __init__(self, code: str, message: str, rid: str | None = None) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code, self.message, self.rid = code, message, rid
+
+
+class EngineUnavailable(ConnectionError):
+    """No engine answered in time (not started, stopped, or wedged)."""
+
+
+@dataclass
+class Completion:
+    """A whole finished request, as `complete()` returns it."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+
+
+def submit_message(prompt: Prompt, params: Params | None, rid: str | None,
+                   overrides: dict[str, object]) -> protocol.Submit:
+    """Build a Submit from the same prompt forms `LLM.add_request` takes (text, token ids, chat messages)."""
+    params = msgspec.structs.replace(params or Params(), **overrides)
+    rid = rid if rid is not None else uuid.uuid4().hex
+    if isinstance(prompt, str):
+        return protocol.Submit(rid=rid, prompt=prompt, params=params)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        messages = [protocol.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]  # type: ignore[index]
+        return protocol.Submit(rid=rid, messages=messages, params=params)
+    return protocol.Submit(rid=rid, token_ids=list(prompt), params=params)  # type: ignore[arg-type]
+
+
+def _route(msg: protocol.EngineMessage) -> _Key | None:
+    """Which waiter a reply belongs to: a request's stream, an abort, a ping, an info (None: nobody)."""
+    if isinstance(msg, (Delta, Final)):
+        return ("req", msg.rid)
+    if isinstance(msg, Aborted):
+        return ("abort", msg.rid)
+    if isinstance(msg, Error):
+        return ("abort" if msg.code == "unknown_request" else "req", msg.rid) if msg.rid is not None else None
+    if isinstance(msg, Pong):
+        return ("pong", msg.nonce)
+    if isinstance(msg, Info):
+        return ("info", None)
+    return None  # Heartbeat: its arrival alone is the point
+
+
+def _decode(data: bytes) -> protocol.EngineMessage | None:
+    """A reply, or None for bytes that are not one (skipped: only the engine should be talking)."""
+    try:
+        return protocol.decode_engine(data)
+    except protocol.DecodeError:
+        return None
+
+
+def _raise_if_error(msg: protocol.EngineMessage) -> None:
+    if isinstance(msg, Error):
+        raise EngineError(msg.code, msg.message, msg.rid)
+
+
+def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)  # never make the engine's send fail because we read slowly
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+    sock.connect(address)
+    return sock
+
+
+def _subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.CONFLATE, 1)  # only the newest snapshot matters; each one is complete
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(stats_address(address))
+    return sock
+
+
+def probe(address: str | None = None, timeout: float = 0.5) -> Pong | None:
+    """The engine's Pong if one answers at `address` within `timeout` seconds, else None."""
+    address = address or default_address()
+    scheme, path = split(address)
+    if scheme == "ipc" and not ipc_listening(path):
+        return None  # nothing listens: answer at once instead of waiting for a connect that never happens
+    with EngineClient(address, timeout=timeout) as client:
+        try:
+            return client.ping(timeout)
+        except EngineUnavailable:
+            return None
+
+
+class EngineClient:
+    """Blocking client. Not thread-safe (ZeroMQ sockets are not); use one per thread.
+
+    Replies for requests other than the one being read are buffered, so several `generate`
+    iterators may be interleaved. `timeout` is how long to wait for any message before deciding
+    the engine is gone (the engine sends a heartbeat every second while a request is live).
+    """
+
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0) -> None:
+        self.address = address or default_address()
+        self.timeout = timeout
+        self._ctx = zmq.Context.instance()
+        self._sock = _dealer(self._ctx, self.address)
+        self._sub: zmq.Socket | None = None
+        self._boxes: dict[_Key, deque[protocol.EngineMessage]] = {}
+        self._nonce = itertools.count(1)
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        if self._sub is not None:
+            self._sub.close(linger=0)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _send(self, msg: msgspec.Struct) -> None:
+        self._sock.send(protocol.encode(msg))
+
+    def _wait(self, key: _Key, timeout: float | None = None) -> protocol.EngineMessage:
+        """The next message for `key`, reading (and filing) others meanwhile."""
+        box = self._boxes.setdefault(key, deque())
+        timeout = self.timeout if timeout is None else timeout
+        while not box:
+            if not self._sock.poll(int(timeout * 1000)):
+                raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s")
+            msg = _decode(self._sock.recv())
+            dest = _route(msg) if msg is not None else None
+            if dest in self._boxes:
+                self._boxes[dest].append(msg)  # type: ignore[arg-type]
+        return box.popleft()
+
+    def _call(self, key: _Key, msg: msgspec.Struct, timeout: float | None) -> protocol.EngineMessage:
+        self._boxes[key] = deque()
+        try:
+            self._send(msg)
+            return self._wait(key, timeout)
+        finally:
+            del self._boxes[key]
+
+    # -- requests ---------------------------------------------------------------------------------
+    def ping(self, timeout: float | None = None) -> Pong:
+        """Round trip to the engine; raises EngineUnavailable if it does not answer in time."""
+        nonce = next(self._nonce)
+        return self._call(("pong", nonce), protocol.Ping(nonce=nonce), timeout)  # type: ignore[return-value]
+
+    def info(self, timeout: float | None = None) -> Info:
+        """Model, configuration, limits and version of the engine."""
+        return self._call(("info", None), protocol.GetInfo(), timeout)  # type: ignore[return-value]
+
+    def submit(self, prompt: Prompt, params: Params | None = None, *, rid: str | None = None,
+               **overrides: object) -> str:
+        """Queue a request and return its id without reading output; read it with `stream(rid)`.
+
+        `prompt` is text, token ids or chat messages; sampling options come from `params` and/or
+        keywords (max_tokens, temperature, top_k, top_p, ignore_eos, stop, seed).
+        """
+        msg = submit_message(prompt, params, rid, overrides)
+        self._boxes[("req", msg.rid)] = deque()
+        self._send(msg)
+        return msg.rid
+
+    def stream(self, rid: str) -> Iterator[Output]:
+        """Yield a submitted request's Deltas and then its Final; raises EngineError if refused."""
+        key = ("req", rid)
+        finished = False
+        try:
+            while not finished:
+                msg = self._wait(key)
+                _raise_if_error(msg)
+                finished = isinstance(msg, Final)
+                yield msg  # type: ignore[misc]
+        except EngineError:
+            finished = True
+            raise
+        finally:
+            self._boxes.pop(key, None)
+            if not finished and not self._sock.closed:
+                self._send(protocol.Abort(rid=rid))
+
+    def generate(self, prompt: Prompt, params: Params | None = None, *, rid: str | None = None,
+                 **overrides: object) -> Iterator[Output]:
+        """Submit and stream: Deltas as tokens are produced, then a Final with usage and timings."""
+        return self.stream(self.submit(prompt, params, rid=rid, **overrides))
+
+    def complete(self, prompt: Prompt, params: Params | None = None, *, rid: str | None = None,
+                 **overrides: object) -> Completion:
+        """Submit and wait for the whole output."""
+        return _collect(list(self.generate(prompt, params, rid=rid, **overrides)))
+
+    def abort(self, rid: str, timeout: float | None = None) -> None:
+        """Abort any live request (not only this client's); EngineError `unknown_request` if none."""
+        _raise_if_error(self._call(("abort", rid), protocol.Abort(rid=rid), timeout))
+
+    # -- stats ------------------------------------------------------------------------------------
+    def stats(self, timeout: float = 5.0) -> Stats:
+        """The next stats snapshot (the engine publishes about ten a second)."""
+        if self._sub is None:
+            self._sub = _subscriber(self._ctx, self.address)
+        if not self._sub.poll(int(timeout * 1000)):
+            raise EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s")
+        return protocol.decode_stats(self._sub.recv())
+
+    def watch_stats(self, timeout: float = 5.0) -> Iterator[Stats]:
+        """Snapshots as they come, newest only (a slow reader skips stale ones)."""
+        while True:
+            yield self.stats(timeout)
+
+    def wait_stats(self, predicate: Callable[[Stats], bool], timeout: float = 10.0) -> Stats:
+        """The first snapshot for which `predicate` holds; TimeoutError with the last one otherwise."""
+        end = time.monotonic() + timeout
+        last = None
+        while (left := end - time.monotonic()) > 0:
+            last = self.stats(left)
+            if predicate(last):
+                return last
+        raise TimeoutError(f"stats condition not met within {timeout:g}s; last snapshot: {last}")
+
+
+class AsyncEngineClient:
+    """asyncio client (zmq.asyncio), safe to share between tasks of one event loop, e.g. a Textual app.
+
+    A background task reads the socket and hands each reply to the task waiting for it.
+    """
+
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0) -> None:
+        self.address = address or default_address()
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = _dealer(self._ctx, self.address)
+        self._sub: zmq.asyncio.Socket | None = None
+        self._queues: dict[_Key, asyncio.Queue[protocol.EngineMessage]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._nonce = itertools.count(1)
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._sock.close(linger=0)
+        if self._sub is not None:
+            self._sub.close(linger=0)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    async def _read_forever(self) -> None:
+        while True:
+            msg = _decode(await self._sock.recv())
+            queue = self._queues.get(_route(msg)) if msg is not None else None  # type: ignore[arg-type]
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    def _open(self, key: _Key) -> asyncio.Queue[protocol.EngineMessage]:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+        queue: asyncio.Queue[protocol.EngineMessage] = asyncio.Queue()
+        self._queues[key] = queue
+        return queue
+
+    async def _get(self, queue: asyncio.Queue[protocol.EngineMessage], timeout: float | None) -> protocol.EngineMessage:
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s") from None
+
+    async def _call(self, key: _Key, msg: msgspec.Struct, timeout: float | None) -> protocol.EngineMessage:
+        queue = self._open(key)
+        try:
+            await self._sock.send(protocol.encode(msg))
+            return await self._get(queue, timeout)
+        finally:
+            del self._queues[key]
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def ping(self, timeout: float | None = None) -> Pong:
+        nonce = next(self._nonce)
+        return await self._call(("pong", nonce), protocol.Ping(nonce=nonce), timeout)  # type: ignore[return-value]
+
+    async def info(self, timeout: float | None = None) -> Info:
+        return await self._call(("info", None), protocol.GetInfo(), timeout)  # type: ignore[return-value]
+
+    async def generate(self, prompt: Prompt, params: Params | None = None, *, rid: str | None = None,
+                       **overrides: object) -> AsyncIterator[Output]:
+        """Submit and stream: Deltas, then a Final. Same arguments as EngineClient.submit."""
+        msg = submit_message(prompt, params, rid, overrides)
+        key = ("req", msg.rid)
+        queue = self._open(key)
+        finished = False
+        try:
+            await self._sock.send(protocol.encode(msg))
+            while not finished:
+                out = await self._get(queue, None)
+                _raise_if_error(out)
+                finished = isinstance(out, Final)
+                yield out  # type: ignore[misc]
+        except EngineError:
+            finished = True
+            raise
+        finally:
+            del self._queues[key]
+            if not finished and not self._sock.closed:  # abandoned or cancelled: stop the generation
+                self._sock.send(protocol.encode(protocol.Abort(rid=msg.rid)))
+
+    async def complete(self, prompt: Prompt, params: Params | None = None, *, rid: str | None = None,
+                       **overrides: object) -> Completion:
+        return _collect([out async for out in self.generate(prompt, params, rid=rid, **overrides)])
+
+    async def abort(self, rid: str, timeout: float | None = None) -> None:
+        """Abort any live request; EngineError `unknown_request` if there is none by that id."""
+        _raise_if_error(await self._call(("abort", rid), protocol.Abort(rid=rid), timeout))
+
+    # -- stats ------------------------------------------------------------------------------------
+    async def stats(self, timeout: float = 5.0) -> Stats:
+        """The next stats snapshot."""
+        if self._sub is None:
+            self._sub = _subscriber(self._ctx, self.address)
+        try:
+            return protocol.decode_stats(await asyncio.wait_for(self._sub.recv(), timeout))
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s") from None
+
+    async def watch_stats(self, timeout: float = 5.0) -> AsyncIterator[Stats]:
+        """Snapshots as they come, newest only."""
+        while True:
+            yield await self.stats(timeout)
+
+
+def _collect(outputs: list[Output]) -> Completion:
+    final = outputs[-1]
+    assert isinstance(final, Final)
+    return Completion(rid=final.rid, text="".join(o.text for o in outputs),
+                      token_ids=[t for o in outputs for t in o.token_ids], finish_reason=final.finish_reason,
+                      usage=final.usage, timings=final.timings)
+

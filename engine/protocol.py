@@ -1,0 +1,272 @@
+"""The wire protocol between clients and the engine process: msgspec Structs encoded as MessagePack.
+
+Every message is a MessagePack map with a "type" field naming its kind (a tagged union), so a
+client in any language can speak it; docs/protocol.md is the reference. Nothing here imports torch,
+so clients stay light. Incoming messages are validated against these schemas (unknown fields are
+refused, to catch typos); anything that does not decode gets an `Error` reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class _ClientMsg(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    """Client -> engine. Strict: a misspelled field is an error, not silently ignored."""
+
+
+class _EngineMsg(msgspec.Struct, tag_field="type", kw_only=True):
+    """Engine -> client. Lenient, so older clients tolerate fields added later."""
+
+
+# -- client -> engine ---------------------------------------------------------------------------
+class Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Sampling parameters; the same fields and defaults as engine.SamplingParams (temperature 0 = greedy)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    stop: list[str] | None = None
+    seed: int | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class Submit(_ClientMsg, tag="submit"):
+    """Start a request. Give exactly one of `prompt` (text), `messages` (chat) or `token_ids`.
+
+    `rid` is chosen by the client and must be unique among the engine's live requests.
+    """
+
+    rid: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: list[int] | None = None
+    params: Params = msgspec.field(default_factory=Params)
+
+
+class Abort(_ClientMsg, tag="abort"):
+    """Abort a live request, whoever submitted it (the engine is an ops console)."""
+
+    rid: str
+
+
+class Ping(_ClientMsg, tag="ping"):
+    """Liveness and readiness check; answered by `Pong` with the same nonce."""
+
+    nonce: int = 0
+
+
+class GetInfo(_ClientMsg, tag="get_info"):
+    """Ask for the engine's model, configuration and version; answered by `Info`."""
+
+
+ClientMessage = Submit | Abort | Ping | GetInfo
+
+
+# -- engine -> client ---------------------------------------------------------------------------
+class Delta(_EngineMsg, tag="delta"):
+    """New output of a running request: token ids and the text they completed (may be empty)."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+
+    @property
+    def finished(self) -> bool:
+        return False
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Seconds since the engine received the request; None for a stage the request never reached."""
+
+    queue: float | None
+    ttft: float | None
+    total: float
+
+
+class Final(_EngineMsg, tag="final"):
+    """The last message of a request: its last output, why it ended ("stop", "length", "abort"),
+    token usage and timings. `text`/`token_ids` are new output, like a Delta's."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+
+class Error(_EngineMsg, tag="error"):
+    """A refused or malformed message. `rid` names the request it concerns, when known.
+
+    Codes: bad_message, invalid_request, invalid_params, duplicate_request, unknown_request,
+    overloaded, internal.
+    """
+
+    code: str
+    message: str
+    rid: str | None = None
+
+
+class Aborted(_EngineMsg, tag="aborted"):
+    """Acknowledges an Abort: the request is gone and its slot and pages are free. Its owner also gets
+    a `Final` with finish_reason "abort"."""
+
+    rid: str
+
+
+class Pong(_EngineMsg, tag="pong"):
+    nonce: int
+    version: str
+    pid: int
+
+
+class Info(_EngineMsg, tag="info"):
+    """What the engine runs: `config` holds every engine option plus the server's limits."""
+
+    version: str
+    pid: int
+    host: str
+    model: str
+    address: str
+    stats_address: str
+    max_seq_len: int
+    num_pages: int
+    config: dict[str, Any]
+
+
+class Heartbeat(_EngineMsg, tag="heartbeat"):
+    """Sent about once a second to clients with live requests that got nothing else: it proves the
+    client is still connected (a failed send aborts its requests) and the engine still alive."""
+
+
+EngineMessage = Delta | Final | Error | Aborted | Pong | Info | Heartbeat
+
+
+# -- stats (PUB socket) -------------------------------------------------------------------------
+class WaitingReq(msgspec.Struct, kw_only=True):
+    rid: str
+    prompt_tokens: int
+    waited: float
+
+
+class RunningReq(msgspec.Struct, kw_only=True):
+    """A request holding a slot: `state` is "prefilling" (prompt mid-chunk) or "running" (decoding)."""
+
+    rid: str
+    slot: int
+    state: str
+    prompt_tokens: int
+    prefilled: int
+    generated: int
+    max_tokens: int
+    pages: int
+
+
+class Pages(msgspec.Struct, kw_only=True):
+    """Every KV page: `states[i]` is "." free, "R" held by request `owners[i]`, "c" cached, "L" cached
+    and locked (a running request reads it)."""
+
+    page_size: int
+    states: str
+    owners: dict[int, str]
+    free: int
+    held: int
+    cached: int
+    locked: int
+    total: int
+
+
+class Counters(msgspec.Struct, kw_only=True):
+    """Totals since start, and rates over the last couple of seconds."""
+
+    submitted: int
+    finished: int
+    aborted: int
+    errors: int
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    steps_per_s: float
+
+
+class StepRecord(msgspec.Struct, kw_only=True):
+    """One scheduler step: `at` is seconds since engine start, `duration` in seconds."""
+
+    index: int
+    kind: str
+    rids: list[str]
+    num_tokens: int
+    duration: float
+    at: float
+
+
+class Stats(_EngineMsg, tag="stats"):
+    """A complete snapshot (not a delta), so a subscriber that joins late needs nothing else."""
+
+    seq: int
+    time: float
+    uptime: float
+    model: str
+    waiting: list[WaitingReq]
+    running: list[RunningReq]
+    slots: list[str | None]
+    pages: Pages
+    counters: Counters
+    steps: list[StepRecord]
+
+
+# -- codecs -------------------------------------------------------------------------------------
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+_stats_decoder = msgspec.msgpack.Decoder(Stats)
+
+DecodeError = msgspec.DecodeError  # ValidationError is a subclass
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo:
+    return _client_decoder.decode(data)
+
+
+def decode_engine(data: bytes) -> Delta | Final | Error | Aborted | Pong | Info | Heartbeat:
+    return _engine_decoder.decode(data)
+
+
+def decode_stats(data: bytes) -> Stats:
+    return _stats_decoder.decode(data)
+
+
+def salvage_rid(data: bytes) -> str | None:
+    """The `rid` of a message that failed validation, if it has a readable one, so the error reaches
+    the request's waiter instead of nobody."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    rid = raw.get("rid") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) else None
