@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import logging
 import typing
+from pathlib import Path
 
 import typer
 
@@ -119,6 +120,39 @@ def stop(
         typer.echo(f"minichat stop: no engine answers at {address}", err=True)
         raise typer.Exit(1)
     typer.echo(f"stopped the engine at {address} (pid {pid})")
+
+
+@app.command()
+def bench(
+    concurrency: int = typer.Option(32, help="Requests in flight at once."),
+    num_requests: int = typer.Option(64, help="Measured requests (after warmup)."),
+    input_len: int = typer.Option(128, help="Prompt tokens per request (exact, before --range-ratio)."),
+    output_len: int = typer.Option(64, help="Output tokens per request."),
+    range_ratio: float = typer.Option(0.0, help="Draw lengths uniformly in [len*(1-r), len*(1+r)]."),
+    request_rate: float = typer.Option(float("inf"), help="Requests/s with Poisson arrivals; inf sends all at once."),
+    seed: int = typer.Option(0, help="Seed for the workload and for sampling."),
+    warmup: int = typer.Option(2, help="Unmeasured requests sent first."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Generate exactly --output-len."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
+    model: str | None = typer.Option(None, "--model", help="Start an engine on this model if none answers."),
+    address: str | None = typer.Option(None, "--address", help=ADDRESS_HELP),
+    timeout: float = typer.Option(600.0, help="Seconds before one request counts as failed."),
+    baseline: str | None = typer.Option(None, help="'hf': also run transformers generate in static batches."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the figures and per-request records here."),
+) -> None:
+    """Serving benchmark over the engine's protocol: throughput and TTFT / TPOT / ITL / E2E latency."""
+    from tui.bench.command import BenchError, run_bench
+
+    try:
+        result = run_bench(concurrency=concurrency, num_requests=num_requests, input_len=input_len,
+                           output_len=output_len, range_ratio=range_ratio, request_rate=request_rate, seed=seed,
+                           warmup=warmup, ignore_eos=ignore_eos, temperature=temperature, model=model,
+                           address=address, timeout=timeout, baseline=baseline, json_path=json_path)
+    except (BenchError, ValueError) as e:
+        typer.echo(f"minichat bench: error: {e}", err=True)
+        raise typer.Exit(2) from e
+    if result["engine"]["failed"]:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -1,0 +1,77 @@
+"""`minichat bench` end to end: a real engine subprocess, the real CLI, and its JSON report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from engine.launcher import start
+
+METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+def minichat(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tui.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def engine_address(llama_ckpt):
+    address = f"ipc://{tempfile.mkdtemp(prefix='mcb')}/engine.sock"
+    with start(address, model=str(llama_ckpt), timeout=60) as handle:
+        yield handle.address
+
+
+def test_short_bench_reports_every_metric_and_valid_json(engine_address, tmp_path):
+    out = tmp_path / "bench.json"
+    run = minichat("bench", "--address", engine_address, "--num-requests", "6", "--concurrency", "3",
+                   "--input-len", "20", "--output-len", "5", "--range-ratio", "0.5", "--warmup", "1",
+                   "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    for label in ("completed / failed", "request throughput", "output throughput", "total throughput",
+                  "peak concurrency", "TTFT", "TPOT", "ITL", "E2E"):
+        assert label in run.stderr
+    report = json.loads(out.read_text())
+    engine = report["engine"]
+    assert engine["completed"] == 6 and engine["failed"] == 0
+    assert len(report["records"]) == 6
+    assert engine["peak_concurrency"] == 3
+    outputs = sum(r["output_len"] for r in report["records"])
+    assert engine["output_throughput"] == pytest.approx(outputs / engine["duration"])
+    for r in report["records"]:
+        assert 10 <= r["prompt_len"] <= 30 and r["error"] is None
+        assert len(r["itl"]) == r["output_len"] - 1
+        assert 0 < r["ttft"] <= r["e2e"]
+    for m in METRICS:
+        d = engine[m]
+        assert 0 < d["median"] <= d["p99"] and d["mean"] > 0, m
+
+
+def test_hf_baseline_runs_the_same_workload(engine_address, tmp_path):
+    out = tmp_path / "bench.json"
+    run = minichat("bench", "--address", engine_address, "--num-requests", "4", "--concurrency", "2",
+                   "--input-len", "12", "--output-len", "4", "--warmup", "0", "--baseline", "hf", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["baseline"]["completed"] == 4
+    assert sum(r["output_len"] for r in report["records"]) == 16
+    assert report["baseline"]["output_throughput"] == pytest.approx(16 / report["baseline"]["duration"])
+    assert report["ratio_output_throughput"] == pytest.approx(
+        report["engine"]["output_throughput"] / report["baseline"]["output_throughput"])
+    assert "engine / baseline" in run.stderr
+
+
+def test_no_engine_fails_fast_with_a_clear_message():
+    address = f"ipc://{tempfile.mkdtemp(prefix='mcb')}/nobody.sock"
+    run = minichat("bench", "--address", address, "--num-requests", "2", timeout=30)
+    assert run.returncode == 2
+    assert f"no engine answers at {address}" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_bad_options_are_refused(engine_address):
+    run = minichat("bench", "--address", engine_address, "--range-ratio", "1.5")
+    assert run.returncode == 2 and "--range-ratio must be in [0, 1)" in run.stderr

@@ -1,0 +1,1 @@
+"""`minichat bench`: a serving benchmark over the engine's ZeroMQ protocol, with a transformers baseline."""
