@@ -222,11 +222,17 @@ class EngineServer:
 
     def _abort(self, identity: bytes, rid: str) -> None:
         try:
-            self.llm.abort(rid)
+            self._abort_request(rid)
         except ValueError as e:
             raise Refused("unknown_request", str(e)) from e
-        self._dirty = True
         self._send(identity, protocol.Aborted(rid=rid))
+
+    def _abort_request(self, rid: str) -> None:
+        """Abort now (slot and pages are freed at once; the Final goes out after the next step) and count
+        it now, so no snapshot shows the resources freed but the abort not yet counted."""
+        self.llm.abort(rid)
+        self.stats.aborted += 1
+        self._dirty = True
 
     def _info(self) -> protocol.Info:
         config = dataclasses.asdict(self.llm.config)
@@ -259,9 +265,8 @@ class EngineServer:
         for rid in rids:
             del self.owners[rid]
             with contextlib.suppress(ValueError):  # it may have finished in the step being delivered
-                self.llm.abort(rid)
+                self._abort_request(rid)
         self._last_sent.pop(identity, None)
-        self._dirty = True
         log.warning("client %s is gone (%s); aborted its %d request(s)", identity.hex(), why, len(rids))
 
     def _deliver(self, result: StepResult) -> None:
@@ -307,7 +312,7 @@ class EngineServer:
         rids = list(self.owners)
         for rid in rids:
             with contextlib.suppress(ValueError):
-                self.llm.abort(rid)
+                self._abort_request(rid)
         while self.llm.has_unfinished():
             self._deliver(self.llm.step())
         self._publish(force=True)

@@ -35,11 +35,8 @@ class StatsRecorder:
         self._window: deque[tuple[float, str, int]] = deque()  # (end time, kind, tokens)
 
     def record_step(self, result: StepResult) -> None:
-        for delta in result.deltas:
-            if delta.finish_reason == "abort":
-                self.aborted += 1
-            elif delta.finish_reason is not None:
-                self.finished += 1
+        # Aborts are counted by the server when it aborts (see EngineServer._abort_request).
+        self.finished += sum(d.finish_reason not in (None, "abort") for d in result.deltas)
         if result.kind == "idle":
             return
         now = time.monotonic()
