@@ -282,6 +282,7 @@ class AsyncEngineClient:
         self._sock = _dealer(self._ctx, self.address)
         self._sub: zmq.asyncio.Socket | None = None
         self._queues: dict[_Key, asyncio.Queue[protocol.EngineMessage]] = {}
+        self._waiters: dict[_Key, int] = {}
         self._reader: asyncio.Task[None] | None = None
         self._nonce = itertools.count(1)
 
@@ -308,11 +309,17 @@ class AsyncEngineClient:
                 queue.put_nowait(msg)
 
     def _open(self, key: _Key) -> asyncio.Queue[protocol.EngineMessage]:
+        """The queue replies for `key` land in. Tasks waiting on the same key (two `info()` calls) share
+        it: each sent its own request, so each gets one reply."""
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_forever())
-        queue: asyncio.Queue[protocol.EngineMessage] = asyncio.Queue()
-        self._queues[key] = queue
-        return queue
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+        return self._queues.setdefault(key, asyncio.Queue())
+
+    def _close(self, key: _Key) -> None:
+        self._waiters[key] -= 1
+        if not self._waiters[key]:
+            del self._waiters[key], self._queues[key]
 
     async def _get(self, queue: asyncio.Queue[protocol.EngineMessage], timeout: float | None) -> protocol.EngineMessage:
         timeout = self.timeout if timeout is None else timeout
@@ -327,7 +334,7 @@ class AsyncEngineClient:
             await self._sock.send(protocol.encode(msg))
             return await self._get(queue, timeout)
         finally:
-            del self._queues[key]
+            self._close(key)
 
     # -- requests ---------------------------------------------------------------------------------
     async def ping(self, timeout: float | None = None) -> Pong:
@@ -355,7 +362,7 @@ class AsyncEngineClient:
             finished = True
             raise
         finally:
-            del self._queues[key]
+            self._close(key)
             if not finished and not self._sock.closed:  # abandoned or cancelled: stop the generation
                 self._sock.send(protocol.encode(protocol.Abort(rid=msg.rid)))
 

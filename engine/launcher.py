@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -97,10 +98,14 @@ def start(address: str | None = None, *, model: str | None = None, timeout: floa
     address = address or default_address()
     check_bindable(address, bool(options.get("allow_remote", False)))
     log = log_path(address)
+    cmd = serve_command(address, model, **options)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "wb") as out:
-        process = subprocess.Popen(serve_command(address, model, **options), stdin=subprocess.DEVNULL, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    # Append: never truncate a log that a running engine may still be writing to.
+    with open(log, "ab") as out:
+        out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {shlex.join(cmd)}\n".encode())
+        out.flush()
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env=env)
     pid = _wait_ready(process, address, timeout, log)
     if pid != process.pid:  # another launcher won the race for this address: use its engine
         return EngineHandle(address, pid)

@@ -141,13 +141,19 @@ class EngineServer:
                  "stats on %s (pid %d)", self.llm.model_path, self.llm.num_pages, self.llm.config.page_size,
                  self.llm.config.max_running_requests, self.sockets.address, self.sockets.stats_address,
                  os.getpid())
-        while not self._stop:
-            busy = self.llm.has_unfinished()
-            self._receive(0 if busy else self._ms_until_publish())
-            if self.llm.has_unfinished():
-                self._deliver(self.llm.step())
-            self._sweep_clients()
-            self._publish()
+        try:
+            while not self._stop:
+                busy = self.llm.has_unfinished()
+                self._receive(0 if busy else self._ms_until_publish())
+                if self.llm.has_unfinished():
+                    self._deliver(self.llm.step())
+                self._sweep_clients()
+                self._publish()
+        except Exception as e:  # the engine is going down: say so to everyone waiting, not just the log
+            for rid, owned in list(self.owners.items()):
+                self._send(owned.identity, protocol.Error(code="internal", message=f"the engine failed: {e!r}",
+                                                          rid=rid))
+            raise
         self._shutdown()
 
     # -- receiving --------------------------------------------------------------------------------

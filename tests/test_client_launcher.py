@@ -1,0 +1,202 @@
+"""Launcher (find-or-start, readiness handshake, stop), `minichat status/stop/serve`, the async
+client, and the address rules. Engines here are real background processes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+from typer.testing import CliRunner
+
+from engine import SamplingParams
+from engine.addresses import (
+    AddressError,
+    check_bindable,
+    default_address,
+    remove_stale_ipc,
+    runtime_dir,
+    stats_address,
+)
+from engine.client import AsyncEngineClient, EngineError
+from engine.launcher import EngineStartError, find, find_or_start, start
+from engine.protocol import Delta, Final, Params
+from tui.cli import app
+
+ENGINE = dict(num_pages=64, max_running_requests=4)
+
+
+@pytest.fixture
+def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private XDG_RUNTIME_DIR: the default address and the engine logs live under it."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    return tmp_path
+
+
+def free_port_pair() -> int:
+    """A tcp port p with p + 1 also free (the engine's stats socket)."""
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+def test_launcher_starts_attaches_and_stops(runtime: Path, llama_ckpt: Path) -> None:
+    handle = find_or_start(model=str(llama_ckpt), **ENGINE)
+    try:
+        assert handle.started and handle.address == default_address()
+        assert handle.address == f"ipc://{runtime}/minichat/engine.sock"
+        assert stat.S_IMODE((runtime / "minichat").stat().st_mode) == 0o700
+        attached = find_or_start(model="/not/used/when/attaching")
+        assert not attached.started and attached.pid == handle.pid
+        attached.stop()  # not ours: a no-op
+        with handle.client() as client:
+            assert client.info().pid == handle.pid
+            assert client.complete("Hello", max_tokens=3).usage.completion_tokens >= 1
+            # SIGTERM with a request in flight: its owner still gets a final message.
+            stream = client.generate([5, 6, 7], max_tokens=480, ignore_eos=True)
+            assert isinstance(next(stream), Delta)
+            handle.stop()
+            *_, final = stream
+            assert isinstance(final, Final) and final.finish_reason == "abort"
+    finally:
+        handle.stop()
+    assert handle.process is not None and handle.process.returncode == 0
+    assert find() is None
+    assert not (runtime / "minichat" / "engine.sock").exists()
+    log = handle.log_path.read_text()
+    assert "engine ready" in log and "aborted 1 in-flight request(s)" in log
+
+
+def test_async_client_streams_aborts_and_reads_stats(runtime: Path, llama_ckpt: Path) -> None:
+    port = free_port_pair()
+    with start(f"tcp://127.0.0.1:{port}", model=str(llama_ckpt), **ENGINE) as handle:
+        async def scenario() -> None:
+            async with AsyncEngineClient(handle.address) as client:
+                info, again = await asyncio.gather(client.info(), client.info())  # two waiters, one key
+                assert info == again
+                assert info.stats_address == f"tcp://127.0.0.1:{port + 1}" and info.num_pages == 64
+                assert (await client.ping()).pid == handle.pid
+                done = await client.complete([{"role": "user", "content": "hi"}], max_tokens=3)
+                assert done.usage.completion_tokens == len(done.token_ids) >= 1
+
+                # Leaving a stream early aborts its request.
+                async for out in client.generate([5, 6, 7], max_tokens=480, ignore_eos=True, rid="left"):
+                    assert isinstance(out, Delta)
+                    break
+                async for snap in client.watch_stats():
+                    if not snap.running and snap.counters.aborted == 1:
+                        break
+
+                with pytest.raises(EngineError) as err:
+                    async for _ in client.generate("x", max_tokens=0):
+                        pass
+                assert err.value.code == "invalid_params"
+                with pytest.raises(EngineError, match="unknown_request"):
+                    await client.abort("left")
+
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert find(handle.address) is None
+
+
+def test_bad_model_path_fails_fast_with_the_log_tail(runtime: Path) -> None:
+    began = time.monotonic()
+    with pytest.raises(EngineStartError) as err:
+        start(model=str(runtime / "no-such-model"), timeout=60)
+    assert "exited with code 1" in str(err.value)
+    assert "cannot load the model" in str(err.value) and "no-such-model" in str(err.value)
+    assert time.monotonic() - began < 30
+    assert not os.path.exists(runtime / "minichat" / "engine.sock")
+
+
+def test_port_in_use_fails_with_the_log_tail(runtime: Path, llama_ckpt: Path) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(EngineStartError, match="Address already in use"):
+            start(f"tcp://127.0.0.1:{port}", model=str(llama_ckpt), timeout=60)
+
+
+def test_cli_status_stop_and_serve_refusing_a_taken_address(runtime: Path, llama_ckpt: Path) -> None:
+    address = f"ipc://{runtime}/e.sock"
+    handle = start(address, model=str(llama_ckpt), **ENGINE)
+    runner = CliRunner()
+    try:
+        serve = subprocess.run([sys.executable, "-m", "tui.cli", "serve", "--address", address,
+                                "--model", str(llama_ckpt)], capture_output=True, text=True, timeout=60)
+        assert serve.returncode == 1 and f"already answers at {address}" in serve.stderr
+        status = runner.invoke(app, ["status", "--address", address])
+        assert status.exit_code == 0, status.output
+        assert "request slots 0/4 busy" in status.output and "KV pages (16 tokens each): 64 free" in status.output
+        stop = runner.invoke(app, ["stop", "--address", address])
+        assert stop.exit_code == 0 and f"pid {handle.pid}" in stop.output
+        assert handle.process.wait(timeout=30) == 0
+    finally:
+        handle.stop()
+    assert runner.invoke(app, ["status", "--address", address, "--timeout", "0.2"]).exit_code == 1
+    assert runner.invoke(app, ["stop", "--address", address]).exit_code == 1
+
+
+def test_serve_without_model_or_demo_model_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from engine import server
+    from engine.config import EngineConfig
+
+    monkeypatch.setattr(server, "DEMO_MODEL_DIR", tmp_path / "demo_model")
+    with pytest.raises(ValueError, match="demo model is not built yet"):
+        server.load_llm(EngineConfig())
+
+
+@pytest.mark.parametrize("address", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://192.168.1.7:5555",
+                                     "tcp://example.com:5555"])
+def test_non_loopback_needs_allow_remote(address: str) -> None:
+    with pytest.raises(AddressError, match="--allow-remote"):
+        check_bindable(address)
+    check_bindable(address, allow_remote=True)
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1:80", "tcp://127.0.0.1", "tcp://127.0.0.1:65535",
+                                     "ipc://", "ipc:///" + "x" * 120])
+def test_malformed_addresses_are_refused(address: str) -> None:
+    with pytest.raises(AddressError):
+        check_bindable(address)
+
+
+def test_loopback_and_stats_addresses() -> None:
+    for address in ("tcp://127.0.0.1:5555", "tcp://localhost:5555", "tcp://[::1]:5555"):
+        check_bindable(address)
+    assert stats_address("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5556"
+    assert stats_address("ipc:///tmp/e.sock") == "ipc:///tmp/e.sock.stats"
+
+
+def test_stale_ipc_socket_is_removed_and_a_live_one_is_not(runtime: Path) -> None:
+    path = runtime_dir() / "engine.sock"
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(path))  # bound, never listening, then closed: what a killed engine leaves behind
+    remove_stale_ipc(f"ipc://{path}")
+    assert not path.exists()
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(str(path))
+        live.listen()
+        with pytest.raises(AddressError, match="already listens"):
+            remove_stale_ipc(f"ipc://{path}")
+
+
+def test_wire_params_mirror_sampling_params() -> None:
+    """protocol.Params is SamplingParams on the wire (without importing torch into clients)."""
+    wire = {f: getattr(Params(), f) for f in Params.__struct_fields__}
+    assert wire == dataclasses.asdict(SamplingParams())
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(Params(stop=["\n"])), type=Params) == Params(stop=["\n"])
