@@ -1,0 +1,235 @@
+"""The Textual app driven by its pilot against a real engine process with a tiny checkpoint.
+
+Every wait is on a condition with a deadline (`wait_for`), never a bare sleep. Requests that must
+stay alive until aborted use ignore_eos and a large max_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual import events
+from textual.pilot import Pilot
+from textual.widgets import Markdown, Static
+
+from engine.client import AsyncEngineClient
+from engine.launcher import EngineHandle, start
+from tui.app import MinichatApp
+from tui.chat import ChatPane, PromptInput, ReplyView
+from tui.link import EngineLink
+from tui.panels import RequestTable
+from tui.session import Reply
+
+SIZE = (160, 48)  # wide enough that the ops panels open beside the chat
+ENGINE_OPTIONS = {"max_running_requests": 4, "max_prefill_tokens": 256}
+
+
+def start_engine(model: Path, address: str) -> EngineHandle:
+    return start(address, model=str(model), timeout=120, **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One engine for the module, on a private ipc address."""
+    address = f"ipc://{tmp_path_factory.mktemp('tui')}/engine.sock"
+    with start_engine(llama_ckpt, address):
+        yield address
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(scenario())
+
+
+async def wait_for(pilot: Pilot, predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    """Let the app run until `predicate()` holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await pilot.pause(0.05)
+
+
+def running_rids(app: MinichatApp) -> set[str]:
+    return {r.rid for r in app.last_stats.running} if app.last_stats is not None else set()
+
+
+def table_rids(app: MinichatApp, table_id: str) -> set[str]:
+    return {key.value for key in app.query_one(f"#{table_id}", RequestTable).rows}
+
+
+def status(app: MinichatApp) -> str:
+    return str(app.query_one("#status", Static).render())
+
+
+async def connected_app(pilot: Pilot) -> MinichatApp:
+    app = pilot.app
+    assert isinstance(app, MinichatApp)
+    await wait_for(pilot, lambda: app.link.state.kind == "connected" and app.last_stats is not None, "connection")
+    return app
+
+
+async def type_and_send(pilot: Pilot, text: str) -> None:
+    """Paste `text` into the focused prompt box (faster than a key per character) and press Enter."""
+    assert isinstance(pilot.app.focused, PromptInput)
+    pilot.app.post_message(events.Paste(text))
+    await pilot.pause()
+    await pilot.press("enter")
+
+
+async def long_replies(pilot: Pilot) -> None:
+    """Make the current session's replies run until aborted."""
+    await type_and_send(pilot, "/ignore_eos on")
+    await type_and_send(pilot, "/max_tokens 400")
+
+
+def last_reply(app: MinichatApp) -> Reply:
+    assert app.current is not None
+    return app.current.session.turns[-1].reply
+
+
+def test_send_message_streams_a_markdown_reply(engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await type_and_send(pilot, "/max_tokens 12")
+            await type_and_send(pilot, "/ignore_eos on")
+            # a pasted multi-line prompt keeps its lines; ctrl+j adds one; Enter sends
+            app.post_message(events.Paste("To be,\nor not"))
+            await pilot.pause()
+            await pilot.press("ctrl+j", "t", "o", " ", "b", "e", "enter")
+            assert app.current.session.turns[0].prompt == "To be,\nor not\nto be"  # type: ignore[union-attr]
+            reply = last_reply(app)
+            view = app.query_one(ReplyView)
+            await wait_for(pilot, lambda: reply.text and view.query_one(Markdown).source, "streamed text")
+            await wait_for(pilot, lambda: reply.state == "done", "the reply to finish")
+            assert reply.completion_tokens == 12 and reply.prompt_tokens and reply.ttft is not None
+            assert "12 tok" in str(view.query_one(".reply-stats", Static).render())
+            # the next turn sends the history: the engine sees a longer prompt
+            await type_and_send(pilot, "again")
+            second = last_reply(app)
+            await wait_for(pilot, lambda: second.state == "done", "the second reply")
+            assert second.prompt_tokens > reply.prompt_tokens + reply.completion_tokens  # type: ignore[operator]
+
+    run(scenario)
+
+
+def test_fan_out_sessions_appear_in_the_running_set(engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await long_replies(pilot)
+            await type_and_send(pilot, "/fanout 3 Once more unto the breach | To be")
+            panes = list(app.query(ChatPane))[1:]
+            assert len(panes) == 3
+            rids = {pane.session.turns[0].reply.rid for pane in panes}
+            await wait_for(pilot, lambda: rids <= running_rids(app) and rids <= table_rids(app, "running"),
+                           "all three requests in the running set")
+            assert [p.session.turns[0].prompt for p in panes] == ["Once more unto the breach", "To be",
+                                                                  "Once more unto the breach"]
+            assert all(p.session.params.ignore_eos for p in panes)  # settings follow the session fanned out
+            for pane in panes:
+                await pane.abort()
+            await wait_for(pilot, lambda: not rids & running_rids(app), "the aborts")
+
+    run(scenario)
+
+
+def test_escape_aborts_the_focused_session(engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await long_replies(pilot)
+            await type_and_send(pilot, "Pages of sixteen tokens")
+            reply = last_reply(app)
+            await wait_for(pilot, lambda: reply.text and reply.rid in running_rids(app), "a streaming reply")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: reply.state == "aborted", "the reply marked aborted")
+            view = app.query_one(ReplyView)
+            assert view.has_class("-aborted") and "aborted" in str(view.query_one(".reply-stats", Static).render())
+            assert reply.text and reply.finish_reason == "abort"
+            await wait_for(pilot, lambda: reply.rid not in running_rids(app) | table_rids(app, "running"),
+                           "the request gone from the running set")
+            assert app.current is not None and app.current.session.live is None
+
+    run(scenario)
+
+
+def test_abort_another_clients_request_from_the_ops_panel(engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot, AsyncEngineClient(engine) as other:
+            await connected_app(pilot)
+            stream = other.generate("benchmark load", max_tokens=400, ignore_eos=True, rid="bench-load-1")
+            first = asyncio.ensure_future(anext(stream))
+            await wait_for(pilot, lambda: "bench-load-1" in table_rids(app, "running"), "the other client's request")
+            await first
+            table = app.query_one("#running", RequestTable)
+            table.focus()
+            table.move_cursor(row=table.get_row_index("bench-load-1"))
+            await pilot.press("x")
+            rest = [out async for out in stream]
+            assert rest[-1].finish_reason == "abort"  # type: ignore[union-attr]
+            await wait_for(pilot, lambda: "bench-load-1" not in running_rids(app) | table_rids(app, "running"),
+                           "the request gone from the running set")
+
+    run(scenario)
+
+
+def test_unreachable_engine_is_a_state_not_a_crash(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        address = f"ipc://{tmp_path}/nobody.sock"
+        app = MinichatApp(EngineLink(address=address, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.link.state.kind == "lost", "the lost state")
+            assert "no engine answers" in status(app)
+            await type_and_send(pilot, "anyone there?")
+            reply = last_reply(app)
+            assert reply.state == "queued"
+            await wait_for(pilot, lambda: "waiting for engine" in str(app.query_one(".reply-stats", Static).render()),
+                           "the queued reply")
+            await pilot.press("escape")  # stopping a reply that never reached an engine works too
+            await wait_for(pilot, lambda: reply.state == "aborted", "the local abort")
+
+    run(scenario)
+
+
+def test_engine_death_keeps_the_conversation_and_reconnects(llama_ckpt: Path, tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/dies.sock"
+    handle = start_engine(llama_ckpt, address)
+
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=address, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await long_replies(pilot)
+            await type_and_send(pilot, "The quick brown fox")
+            reply = last_reply(app)
+            await wait_for(pilot, lambda: reply.text, "a streaming reply")
+            os.kill(handle.pid, signal.SIGKILL)
+            await wait_for(pilot, lambda: app.link.state.kind == "lost", "the lost state")
+            await wait_for(pilot, lambda: reply.state == "interrupted", "the reply marked interrupted")
+            assert reply.text and "lost" in status(app)
+            restarted = await asyncio.to_thread(start_engine, llama_ckpt, address)
+            try:
+                await connected_app(pilot)
+                await type_and_send(pilot, "/max_tokens 4")
+                await type_and_send(pilot, "still there?")
+                await wait_for(pilot, lambda: last_reply(app).state == "done", "a reply from the new engine")
+                assert len(app.current.session.turns) == 2  # type: ignore[union-attr]
+            finally:
+                restarted.stop()
+
+    try:
+        run(scenario)
+    finally:
+        handle.stop()

@@ -1,0 +1,337 @@
+"""The minichat app: chat sessions in tabs beside live ops panels, over one link to an engine.
+
+The app owns layout, keys and commands; sessions stream their own replies (tui/chat.py), panels
+draw stats snapshots (tui/panels/), and the link finds, watches and re-finds the engine
+(tui/link.py). Nothing the engine does or fails to do is allowed to end the app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal
+from textual.content import Content
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widget import Widget
+from textual.widgets import Footer, Static, TabbedContent, TabPane, Tabs
+from textual.worker import Worker, WorkerState
+
+from engine.protocol import Stats
+from tui.chat import ChatPane, PromptInput
+from tui.commands import BY_NAME, COMMANDS, Command, parse_fanout, parse_slash
+from tui.dialogs import AskScreen, ConfirmScreen
+from tui.help import HelpScreen
+from tui.link import EngineLink, LinkState
+from tui.panels import PANELS, OpsPanels, RequestTable
+from tui.session import SETTINGS, Session
+
+WIDE = 120  # columns from which the ops panels open beside the chat at start
+OPS_STEP = 10  # percent of the width that f7 / f8 move the split by
+STATE_STYLES = {"connected": "bold green", "stalled": "bold yellow", "connecting": "bold yellow",
+                "starting": "bold yellow", "lost": "bold red", "failed": "bold red"}
+
+
+class MinichatApp(App[None]):
+    """Many concurrent chat sessions and the scheduler that serves them, in one terminal."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "minichat"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("f1", "help", "Help"),
+        Binding("ctrl+n", "new_session", "New chat"),
+        Binding("ctrl+w", "close_session", "Close chat", priority=True),
+        Binding("f2", "rename_session", "Rename"),
+        Binding("ctrl+f", "fan_out", "Fan out"),
+        Binding("escape", "abort", "Stop reply"),
+        Binding("ctrl+pagedown,alt+right", "switch_session(1)", "Next chat", show=False),
+        Binding("ctrl+pageup,alt+left", "switch_session(-1)", "Previous chat", show=False),
+        Binding("f5", "toggle_ops", "Ops panels"),
+        Binding("f6", "switch_focus", "Chat ⇄ ops focus", show=False),
+        Binding("f7", f"resize_ops({-OPS_STEP})", "Ops panels narrower", show=False),
+        Binding("f8", f"resize_ops({OPS_STEP})", "Ops panels wider", show=False),
+        *[Binding(f"alt+{i}", f"toggle_panel('{panel_id}')", f"Show/hide the {title} panel", show=False)
+          for i, (panel_id, title) in enumerate(PANELS, 1)],
+    ]
+
+    ops_width: reactive[int] = reactive(0, init=False)
+    """Percent of the width given to the ops panels: 0 hides them, 100 hides the chat."""
+
+    def __init__(self, link: EngineLink) -> None:
+        super().__init__()
+        self.link = link
+        link.on_stats, link.on_state = self.on_engine_stats, self.on_engine_state
+        self.last_stats: Stats | None = None
+        self._opened = 0
+        self._ops_restore = 50
+
+    # -- layout -----------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(id="status")
+        with Horizontal(id="main"):
+            yield TabbedContent(id="chats")
+            yield OpsPanels(id="ops")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self._ops_restore = 50 if self.size.width >= WIDE else 100
+        self.ops_width = 50 if self.size.width >= WIDE else 0
+        self.watch_ops_width(self.ops_width)
+        self.run_worker(self.link.run(), name="engine link", exit_on_error=False)
+        await self.new_session()
+        self.show_status()
+
+    async def on_unmount(self) -> None:
+        await self.link.close()
+
+    @property
+    def tabs(self) -> TabbedContent:
+        return self.query_one("#chats", TabbedContent)
+
+    @property
+    def ops(self) -> OpsPanels:
+        return self.query_one("#ops", OpsPanels)
+
+    @property
+    def current(self) -> ChatPane | None:
+        """The session in the active tab."""
+        pane = self.tabs.active_pane
+        return pane.query_one(ChatPane) if pane is not None else None
+
+    def watch_ops_width(self, width: int) -> None:
+        self.ops.display = width > 0
+        self.tabs.display = width < 100
+        self.ops.styles.width = f"{width}%" if width < 100 else "1fr"
+        focused = self.focused
+        if focused is None or not all(node.display for node in focused.ancestors_with_self if isinstance(node, Widget)):
+            self.focus_side(ops=not self.tabs.display)
+
+    def focus_side(self, ops: bool) -> None:
+        """Focus the running set (ops) or the prompt box (chat), or the other one if that side is hidden."""
+        tables = [t for t in self.ops.query(RequestTable) if t.display] if self.ops.display else []
+        chat = self.current if self.tabs.display else None
+        if ops and tables:
+            tables[-1].focus()
+        elif chat is not None:
+            chat.focus_input()
+        elif tables:
+            tables[-1].focus()
+
+    def show_status(self) -> None:
+        state = self.link.state
+        line = Text.assemble((f" {state.kind} ", STATE_STYLES.get(state.kind, "bold")), " ", state.detail)
+        if (stats := self.last_stats) is not None and state.connected:
+            busy = sum(rid is not None for rid in stats.slots)
+            line.append(f"  │  running {len(stats.running)} · waiting {len(stats.waiting)} · slots {busy}/"
+                        f"{len(stats.slots)} · {stats.counters.decode_tokens_per_s:.0f} tok/s", "dim")
+        self.query_one("#status", Static).update(line)
+
+    # -- engine -----------------------------------------------------------------------------------
+    def on_engine_stats(self, stats: Stats) -> None:
+        self.last_stats = stats
+        if self.ops.display:
+            self.ops.show_stats(stats, self.link.names)
+        self.show_status()
+
+    def on_engine_state(self, state: LinkState) -> None:
+        self.show_status()
+        if state.kind == "lost":
+            for pane in self.query(ChatPane):
+                pane.interrupt(state.detail)
+            self.notify(state.detail, title="engine lost", severity="warning")
+        elif state.kind == "failed":
+            self.notify(state.detail, title="engine", severity="error", timeout=15)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """The link must outlive any surprise: report it and start it again."""
+        if event.worker.name == "engine link" and event.state is WorkerState.ERROR:
+            self.notify(f"engine link failed: {event.worker.error!r}; retrying", severity="error")
+            self.run_worker(self.link.run(), name="engine link", exit_on_error=False)
+
+    async def on_request_table_abort_requested(self, event: RequestTable.AbortRequested) -> None:
+        label = self.link.names.label(event.rid, 40)
+        if await self.link.abort(event.rid):
+            self.notify(f"aborted {label}")
+        else:
+            self.notify(f"could not reach the engine to abort {label}", severity="error")
+
+    # -- sessions ---------------------------------------------------------------------------------
+    async def new_session(self, name: str | None = None, activate: bool = True,
+                          like: Session | None = None) -> ChatPane:
+        """Open a session in a new tab, with `like`'s system prompt and sampling settings if given."""
+        self._opened += 1
+        session = Session(name or f"chat {self._opened}")
+        if like is not None:
+            session.system_prompt, session.params = like.system_prompt, like.params
+        pane = ChatPane(session, self.link)
+        tab_id = f"session-{session.sid}"
+        await self.tabs.add_pane(TabPane(Content(session.name), pane, id=tab_id))
+        if activate:
+            self.tabs.active = tab_id
+            pane.focus_input()
+        return pane
+
+    def on_chat_pane_state_changed(self, event: ChatPane.StateChanged) -> None:
+        self.label_tab(event.pane)
+
+    def label_tab(self, pane: ChatPane) -> None:
+        """The tab shows the session's name, with a dot while its reply is generating."""
+        tab_pane = pane.parent
+        if isinstance(tab_pane, TabPane) and tab_pane.id is not None:
+            live = pane.session.live is not None
+            self.tabs.get_tab(tab_pane.id).label = Content(("● " if live else "") + pane.session.name)
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if (pane := self.current) is not None and self.tabs.display:
+            pane.focus_input()
+
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        pane = event.prompt_input.query_ancestor(ChatPane)
+        text = event.text
+        if text.startswith("/") and not text.startswith("//"):
+            try:
+                command, arg = parse_slash(text)
+            except ValueError as e:
+                self.notify(str(e), severity="error")
+                return
+            await self.run_command(command, arg, pane)
+        else:
+            await pane.send(text.removeprefix("/"))
+
+    async def run_command(self, command: Command, arg: str, pane: ChatPane | None = None) -> None:
+        """Carry out a session command on `pane` (the current session by default)."""
+        pane = pane or self.current
+        if pane is None:
+            return
+        session = pane.session
+        try:
+            if command.name == "new":
+                await self.new_session(arg or None)
+            elif command.name == "close":
+                self.action_close_session()
+            elif command.name == "rename":
+                session.name = arg or session.name
+                self.label_tab(pane)
+            elif command.name == "system":
+                session.system_prompt = arg
+            elif command.name in SETTINGS:
+                session.set(command.name, arg)
+            elif command.name == "fanout":
+                await self.fan_out(parse_fanout(arg), like=session)
+            elif command.name == "abort":
+                await self.action_abort()
+            elif command.name == "reconnect":
+                self.link.retry()
+            elif command.name == "help":
+                self.action_help()
+        except ValueError as e:
+            self.notify(str(e), severity="error")
+        pane.show_settings()
+
+    async def fan_out(self, prompts: list[str], like: Session) -> None:
+        """Open one session per prompt (with `like`'s settings) and send them all at once, to watch them
+        batch in the ops panels."""
+        panes = [await self.new_session(activate=False, like=like) for _ in prompts]
+        for pane, prompt in zip(panes, prompts, strict=True):
+            await pane.send(prompt)
+        self.tabs.active = panes[0].parent.id  # type: ignore[union-attr, assignment]
+        if not self.ops_width and self.size.width >= WIDE:
+            self.ops_width = self._ops_restore
+
+    def current_value(self, name: str) -> str:
+        """What a command's dialog starts with: the setting's present value."""
+        pane = self.current
+        if pane is None:
+            return ""
+        if name in SETTINGS:
+            return str(getattr(pane.session.params, name))
+        return {"rename": pane.session.name, "system": pane.session.system_prompt,
+                "fanout": f"4 {pane.query_one(PromptInput).text.strip() or 'Tell me a story'}"}.get(name, "")
+
+    def ask_and_run(self, command: Command) -> None:
+        """Run a command from the palette or a key, asking for its argument first if it takes one."""
+        if command.arg is None or command.name == "new":
+            self.run_worker(self.run_command(command, ""))
+            return
+
+        async def answered(arg: str | None) -> None:
+            if arg is not None:
+                await self.run_command(command, arg)
+
+        question = f"{command.title} ({command.arg}): {command.help}"
+        self.push_screen(AskScreen(question, self.current_value(command.name)), answered)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for command in COMMANDS:
+            yield SystemCommand(command.title, command.help, partial(self.ask_and_run, command))
+        yield SystemCommand("Show/hide ops panels", "the live scheduler view (f5)", self.action_toggle_ops)
+        for i, (panel_id, title) in enumerate(PANELS, 1):
+            yield SystemCommand(f"Show/hide panel: {title}", f"alt+{i}", partial(self.action_toggle_panel, panel_id))
+
+    # -- actions ----------------------------------------------------------------------------------
+    async def action_new_session(self) -> None:
+        await self.new_session()
+
+    def action_close_session(self) -> None:
+        pane = self.current
+        if pane is None:
+            return
+
+        async def close(yes: bool | None = True) -> None:
+            if yes:
+                await self.tabs.remove_pane(pane.parent.id)  # type: ignore[union-attr, arg-type]
+                if self.current is None:
+                    await self.new_session()
+                else:
+                    self.current.focus_input()
+
+        if pane.session.turns:
+            self.push_screen(ConfirmScreen(f"Close {pane.session.name!r} and discard its conversation?"), close)
+        else:
+            self.run_worker(close())
+
+    def action_rename_session(self) -> None:
+        self.ask_and_run(BY_NAME["rename"])
+
+    def action_fan_out(self) -> None:
+        self.ask_and_run(BY_NAME["fanout"])
+
+    async def action_abort(self) -> None:
+        pane = self.current
+        if pane is not None and not await pane.abort():
+            self.notify("nothing to stop in this session")
+
+    def action_switch_session(self, step: int) -> None:
+        tabs = self.tabs.query_one(Tabs)
+        tabs.action_next_tab() if step > 0 else tabs.action_previous_tab()
+
+    def action_toggle_ops(self) -> None:
+        if self.ops_width:
+            self._ops_restore, self.ops_width = self.ops_width, 0
+        else:
+            self.ops_width = self._ops_restore
+
+    def action_resize_ops(self, delta: int) -> None:
+        self.ops_width = min(100, max(OPS_STEP * 2, (self.ops_width or self._ops_restore) + delta))
+
+    def action_toggle_panel(self, panel_id: str) -> None:
+        if not self.ops_width:
+            self.ops_width = self._ops_restore
+        self.ops.toggle(panel_id)
+        if self.last_stats is not None:
+            self.ops.show_stats(self.last_stats, self.link.names)
+
+    def action_switch_focus(self) -> None:
+        """Move focus between the prompt box and the ops tables."""
+        self.focus_side(ops=self.focused is None or self.ops not in self.focused.ancestors)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen([("everywhere", App.BINDINGS), ("everywhere", self.BINDINGS),
+                                     ("prompt box", PromptInput.BINDINGS),
+                                     ("waiting queue, running set", RequestTable.BINDINGS)]))

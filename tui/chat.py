@@ -1,0 +1,172 @@
+"""One chat session on screen: the conversation, its settings line and the prompt box.
+
+A ChatPane streams its own replies (one request at a time) through the app's engine link, so each
+tab generates independently of the others and closing a tab aborts only its own request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Markdown, Static, TextArea
+
+from engine.client import EngineError, EngineUnavailable
+from tui.names import printable
+from tui.session import Reply, Session, Turn
+
+if TYPE_CHECKING:
+    from tui.link import EngineLink
+
+
+class PromptInput(TextArea):
+    """Multi-line prompt box: Enter sends, ctrl+j (or shift/alt+enter where the terminal reports
+    them) starts a new line. Pasted text goes in unchanged, newlines included (TextArea's paste)."""
+
+    BINDINGS = [
+        Binding("enter", "send", "Send", priority=True),
+        Binding("ctrl+j,shift+enter,alt+enter", "newline", "New line", key_display="ctrl+j"),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, prompt_input: PromptInput, text: str) -> None:
+            super().__init__()
+            self.prompt_input, self.text = prompt_input, text
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(soft_wrap=True, show_line_numbers=False, compact=True, **kwargs)  # type: ignore[arg-type]
+
+    def action_send(self) -> None:
+        if self.text.strip():
+            self.post_message(self.Submitted(self, self.text))
+            self.clear()
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
+
+class ReplyView(Vertical):
+    """An assistant reply: Markdown that grows as text streams in, and a line of numbers under it."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(classes="reply")
+        self.reply = reply
+
+    def compose(self) -> ComposeResult:
+        yield Markdown(printable(self.reply.text))
+        yield Static(classes="reply-stats")
+
+    def on_mount(self) -> None:
+        self.refresh_state()
+
+    def refresh_state(self) -> None:
+        reply = self.reply
+        label = "waiting for engine…" if reply.state == "queued" else reply.summary()
+        if reply.live and reply.state == "streaming":
+            label += " · streaming…"
+        self.query_one(".reply-stats", Static).update(Text(printable(label)))
+        for state in ("queued", "streaming", "done", "aborted", "error", "interrupted"):
+            self.set_class(reply.state == state, f"-{state}")
+
+
+class ChatPane(Vertical):
+    """The widgets of one Session. The session object outlives the pane's requests and errors."""
+
+    class StateChanged(Message):
+        """A reply started or ended, so the tab label and the app's status can follow."""
+
+        def __init__(self, pane: ChatPane) -> None:
+            super().__init__()
+            self.pane = pane
+
+    def __init__(self, session: Session, link: EngineLink) -> None:
+        super().__init__(classes="chat")
+        self.session = session
+        self.link = link
+
+    def compose(self) -> ComposeResult:
+        yield Static(classes="chat-settings")
+        with VerticalScroll(classes="chat-log"):
+            for turn in self.session.turns:
+                yield from self._turn_widgets(turn)
+        yield PromptInput(classes="chat-input")
+
+    def on_mount(self) -> None:
+        self.query_one(".chat-log", VerticalScroll).anchor()
+        self.show_settings()
+
+    def show_settings(self) -> None:
+        system = self.session.system_prompt.replace("\n", " ")
+        line = f"system: {system}" if system else "no system prompt"
+        self.query_one(".chat-settings", Static).update(Text(printable(f"{line}  ·  {self.session.describe()}")))
+
+    def focus_input(self) -> None:
+        self.query_one(PromptInput).focus()
+
+    @staticmethod
+    def _turn_widgets(turn: Turn) -> list[Static | ReplyView]:
+        return [Static(Text(printable(turn.prompt)), classes="user"), ReplyView(turn.reply)]
+
+    async def send(self, prompt: str) -> Reply | None:
+        """Start a turn, unless a reply is still generating (one request per session at a time)."""
+        if self.session.live is not None:
+            self.notify("this session is still generating; press escape to stop it", severity="warning")
+            return None
+        turn = self.session.start_turn(prompt)
+        messages = self.session.messages(prompt)
+        await self.query_one(".chat-log", VerticalScroll).mount_all(self._turn_widgets(turn))
+        self._generate(turn, messages)
+        self.post_message(self.StateChanged(self))
+        return turn.reply
+
+    @work(group="generate")
+    async def _generate(self, turn: Turn, messages: list[dict[str, str]]) -> None:
+        """Stream one reply into its view; every way out leaves the reply in a final state."""
+        reply = turn.reply
+        view = next(v for v in self.query(ReplyView) if v.reply is reply)
+        markdown = Markdown.get_stream(view.query_one(Markdown))
+        try:
+            client = await self.link.ready()
+            self.link.names.own(reply.rid, f"{self.session.name} #{len(self.session.turns)}")
+            async for out in client.generate(messages, self.session.params, rid=reply.rid):
+                reply.add(out)
+                await markdown.write(printable(out.text))
+                view.refresh_state()
+        except EngineError as e:
+            reply.fail("error", e.message)
+        except EngineUnavailable as e:
+            reply.fail("interrupted", str(e))
+        except asyncio.CancelledError:
+            if reply.live:
+                reply.fail("interrupted", self.link.interruption or "cancelled")
+            raise
+        except Exception as e:  # whatever else goes wrong ends this reply, not the app
+            reply.fail("error", f"{type(e).__name__}: {e}")
+        finally:
+            await markdown.stop()
+            if view.is_attached:  # not when the tab (or the app) is closing
+                view.refresh_state()
+                self.post_message(self.StateChanged(self))
+
+    async def abort(self) -> bool:
+        """Ask the engine to stop this session's reply; the stream then ends with an aborted Final."""
+        reply = self.session.live
+        if reply is None:
+            return False
+        if reply.state == "queued" or not await self.link.abort(reply.rid):
+            self.interrupt("aborted")  # never reached the engine, or the engine is gone: stop locally
+        return True
+
+    def interrupt(self, why: str) -> None:
+        """Stop streaming locally (engine lost, or abort without an engine); the text so far stays."""
+        reply = self.session.live
+        if reply is not None:
+            state = "aborted" if why == "aborted" else "interrupted"
+            reply.fail(state, "" if state == "aborted" else why)
+            self.workers.cancel_group(self, "generate")

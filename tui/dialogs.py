@@ -1,0 +1,48 @@
+"""Small modal dialogs: ask for one line of text, or confirm a destructive step."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Input, Label
+
+
+class AskScreen(ModalScreen[str | None]):
+    """One line of input; Enter answers it, escape cancels (None)."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss(None)", "Cancel")]
+
+    def __init__(self, question: str, value: str = "", placeholder: str = "") -> None:
+        super().__init__(classes="dialog")
+        self.question, self.value, self.placeholder = question, value, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label(self.question)
+            yield Input(self.value, placeholder=self.placeholder, select_on_focus=False)
+            yield Label("enter: OK · escape: cancel", classes="dialog-hint")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value)
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; y or enter says yes, n or escape says no."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("y,enter", "dismiss(True)", "Yes"),
+        Binding("n,escape", "dismiss(False)", "No"),
+    ]
+
+    def __init__(self, question: str) -> None:
+        super().__init__(classes="dialog")
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label(self.question)
+            yield Label("y / enter: yes · n / escape: no", classes="dialog-hint")

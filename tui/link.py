@@ -1,0 +1,184 @@
+"""The TUI's connection to an engine: find or start it, watch its stats, notice when it goes, come back.
+
+The app never talks to sockets itself; it asks the link for a ready client and receives stats and
+state changes through two callbacks. Everything that can go wrong with an engine (not started yet,
+failed to start, busy in a long step, killed) becomes a state with a sentence for the status bar,
+never an exception in the UI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.addresses import AddressError, default_address, ipc_listening, split
+from engine.client import AsyncEngineClient, EngineError, EngineUnavailable
+from engine.config import DEMO_MODEL_DIR
+from engine.launcher import EngineHandle, EngineStartError, find, start
+from engine.protocol import Info, Stats
+from tui.names import RequestNames
+
+STALL_AFTER = 2.0  # seconds without a stats snapshot before we check whether the engine is still there
+RETRY_EVERY = 1.0  # seconds between attempts to find an engine that went away
+REQUEST_TIMEOUT = 60.0  # a stream silent this long is dead (the engine heartbeats every second)
+STATS_EVERY = 0.2  # seconds between two stats callbacks: the panels need no more than 5 frames a second
+
+
+@dataclass
+class LinkState:
+    """`kind` is one of: connecting, starting, connected, stalled, lost, failed."""
+
+    kind: str
+    detail: str
+
+    @property
+    def connected(self) -> bool:
+        return self.kind in ("connected", "stalled")
+
+
+def listening(address: str) -> bool:
+    """Something accepts connections at `address` (true of a busy engine, false of a dead one)."""
+    scheme, rest = split(address)
+    if scheme == "ipc":
+        return ipc_listening(rest)
+    host, _, port = rest.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class EngineLink:
+    """Finds (or, when `autostart`, starts) the engine at `address` and keeps a client to it.
+
+    When the engine goes away the link looks again (and, with `autostart`, starts a new one), so
+    conversations survive an engine restart. A failed start is not repeated on its own, since it
+    would most likely fail the same way; `retry()` (the app's Reconnect command) tries again.
+    """
+
+    address: str = field(default_factory=default_address)
+    model: str | None = None
+    autostart: bool = True
+    engine_options: dict[str, object] = field(default_factory=dict)
+    on_stats: Callable[[Stats], None] = lambda stats: None
+    on_state: Callable[[LinkState], None] = lambda state: None
+    names: RequestNames = field(default_factory=RequestNames)
+    state: LinkState = field(default_factory=lambda: LinkState("connecting", "looking for an engine…"))
+    info: Info | None = None
+    client: AsyncEngineClient | None = None
+    handle: EngineHandle | None = None
+    start_failed: bool = False
+
+    def __post_init__(self) -> None:
+        self._ready = asyncio.Event()
+        self._retry = asyncio.Event()
+
+    @property
+    def interruption(self) -> str | None:
+        """Why replies cannot continue right now (None while connected)."""
+        return None if self.state.connected else self.state.detail
+
+    def _set(self, kind: str, detail: str) -> None:
+        if (kind, detail) != (self.state.kind, self.state.detail):
+            self.state = LinkState(kind, detail)
+            self.on_state(self.state)
+
+    async def ready(self) -> AsyncEngineClient:
+        """The client, once an engine is connected (waits while it is being found or started)."""
+        while True:
+            await self._ready.wait()
+            if self.client is not None:
+                return self.client
+
+    def retry(self) -> None:
+        """Try again now, starting an engine even if the last start failed."""
+        self.start_failed = False
+        self._retry.set()
+
+    async def abort(self, rid: str) -> bool:
+        """Abort any live request; False if no engine could be asked (the caller stops it locally)."""
+        if self.client is None or not self.state.connected:
+            return False
+        try:
+            await self.client.abort(rid, timeout=5.0)
+        except EngineError:
+            return True  # unknown_request: it finished or was aborted meanwhile; either way it is gone
+        except EngineUnavailable:
+            return False
+        return True
+
+    async def run(self) -> None:
+        """Find or start, watch until the engine goes, repeat; runs for the life of the app."""
+        while True:
+            handle = await self._find_or_start()
+            if handle is None:
+                self._retry.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._retry.wait(), RETRY_EVERY)
+                continue
+            why = await self._attach(handle)
+            await self.close()
+            self._set("lost", f"{why}; reconnecting…")
+
+    async def _find_or_start(self) -> EngineHandle | None:
+        handle = await asyncio.to_thread(find, self.address)
+        if handle is not None:
+            return handle
+        if not (self.autostart and not self.start_failed):
+            if self.state.kind not in ("lost", "failed"):
+                self._set("lost", f"no engine answers at {self.address}; waiting for one…")
+            return None
+        if self.model is None and not (DEMO_MODEL_DIR / "config.json").is_file():
+            self.start_failed = True
+            self._set("failed", "no model: the embedded demo model is not built yet; run `minichat --model PATH` "
+                                "with an HF checkpoint directory, or attach with --address to a running engine")
+            return None
+        self._set("starting", f"starting an engine for {self.model or 'the demo model'} at {self.address}…")
+        try:
+            return await asyncio.to_thread(start, self.address, model=self.model, **self.engine_options)
+        except (EngineStartError, AddressError, OSError, ValueError) as e:
+            self.start_failed = True
+            self._set("failed", f"the engine did not start: {e}")
+            return None
+
+    async def _attach(self, handle: EngineHandle) -> str:
+        """Connect a client and pass stats on until the engine is gone; returns why it is gone."""
+        if handle.started:
+            self.handle = handle
+        self.client = handle.async_client(timeout=REQUEST_TIMEOUT)
+        try:
+            self.info = await self.client.info(timeout=5.0)
+        except EngineUnavailable:
+            return f"the engine at {self.address} did not answer"
+        connected = f"{Path(self.info.model).name} · pid {self.info.pid} · {self.address}"
+        self._set("connected", connected)
+        self._ready.set()
+        while True:
+            try:
+                stats = await self.client.stats(STALL_AFTER)
+            except EngineUnavailable:
+                if not await asyncio.to_thread(listening, self.address):
+                    return f"the engine at {self.address} stopped"
+                self._set("stalled", f"no stats for {STALL_AFTER:g} s; the engine is busy or stuck")
+                continue
+            self._set("connected", connected)
+            self.on_stats(stats)
+            await asyncio.sleep(STATS_EVERY)
+
+    async def close(self) -> None:
+        """Drop the client (the app is closing); the engine itself is left to `stop_engine`."""
+        self._ready.clear()
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+    def stop_engine(self) -> None:
+        """Stop the engine if this link started it (on the way out of the app); blocking."""
+        if self.handle is not None:
+            self.handle.stop()

@@ -1,0 +1,52 @@
+"""How a request is shown across the ops panels: a short label and a stable colour.
+
+The same request appears in the waiting queue, the running set, its request slot, its KV pages and
+the step timeline; one colour per request lets the eye follow it from panel to panel, and a label
+naming the chat session (for this app's own requests) tells a person which requests are theirs.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from rich.text import Text
+
+# Control characters a model (or another client's request id) may produce would drive the terminal
+# itself; show them as their Unicode "control pictures" instead (newlines and tabs stay as they are).
+_VISIBLE = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {127: 0x2421} | {
+    c: 0xFFFD for c in range(0x80, 0xA0)}
+
+
+def printable(text: str) -> str:
+    """`text` with control characters made visible and harmless."""
+    return text.translate(_VISIBLE)
+
+
+COLOURS = ("#e06c75", "#98c379", "#e5c07b", "#61afef", "#c678dd", "#56b6c2", "#d19a66", "#be5046",
+           "#7ec699", "#f78c6c", "#82aaff", "#c3e88d", "#ff9cac", "#89ddff", "#ffcb6b", "#a9b1d6")
+
+
+def colour(rid: str) -> str:
+    """A colour that depends only on the request id, so every panel and every client agrees."""
+    return COLOURS[zlib.crc32(rid.encode()) % len(COLOURS)]
+
+
+class RequestNames:
+    """Labels for this app's own requests (the session that sent them); other clients' show their id."""
+
+    def __init__(self) -> None:
+        self._labels: dict[str, str] = {}
+
+    def own(self, rid: str, label: str) -> None:
+        self._labels[rid] = label
+
+    def is_own(self, rid: str) -> bool:
+        return rid in self._labels
+
+    def label(self, rid: str, width: int = 14) -> str:
+        text = printable(self._labels.get(rid, rid))
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    def styled(self, rid: str, width: int = 14) -> Text:
+        style = colour(rid) + (" bold" if rid in self._labels else "")
+        return Text(self.label(rid, width), style=style)

@@ -1,0 +1,100 @@
+"""The waiting queue and the running set as tables, one row per request, any of which can be aborted.
+
+Rows are keyed by request id and updated in place, so the cursor stays on the request a person
+selected while the snapshot changes ten times a second.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.text import Text
+from textual.binding import Binding, BindingType
+from textual.message import Message
+from textual.widgets import DataTable
+
+from engine.protocol import RunningReq, Stats
+from tui.names import RequestNames
+
+Row = tuple[Text | str, ...]
+
+
+def bar(done: int, total: int, width: int = 10) -> Text:
+    """A progress bar with the numbers after it, e.g. `█████░░░░░ 12/24`."""
+    filled = round(width * done / total) if total else 0
+    return Text.assemble(("█" * filled, "green"), ("░" * (width - filled), "grey39"), f" {done}/{total}")
+
+
+class RequestTable(DataTable):
+    """A table of live requests; `x` or delete asks the app to abort the request under the cursor."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("x,delete", "abort_request", "Abort request")]
+    COLUMNS: ClassVar[tuple[str, ...]] = ()
+    TITLE: ClassVar[str] = ""
+
+    class AbortRequested(Message):
+        def __init__(self, rid: str) -> None:
+            super().__init__()
+            self.rid = rid
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=True, classes="panel", **kwargs)  # type: ignore[arg-type]
+        self.border_title = self.TITLE
+        self.border_subtitle = "x: abort"
+
+    def on_mount(self) -> None:
+        self.add_columns(*self.COLUMNS)
+
+    def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
+        """Request id -> the row's cells, for this snapshot."""
+        raise NotImplementedError
+
+    def show_stats(self, stats: Stats, names: RequestNames) -> None:
+        rows = self.snapshot_rows(stats, names)
+        shown = {key.value for key in self.rows}
+        for rid in shown - rows.keys():
+            self.remove_row(rid)  # type: ignore[arg-type]
+        columns = list(self.columns)
+        for rid, cells in rows.items():
+            if rid in shown:
+                for column, cell in zip(columns, cells, strict=True):
+                    self.update_cell(rid, column, cell)
+            else:
+                self.add_row(*cells, key=rid)
+        self.border_title = f"{self.TITLE} ({len(rows)})"
+
+    @property
+    def selected_rid(self) -> str | None:
+        if not self.row_count:
+            return None
+        return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
+
+    def action_abort_request(self) -> None:
+        if (rid := self.selected_rid) is not None:
+            self.post_message(self.AbortRequested(rid))
+
+
+class WaitingTable(RequestTable):
+    """The waiting queue in arrival order: admission takes from the top and stops at the first misfit."""
+
+    TITLE = "Waiting queue"
+    COLUMNS = ("request", "prompt", "waited")
+
+    def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
+        return {w.rid: (names.styled(w.rid), str(w.prompt_tokens), f"{w.waited:.1f}s") for w in stats.waiting}
+
+
+class RunningTable(RequestTable):
+    """Requests holding a request slot: a prompt mid-chunk (prefilling) or generating (running)."""
+
+    TITLE = "Running set"
+    COLUMNS = ("request", "slot", "state", "progress", "pages")
+
+    def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
+        return {r.rid: (names.styled(r.rid), str(r.slot), *self._progress(r), str(r.pages)) for r in stats.running}
+
+    @staticmethod
+    def _progress(r: RunningReq) -> tuple[Text, Text]:
+        if r.state == "prefilling":
+            return Text("prefill", "magenta"), bar(r.prefilled, r.prompt_tokens)
+        return Text("decode", "cyan"), bar(r.generated, r.max_tokens)
