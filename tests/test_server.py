@@ -155,7 +155,7 @@ def test_abort_waiting_chunked_and_running_from_another_client(served: EngineHan
 def test_raw_pyzmq_client_from_protocol_doc(served: EngineHandle, tmp_path: Path) -> None:
     doc = (ROOT / "docs" / "protocol.md").read_text()
     script = tmp_path / "raw_client.py"
-    script.write_text(re.search(r"```python\n(.*?)```", doc, re.S).group(1))
+    script.write_text(re.search(r"## A raw client.*?```python\n(.*?)```", doc, re.S).group(1))
     out = subprocess.run([sys.executable, str(script), served.address], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert f"pong from pid {served.pid}" in out
