@@ -105,7 +105,7 @@ def ipc_listening(path: str) -> bool:
         try:
             s.connect(path)
         except OSError as e:
-            if e.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK):
+            if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
                 return False
             raise
     return True
@@ -120,6 +120,8 @@ def remove_stale_ipc(address: str) -> None:
     for p in (path, path + ".stats"):
         if not os.path.lexists(p):
             continue
+        if not stat.S_ISSOCK(os.lstat(p).st_mode):
+            raise AddressError(f"{p} exists and is not a socket; choose another --address")
         if ipc_listening(p):
             raise AddressError(f"another process already listens on {p}; stop it (minichat stop "
                                f"--address {address}) or choose another --address")

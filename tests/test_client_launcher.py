@@ -193,6 +193,11 @@ def test_stale_ipc_socket_is_removed_and_a_live_one_is_not(runtime: Path) -> Non
         live.listen()
         with pytest.raises(AddressError, match="already listens"):
             remove_stale_ipc(f"ipc://{path}")
+    path.unlink()
+    path.write_text("not a socket")
+    with pytest.raises(AddressError, match="not a socket"):
+        remove_stale_ipc(f"ipc://{path}")
+    assert path.read_text() == "not a socket"
 
 
 def test_wire_params_mirror_sampling_params() -> None:
