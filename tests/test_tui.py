@@ -16,13 +16,16 @@ from typing import Any
 
 import pytest
 from textual import events
+from textual.command import CommandPalette
 from textual.pilot import Pilot
-from textual.widgets import Markdown, Static
+from textual.widgets import Input, Markdown, Static
 
 from engine.client import AsyncEngineClient
 from engine.launcher import EngineHandle, start
 from tui.app import MinichatApp
 from tui.chat import ChatPane, PromptInput, ReplyView
+from tui.dialogs import AskScreen
+from tui.help import HelpScreen
 from tui.link import EngineLink
 from tui.panels import RequestTable
 from tui.session import Reply
@@ -233,3 +236,54 @@ def test_engine_death_keeps_the_conversation_and_reconnects(llama_ckpt: Path, tm
         run(scenario)
     finally:
         handle.stop()
+
+
+def test_keys_and_commands_manage_sessions_and_panels(tmp_path: Path) -> None:
+    """Everything that needs no engine: sessions, dialogs, panel layout, help, palette."""
+
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=f"ipc://{tmp_path}/nobody.sock", autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("ctrl+n")
+            assert len(app.query(ChatPane)) == 2 and app.current.session.name == "chat 2"  # type: ignore[union-attr]
+            await pilot.press("f2")
+            await wait_for(pilot, lambda: isinstance(app.screen, AskScreen), "the rename dialog")
+            app.screen.query_one(Input).value = "poems"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.current.session.name == "poems", "the rename")  # type: ignore[union-attr]
+            assert "poems" in str(app.tabs.get_tab(app.tabs.active).label)
+            await type_and_send(pilot, "/temperature 0.3")
+            await type_and_send(pilot, "/system Answer in verse.")
+            session = app.current.session  # type: ignore[union-attr]
+            assert session.params.temperature == 0.3 and session.system_prompt == "Answer in verse."
+            assert session.messages("hi")[0] == {"role": "system", "content": "Answer in verse."}
+            await type_and_send(pilot, "/top_p 7")  # out of range: refused, setting unchanged
+            assert session.params.top_p == 0.95
+            await pilot.press("alt+left")
+            assert app.current.session.name == "chat 1"  # type: ignore[union-attr]
+            await pilot.press("ctrl+w")  # an empty session closes without asking
+            await wait_for(pilot, lambda: len(app.query(ChatPane)) == 1, "the close")
+            assert app.current.session.name == "poems"  # type: ignore[union-attr]
+
+            assert app.ops.display  # wide terminal: open beside the chat
+            await pilot.press("alt+2")
+            assert not app.query_one("#running").display
+            await pilot.press("alt+2", "f8")
+            assert app.query_one("#running").display and app.ops_width == 60
+            await pilot.press("f5")
+            assert not app.ops.display and isinstance(app.focused, PromptInput)
+            await pilot.press("f5", "f6")
+            assert isinstance(app.focused, RequestTable)
+
+            await pilot.press("f1")
+            await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
+            screen = app.screen
+            help_text = " ".join(" ".join(row) for row in [*screen.keys, *screen.commands])
+            for key in ("ctrl+n", "ctrl+w", "f2", "ctrl+f", "escape", "f5", "alt+1", "ctrl+j", "ctrl+p", "ctrl+q",
+                        "x / delete", "/fanout"):
+                assert key in help_text, key
+            await pilot.press("escape")
+            await pilot.press("ctrl+p")
+            await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette), "the command palette")
+
+    run(scenario)

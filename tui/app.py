@@ -7,20 +7,21 @@ draw stats snapshots (tui/panels/), and the link finds, watches and re-finds the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import ClassVar
 
 from rich.text import Text
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, ComposeResult, ScreenStackError, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.content import Content
+from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Static, TabbedContent, TabPane, Tabs
-from textual.worker import Worker, WorkerState
 
 from engine.protocol import Stats
 from tui.chat import ChatPane, PromptInput
@@ -45,16 +46,17 @@ class MinichatApp(App[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("f1", "help", "Help"),
         Binding("ctrl+n", "new_session", "New chat"),
-        Binding("ctrl+w", "close_session", "Close chat", priority=True),
-        Binding("f2", "rename_session", "Rename"),
-        Binding("ctrl+f", "fan_out", "Fan out"),
+        Binding("ctrl+w", "close_session", "Close chat", priority=True, show=False),
+        Binding("f2", "rename_session", "Rename chat", show=False),
+        Binding("ctrl+f", "fan_out", "Fan out", show=False),
         Binding("escape", "abort", "Stop reply"),
         Binding("ctrl+pagedown,alt+right", "switch_session(1)", "Next chat", show=False),
         Binding("ctrl+pageup,alt+left", "switch_session(-1)", "Previous chat", show=False),
         Binding("f5", "toggle_ops", "Ops panels"),
-        Binding("f6", "switch_focus", "Chat ⇄ ops focus", show=False),
-        Binding("f7", f"resize_ops({-OPS_STEP})", "Ops panels narrower", show=False),
-        Binding("f8", f"resize_ops({OPS_STEP})", "Ops panels wider", show=False),
+        # priority: the prompt box (a TextArea) would take f6 and f7 for selecting text
+        Binding("f6", "switch_focus", "Chat ⇄ ops focus", show=False, priority=True),
+        Binding("f7", f"resize_ops({-OPS_STEP})", "Ops panels narrower", show=False, priority=True),
+        Binding("f8", f"resize_ops({OPS_STEP})", "Ops panels wider", show=False, priority=True),
         *[Binding(f"alt+{i}", f"toggle_panel('{panel_id}')", f"Show/hide the {title} panel", show=False)
           for i, (panel_id, title) in enumerate(PANELS, 1)],
     ]
@@ -82,7 +84,7 @@ class MinichatApp(App[None]):
         self._ops_restore = 50 if self.size.width >= WIDE else 100
         self.ops_width = 50 if self.size.width >= WIDE else 0
         self.watch_ops_width(self.ops_width)
-        self.run_worker(self.link.run(), name="engine link", exit_on_error=False)
+        self.run_worker(self.link.run(), name="engine link")
         await self.new_session()
         self.show_status()
 
@@ -127,31 +129,40 @@ class MinichatApp(App[None]):
         line = Text.assemble((f" {state.kind} ", STATE_STYLES.get(state.kind, "bold")), " ", state.detail)
         if (stats := self.last_stats) is not None and state.connected:
             busy = sum(rid is not None for rid in stats.slots)
+            c = stats.counters
             line.append(f"  │  running {len(stats.running)} · waiting {len(stats.waiting)} · slots {busy}/"
-                        f"{len(stats.slots)} · {stats.counters.decode_tokens_per_s:.0f} tok/s", "dim")
-        self.query_one("#status", Static).update(line)
+                        f"{len(stats.slots)} · prefill {c.prefill_tokens_per_s:.0f} · decode "
+                        f"{c.decode_tokens_per_s:.0f} tok/s", "dim")
+        status = self.query_one("#status", Static)
+        status.update(line)
+        status.set_class(not state.connected, "-problem")
 
     # -- engine -----------------------------------------------------------------------------------
     def on_engine_stats(self, stats: Stats) -> None:
         self.last_stats = stats
-        if self.ops.display:
-            self.ops.show_stats(stats, self.link.names)
-        self.show_status()
+        with self.while_open():
+            if self.ops.display:
+                self.ops.show_stats(stats, self.link.names)
+            self.show_status()
 
     def on_engine_state(self, state: LinkState) -> None:
-        self.show_status()
-        if state.kind == "lost":
-            for pane in self.query(ChatPane):
-                pane.interrupt(state.detail)
-            self.notify(state.detail, title="engine lost", severity="warning")
-        elif state.kind == "failed":
-            self.notify(state.detail, title="engine", severity="error", timeout=15)
+        with self.while_open():
+            self.show_status()
+            if state.kind == "lost":
+                for pane in self.query(ChatPane):
+                    pane.interrupt(state.detail)
+                self.notify(state.detail, title="engine lost", severity="warning")
+            elif state.kind == "failed":
+                self.notify(state.detail, title="engine", severity="error", timeout=15)
 
-    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
-        """The link must outlive any surprise: report it and start it again."""
-        if event.worker.name == "engine link" and event.state is WorkerState.ERROR:
-            self.notify(f"engine link failed: {event.worker.error!r}; retrying", severity="error")
-            self.run_worker(self.link.run(), name="engine link", exit_on_error=False)
+    @contextmanager
+    def while_open(self) -> Iterator[None]:
+        """The link calls back at any time, also while the app is closing and its widgets are gone."""
+        try:
+            yield
+        except (NoMatches, ScreenStackError):
+            if self.is_running:
+                raise
 
     async def on_request_table_abort_requested(self, event: RequestTable.AbortRequested) -> None:
         label = self.link.names.label(event.rid, 40)

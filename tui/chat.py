@@ -25,6 +25,15 @@ if TYPE_CHECKING:
     from tui.link import EngineLink
 
 
+PLACEHOLDER = "Message · enter: send · ctrl+j: new line · /help: commands · f1: keys"
+HINT = """\
+Type a message and press **enter**; **ctrl+j** starts a new line, and pasted text keeps its lines.
+**escape** stops a reply. Settings: `/temperature 0.7`, `/max_tokens 128`, `/system You are terse.`
+**ctrl+f** fans a prompt out to several sessions at once; **f5** shows the ops panels to watch them
+batch. **f1** lists every key, **ctrl+p** every command.
+"""
+
+
 class PromptInput(TextArea):
     """Multi-line prompt box: Enter sends, ctrl+j (or shift/alt+enter where the terminal reports
     them) starts a new line. Pasted text goes in unchanged, newlines included (TextArea's paste)."""
@@ -40,7 +49,7 @@ class PromptInput(TextArea):
             self.prompt_input, self.text = prompt_input, text
 
     def __init__(self, **kwargs: object) -> None:
-        super().__init__(soft_wrap=True, show_line_numbers=False, compact=True, **kwargs)  # type: ignore[arg-type]
+        super().__init__(soft_wrap=True, highlight_cursor_line=False, placeholder=PLACEHOLDER, **kwargs)  # type: ignore[arg-type]
 
     def action_send(self) -> None:
         if self.text.strip():
@@ -70,7 +79,8 @@ class ReplyView(Vertical):
         label = "waiting for engine…" if reply.state == "queued" else reply.summary()
         if reply.live and reply.state == "streaming":
             label += " · streaming…"
-        self.query_one(".reply-stats", Static).update(Text(printable(label)))
+        for stats in self.query(".reply-stats").results(Static):  # none while the view is torn down
+            stats.update(Text(printable(label)))
         for state in ("queued", "streaming", "done", "aborted", "error", "interrupted"):
             self.set_class(reply.state == state, f"-{state}")
 
@@ -93,6 +103,8 @@ class ChatPane(Vertical):
     def compose(self) -> ComposeResult:
         yield Static(classes="chat-settings")
         with VerticalScroll(classes="chat-log"):
+            if not self.session.turns:
+                yield Markdown(HINT, classes="chat-hint")
             for turn in self.session.turns:
                 yield from self._turn_widgets(turn)
         yield PromptInput(classes="chat-input")
@@ -118,8 +130,9 @@ class ChatPane(Vertical):
         if self.session.live is not None:
             self.notify("this session is still generating; press escape to stop it", severity="warning")
             return None
-        turn = self.session.start_turn(prompt)
         messages = self.session.messages(prompt)
+        turn = self.session.start_turn(prompt)
+        await self.query(".chat-hint").remove()
         await self.query_one(".chat-log", VerticalScroll).mount_all(self._turn_widgets(turn))
         self._generate(turn, messages)
         self.post_message(self.StateChanged(self))
@@ -150,9 +163,8 @@ class ChatPane(Vertical):
             reply.fail("error", f"{type(e).__name__}: {e}")
         finally:
             await markdown.stop()
-            if view.is_attached:  # not when the tab (or the app) is closing
-                view.refresh_state()
-                self.post_message(self.StateChanged(self))
+            view.refresh_state()
+            self.post_message(self.StateChanged(self))
 
     async def abort(self) -> bool:
         """Ask the engine to stop this session's reply; the stream then ends with an aborted Final."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import ClassVar
 
+from rich.table import Table
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Markdown
+from textual.widgets import Markdown, Static
 
 from tui.commands import COMMANDS
 
@@ -25,36 +26,45 @@ request frees its slot at once, and its pages go back to the pool or stay cached
 colour follows each request through every panel; bold labels are this app's own sessions.
 """
 
-
-def keys(binding: Binding) -> str:
-    return " / ".join(f"`{k.strip()}`" for k in binding.key.split(","))
+Row = tuple[str, str, str]
 
 
-def binding_rows(bindings: Iterable[BindingType], where: str) -> list[str]:
-    """Markdown table rows for the bindings that have a description (the others are internal)."""
-    return [f"| {keys(b)} | {b.description} | {where} |"
-            for b in bindings if isinstance(b, Binding) and b.description]
-
-
-def help_markdown(sections: Iterable[tuple[str, Iterable[BindingType]]], palette_key: str) -> str:
-    rows = [f"| `{palette_key}` | command palette: every command below, searchable | everywhere |"]
+def key_rows(sections: Iterable[tuple[str, Iterable[BindingType]]]) -> list[Row]:
+    """(keys, what they do, where) for every binding with a description (the others are internal)."""
+    rows = [(App.COMMAND_PALETTE_BINDING, "Command palette: every command below, searchable", "everywhere")]
     for where, bindings in sections:
-        rows += binding_rows(bindings, where)
-    commands = [f"| `/{c.name}{' ' + c.arg if c.arg else ''}` | {c.help} |" for c in COMMANDS]
-    return "\n".join(["# minichat help", "", "## Keys", "", "| key | does | where |", "|---|---|---|", *rows, "",
-                      "## Commands", "", "Type them in the prompt box, or pick them from the command palette.", "",
-                      "| command | does |", "|---|---|", *commands, "", PANELS_GUIDE])
+        rows += [(" / ".join(k.strip() for k in b.key.split(",")), b.description, where)
+                 for b in bindings if isinstance(b, Binding) and b.description]
+    return rows
+
+
+def command_rows() -> list[Row]:
+    return [(f"/{c.name}" + (f" {c.arg}" if c.arg else ""), c.help, c.title) for c in COMMANDS]
+
+
+def table(title: str, headers: Row, rows: list[Row]) -> Table:
+    t = Table(title=title, title_justify="left", title_style="bold", expand=True, box=None, padding=(0, 1),
+              header_style="bold")
+    for header in headers:
+        t.add_column(header, style="bold cyan" if header in ("key", "command") else "")
+    for row in rows:
+        t.add_row(*row)
+    return t
 
 
 class HelpScreen(ModalScreen[None]):
-    """Shows `help_markdown` for the running app; escape, q or f1 closes it."""
+    """Every key and command of the running app; escape, q or f1 closes it."""
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,f1", "dismiss", "Close help")]
 
     def __init__(self, sections: Iterable[tuple[str, Iterable[BindingType]]]) -> None:
         super().__init__(classes="dialog")
-        self.sections = list(sections)
+        self.keys, self.commands = key_rows(sections), command_rows()
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll(id="help"):
-            yield Markdown(help_markdown(self.sections, App.COMMAND_PALETTE_BINDING))
+        with VerticalScroll(id="help") as scroll:
+            scroll.border_title = "minichat help · escape closes"
+            yield Static(table("Keys", ("key", "does", "where"), self.keys))
+            yield Static(table("Commands (type them in the prompt box, or find them with ctrl+p)",
+                               ("command", "does", "palette entry"), self.commands), classes="help-commands")
+            yield Markdown(PANELS_GUIDE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,7 @@ class EngineLink:
     def __post_init__(self) -> None:
         self._ready = asyncio.Event()
         self._retry = asyncio.Event()
+        self._start_done: threading.Event | None = None
 
     @property
     def interruption(self) -> str | None:
@@ -116,15 +118,20 @@ class EngineLink:
     async def run(self) -> None:
         """Find or start, watch until the engine goes, repeat; runs for the life of the app."""
         while True:
-            handle = await self._find_or_start()
-            if handle is None:
-                self._retry.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._retry.wait(), RETRY_EVERY)
-                continue
-            why = await self._attach(handle)
-            await self.close()
-            self._set("lost", f"{why}; reconnecting…")
+            try:
+                handle = await self._find_or_start()
+                if handle is not None:
+                    why = await self._attach(handle)
+                    await self.close()
+                    self._set("lost", f"{why}; reconnecting…")
+                    continue
+            except Exception as e:  # a surprise must not end the link: report it and wait for a retry
+                await self.close()
+                self.start_failed = True
+                self._set("failed", f"engine link error: {type(e).__name__}: {e}")
+            self._retry.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._retry.wait(), RETRY_EVERY)
 
     async def _find_or_start(self) -> EngineHandle | None:
         handle = await asyncio.to_thread(find, self.address)
@@ -141,16 +148,26 @@ class EngineLink:
             return None
         self._set("starting", f"starting an engine for {self.model or 'the demo model'} at {self.address}…")
         try:
-            return await asyncio.to_thread(start, self.address, model=self.model, **self.engine_options)
+            return await asyncio.to_thread(self._start)
         except (EngineStartError, AddressError, OSError, ValueError) as e:
             self.start_failed = True
             self._set("failed", f"the engine did not start: {e}")
             return None
 
+    def _start(self) -> EngineHandle:
+        """Start an engine (blocking; in a thread). The handle is kept even if the app quits meanwhile,
+        so that `stop_engine` can still stop what was started."""
+        done = self._start_done = threading.Event()
+        try:
+            handle = start(self.address, model=self.model, **self.engine_options)
+            if handle.started:
+                self.handle = handle
+            return handle
+        finally:
+            done.set()
+
     async def _attach(self, handle: EngineHandle) -> str:
         """Connect a client and pass stats on until the engine is gone; returns why it is gone."""
-        if handle.started:
-            self.handle = handle
         self.client = handle.async_client(timeout=REQUEST_TIMEOUT)
         try:
             self.info = await self.client.info(timeout=5.0)
@@ -179,6 +196,9 @@ class EngineLink:
             self.client = None
 
     def stop_engine(self) -> None:
-        """Stop the engine if this link started it (on the way out of the app); blocking."""
+        """Stop the engine if this link started it (on the way out of the app); blocking, and waits for
+        an engine still starting rather than leave it running unowned."""
+        if self._start_done is not None:
+            self._start_done.wait()
         if self.handle is not None:
             self.handle.stop()

@@ -7,8 +7,6 @@ naming the chat session (for this app's own requests) tells a person which reque
 
 from __future__ import annotations
 
-import zlib
-
 from rich.text import Text
 
 # Control characters a model (or another client's request id) may produce would drive the terminal
@@ -26,16 +24,18 @@ COLOURS = ("#e06c75", "#98c379", "#e5c07b", "#61afef", "#c678dd", "#56b6c2", "#d
            "#7ec699", "#f78c6c", "#82aaff", "#c3e88d", "#ff9cac", "#89ddff", "#ffcb6b", "#a9b1d6")
 
 
-def colour(rid: str) -> str:
-    """A colour that depends only on the request id, so every panel and every client agrees."""
-    return COLOURS[zlib.crc32(rid.encode()) % len(COLOURS)]
-
-
 class RequestNames:
-    """Labels for this app's own requests (the session that sent them); other clients' show their id."""
+    """Labels for this app's own requests (the session that sent them; other clients' show their id),
+    and colours handed out in turn, so requests alive at the same time rarely share one."""
 
     def __init__(self) -> None:
         self._labels: dict[str, str] = {}
+        self._colours: dict[str, str] = {}
+
+    def colour(self, rid: str) -> str:
+        if rid not in self._colours:
+            self._colours[rid] = COLOURS[len(self._colours) % len(COLOURS)]
+        return self._colours[rid]
 
     def own(self, rid: str, label: str) -> None:
         self._labels[rid] = label
@@ -48,5 +48,5 @@ class RequestNames:
         return text if len(text) <= width else text[: width - 1] + "…"
 
     def styled(self, rid: str, width: int = 14) -> Text:
-        style = colour(rid) + (" bold" if rid in self._labels else "")
+        style = self.colour(rid) + (" bold" if rid in self._labels else "")
         return Text(self.label(rid, width), style=style)

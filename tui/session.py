@@ -99,7 +99,8 @@ class Reply:
 
     def summary(self) -> str:
         """One line of numbers for under the reply, e.g. `12 → 40 tok · TTFT 0.08 s · 31.5 tok/s · aborted`."""
-        parts = [f"{'?' if self.prompt_tokens is None else self.prompt_tokens} → {self.completion_tokens} tok"]
+        prompt = "" if self.prompt_tokens is None else f"{self.prompt_tokens} → "
+        parts = [f"{prompt}{self.completion_tokens} tok"]
         if self.ttft is not None:
             parts.append(f"TTFT {self.ttft:.2f} s")
         if (rate := self.tokens_per_s) is not None:

@@ -44,6 +44,13 @@ class RequestTable(DataTable):
 
     def on_mount(self) -> None:
         self.add_columns(*self.COLUMNS)
+        self.show_cursor = False
+
+    def on_focus(self) -> None:
+        self.show_cursor = True  # the selection matters only to the person about to press x
+
+    def on_blur(self) -> None:
+        self.show_cursor = False
 
     def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
         """Request id -> the row's cells, for this snapshot."""
@@ -58,7 +65,7 @@ class RequestTable(DataTable):
         for rid, cells in rows.items():
             if rid in shown:
                 for column, cell in zip(columns, cells, strict=True):
-                    self.update_cell(rid, column, cell)
+                    self.update_cell(rid, column, cell, update_width=True)
             else:
                 self.add_row(*cells, key=rid)
         self.border_title = f"{self.TITLE} ({len(rows)})"

@@ -37,9 +37,9 @@ class ThroughputPanel(Vertical):
         for name, field, unit in RATES:
             value = getattr(c, field)
             self.history[name].append(value)
-            self.query_one(f"#rate-{name}", Label).update(f"{name} {value:7.1f} {unit}")
+            self.query_one(f"#rate-{name}", Label).update(f"{name:<8}{value:8.1f} {unit}")
             self.query_one(f"#spark-{name}", Sparkline).data = list(self.history[name])
         self.query_one("#counters", Static).update(Text(
-            f"submitted {c.submitted} · finished {c.finished} · aborted {c.aborted} · errors {c.errors}\n"
+            f"submitted {c.submitted} · finished {c.finished} · aborted {c.aborted} · errors {c.errors} · "
             f"steps {c.steps} · prefill {c.prefill_tokens} tok · decode {c.decode_tokens} tok · "
             f"up {stats.uptime:.0f} s"))

@@ -1,0 +1,121 @@
+"""Regenerate the README's screenshots of the TUI: the real app, driven by Textual's pilot, against a
+real engine process started for the occasion (and stopped afterwards).
+
+    .venv/bin/python scripts/screenshots.py                   # the embedded demo model
+    .venv/bin/python scripts/screenshots.py --model PATH      # any HF checkpoint directory
+
+Writes SVG files into screenshots/ (or --out). Replies are sampled, so each run's text differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from textual.pilot import Pilot
+
+from engine.client import AsyncEngineClient
+from engine.config import DEMO_MODEL_DIR
+from engine.launcher import start
+from tui.app import MinichatApp
+from tui.link import EngineLink
+
+ENGINE_OPTIONS = {"max_running_requests": 8, "max_prefill_tokens": 256, "num_pages": 384}
+FAN_OUT = "/fanout 4 Once more unto the breach, dear friends | To be, or not to be | Shall I compare thee to a " \
+          "summer's day? | Now is the winter of our discontent"
+LOAD_PROMPT = "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him. " * 6
+
+
+async def until(pilot: Pilot, predicate: Callable[[], object], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the app did not reach the state to photograph")
+        await pilot.pause(0.05)
+
+
+async def send(pilot: Pilot, text: str) -> None:
+    from textual import events
+
+    pilot.app.post_message(events.Paste(text))
+    await pilot.pause()
+    await pilot.press("enter")
+
+
+async def connect(pilot: Pilot) -> MinichatApp:
+    app = pilot.app
+    assert isinstance(app, MinichatApp)
+    await until(pilot, lambda: app.link.state.kind == "connected" and app.last_stats is not None)
+    return app
+
+
+async def chat_sessions(address: str, out: Path) -> None:
+    """Several sessions streaming at once, the ops panels beside them."""
+    app = MinichatApp(EngineLink(address=address, autostart=False))
+    async with app.run_test(size=(150, 44)) as pilot:
+        await connect(pilot)
+        await send(pilot, "/max_tokens 80")
+        await send(pilot, "Tell me about the sea.")
+        await until(pilot, lambda: app.current.session.live is None)  # type: ignore[union-attr]
+        await send(pilot, "/max_tokens 300")
+        await send(pilot, "/ignore_eos on")  # long replies, so the shot catches them all streaming
+        await send(pilot, FAN_OUT)
+        await pilot.press("alt+right")
+        await until(pilot, lambda: app.current.session.turns[-1].reply.completion_tokens >= 40)  # type: ignore[union-attr]
+        app.save_screenshot("chat-sessions.svg", str(out))
+
+
+async def ops_under_load(address: str, out: Path) -> None:
+    """Another client's load fills every request slot and queues the rest: the ops panels alone."""
+    app = MinichatApp(EngineLink(address=address, autostart=False))
+    async with app.run_test(size=(200, 56)) as pilot, AsyncEngineClient(address) as load:
+        await connect(pilot)
+        app.ops_width = 100
+        tasks = [asyncio.ensure_future(load.complete(LOAD_PROMPT, max_tokens=200, ignore_eos=True, rid=f"bench-{i}"))
+                 for i in range(14)]
+        await until(pilot, lambda: len(app.last_stats.waiting) >= 3 and len(app.last_stats.running) >= 8)  # type: ignore[union-attr]
+        await until(pilot, lambda: app.last_stats.counters.steps > 40)  # type: ignore[union-attr]
+        app.save_screenshot("ops-under-load.svg", str(out))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def small_terminal(address: str, out: Path) -> None:
+    """The chat at 80x24, where the ops panels start hidden (f5 shows them)."""
+    app = MinichatApp(EngineLink(address=address, autostart=False))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await connect(pilot)
+        await send(pilot, "/max_tokens 60")
+        await send(pilot, "What is continuous batching?")
+        await until(pilot, lambda: app.current.session.live is None)  # type: ignore[union-attr]
+        app.save_screenshot("chat-80x24.svg", str(out))
+        await pilot.press("f5")
+        await until(pilot, lambda: app.ops.display)
+        await pilot.pause(0.5)
+        app.save_screenshot("ops-80x24.svg", str(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF checkpoint directory (default: the embedded demo model)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "screenshots")
+    args = parser.parse_args()
+    if args.model is None and not (DEMO_MODEL_DIR / "config.json").is_file():
+        parser.error(f"the demo model is not built ({DEMO_MODEL_DIR}); pass --model PATH")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="minichat-shots-") as tmp:
+        address = f"ipc://{tmp}/engine.sock"
+        with start(address, model=args.model, **ENGINE_OPTIONS):
+            for shoot in (chat_sessions, ops_under_load, small_terminal):
+                asyncio.run(shoot(address, args.out))
+                print(f"{shoot.__name__}: done")
+    print(f"screenshots in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
