@@ -38,16 +38,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback(invoke_without_command=True)
-def root(
-    ctx: typer.Context,
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
-) -> None:
-    """Chat with a local model and watch the continuous-batching scheduler serve it."""
-    if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
-
-
 def serve(address: str | None, allow_remote: bool, max_waiting_requests: int, max_message_bytes: int,
           log_level: str, **engine_options: typing.Any) -> None:
     """Run the engine in the foreground (logs to stderr) until Ctrl-C or SIGTERM."""
@@ -86,6 +76,48 @@ serve.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
     *_engine_parameters(),
 ])
 app.command("serve")(serve)
+
+
+def root(ctx: typer.Context, version: bool, address: str | None, **engine_options: typing.Any) -> None:
+    """Chat with a local model and watch the continuous-batching scheduler serve it.
+
+    Without a command: open the terminal UI, attached to the engine at --address, or to one it starts
+    in the background with the engine options given here (and stops again on exit).
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from engine.addresses import AddressError, default_address, split
+    from tui.app import MinichatApp
+    from tui.link import EngineLink
+
+    address = address or default_address()
+    try:
+        split(address)
+    except AddressError as e:
+        typer.echo(f"minichat: error: {e}", err=True)
+        raise typer.Exit(2) from e
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    model = engine_options.pop("model")
+    link = EngineLink(address=address, model=model,
+                      engine_options={k: v for k, v in engine_options.items() if v != defaults[k]})
+    try:
+        MinichatApp(link).run()
+    finally:
+        if link.handle is not None:
+            typer.echo(f"minichat: stopping the engine it started (pid {link.handle.pid})")
+        link.stop_engine()
+
+
+root.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+    inspect.Parameter("version", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                      default=typer.Option(False, "--version", callback=_version, is_eager=True,
+                                           help="Print the version.")),
+    inspect.Parameter("address", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+                      default=typer.Option(None, "--address", help=ADDRESS_HELP)),
+    *_engine_parameters(),
+])
+app.callback(invoke_without_command=True)(root)
 
 
 @app.command()
