@@ -24,7 +24,7 @@ from engine.client import AsyncEngineClient
 from engine.launcher import EngineHandle, start
 from tui.app import MinichatApp
 from tui.chat import ChatPane, PromptInput, ReplyView
-from tui.dialogs import AskScreen
+from tui.dialogs import AskScreen, ConfirmScreen
 from tui.help import HelpScreen
 from tui.link import EngineLink
 from tui.panels import RequestTable
@@ -139,7 +139,16 @@ def test_fan_out_sessions_appear_in_the_running_set(engine: str) -> None:
             assert [p.session.turns[0].prompt for p in panes] == ["Once more unto the breach", "To be",
                                                                   "Once more unto the breach"]
             assert all(p.session.params.ignore_eos for p in panes)  # settings follow the session fanned out
-            for pane in panes:
+            # closing a session (after confirming) aborts its request
+            closed = app.current
+            assert closed is panes[0]
+            await pilot.press("ctrl+w")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirmation")
+            await pilot.press("y")
+            gone = closed.session.turns[0].reply.rid
+            await wait_for(pilot, lambda: gone not in running_rids(app), "the closed session's request to go")
+            assert len(app.query(ChatPane)) == 3
+            for pane in panes[1:]:
                 await pane.abort()
             await wait_for(pilot, lambda: not rids & running_rids(app), "the aborts")
 

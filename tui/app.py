@@ -286,6 +286,12 @@ class MinichatApp(App[None]):
             yield SystemCommand(f"Show/hide panel: {title}", f"alt+{i}", partial(self.action_toggle_panel, panel_id))
 
     # -- actions ----------------------------------------------------------------------------------
+    async def action_quit(self) -> None:
+        """Quit, after winding down the replies still streaming (the engine aborts them)."""
+        for pane in self.query(ChatPane):
+            await pane.stop_streaming()
+        self.exit()
+
     async def action_new_session(self) -> None:
         await self.new_session()
 
@@ -296,6 +302,7 @@ class MinichatApp(App[None]):
 
         async def close(yes: bool | None = True) -> None:
             if yes:
+                await pane.stop_streaming()
                 await self.tabs.remove_pane(pane.parent.id)  # type: ignore[union-attr, arg-type]
                 if self.current is None:
                     await self.new_session()

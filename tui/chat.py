@@ -7,6 +7,7 @@ tab generates independently of the others and closing a tab aborts only its own 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING
 
 from rich.text import Text
@@ -16,6 +17,7 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
+from textual.worker import WorkerCancelled, WorkerFailed
 
 from engine.client import EngineError, EngineUnavailable
 from tui.names import printable
@@ -147,10 +149,12 @@ class ChatPane(Vertical):
         try:
             client = await self.link.ready()
             self.link.names.own(reply.rid, f"{self.session.name} #{len(self.session.turns)}")
-            async for out in client.generate(messages, self.session.params, rid=reply.rid):
-                reply.add(out)
-                await markdown.write(printable(out.text))
-                view.refresh_state()
+            # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
+            async with contextlib.aclosing(client.generate(messages, self.session.params, rid=reply.rid)) as stream:
+                async for out in stream:
+                    reply.add(out)
+                    await markdown.write(printable(out.text))
+                    view.refresh_state()
         except EngineError as e:
             reply.fail("error", e.message)
         except EngineUnavailable as e:
@@ -174,6 +178,13 @@ class ChatPane(Vertical):
         if reply.state == "queued" or not await self.link.abort(reply.rid):
             self.interrupt("aborted")  # never reached the engine, or the engine is gone: stop locally
         return True
+
+    async def stop_streaming(self) -> None:
+        """Cancel the stream and wait until it has wound down, before this pane's widgets go away
+        (a reply torn down mid-render leaves asyncio complaining on stderr)."""
+        for worker in self.workers.cancel_group(self, "generate"):
+            with contextlib.suppress(WorkerCancelled, WorkerFailed):
+                await worker.wait()
 
     def interrupt(self, why: str) -> None:
         """Stop streaming locally (engine lost, or abort without an engine); the text so far stays."""

@@ -26,7 +26,7 @@ from tui.names import RequestNames
 STALL_AFTER = 2.0  # seconds without a stats snapshot before we check whether the engine is still there
 RETRY_EVERY = 1.0  # seconds between attempts to find an engine that went away
 REQUEST_TIMEOUT = 60.0  # a stream silent this long is dead (the engine heartbeats every second)
-STATS_EVERY = 0.2  # seconds between two stats callbacks: the panels need no more than 5 frames a second
+STATS_EVERY = 0.25  # seconds between two stats callbacks: four frames a second are plenty for the panels
 
 
 @dataclass

@@ -41,12 +41,14 @@ class CellGrid(Widget):
 
     def render(self) -> Text:
         cell, per_cell = fit(len(self.items), self.size.width, max(1, self.size.height))
-        cells = []
+        per_row = max(1, self.size.width // cell) * per_cell  # items per line
+        text = Text()
         for first in range(0, len(self.items), per_cell):
+            if first and first % per_row == 0:
+                text.append("\n")
             glyph, style = Counter(self.items[first:first + per_cell]).most_common(1)[0][0]
-            cells.append(Text(glyph * max(1, cell - 1) + " " * (cell > 1), style))
-        per_row = max(1, self.size.width // cell)
-        return Text("\n").join(Text("").join(cells[i:i + per_row]) for i in range(0, len(cells), per_row))
+            text.append(glyph * max(1, cell - 1) + " " * (cell > 1), style)
+        return text
 
 
 class SlotGrid(CellGrid):
