@@ -91,8 +91,9 @@ async def small_terminal(address: str, out: Path) -> None:
     async with app.run_test(size=(80, 24)) as pilot:
         await connect(pilot)
         await send(pilot, "/max_tokens 60")
-        await send(pilot, "What is continuous batching?")
-        await until(pilot, lambda: app.current.session.live is None)  # type: ignore[union-attr]
+        for prompt in ("What say you, good sir?", "Speak of the king."):
+            await send(pilot, prompt)
+            await until(pilot, lambda: app.current.session.live is None)  # type: ignore[union-attr]
         app.save_screenshot("chat-80x24.svg", str(out))
         await pilot.press("f5")
         await until(pilot, lambda: app.ops.display)

@@ -42,7 +42,7 @@ class PromptInput(TextArea):
 
     BINDINGS = [
         Binding("enter", "send", "Send", priority=True),
-        Binding("ctrl+j,shift+enter,alt+enter", "newline", "New line", key_display="ctrl+j"),
+        Binding("ctrl+j,shift+enter,alt+enter", "newline", "New line", show=False),
     ]
 
     class Submitted(Message):
