@@ -30,6 +30,7 @@ from tui.dialogs import AskScreen, ConfirmScreen
 from tui.help import HelpScreen
 from tui.link import EngineLink, LinkState
 from tui.panels import PANELS, OpsPanels, RequestTable
+from tui.panels.base import update_text
 from tui.session import SETTINGS, Session
 
 WIDE = 120  # columns from which the ops panels open beside the chat at start
@@ -134,7 +135,7 @@ class MinichatApp(App[None]):
                         f"{len(stats.slots)} · prefill {c.prefill_tokens_per_s:.0f} · decode "
                         f"{c.decode_tokens_per_s:.0f} tok/s", "dim")
         status = self.query_one("#status", Static)
-        status.update(line)
+        update_text(status, line)
         status.set_class(not state.connected, "-problem")
 
     # -- engine -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import TYPE_CHECKING
 
 from rich.text import Text
@@ -21,6 +22,7 @@ from textual.worker import WorkerCancelled, WorkerFailed
 
 from engine.client import EngineError, EngineUnavailable
 from tui.names import printable
+from tui.panels.base import update_text
 from tui.session import Reply, Session, Turn
 
 if TYPE_CHECKING:
@@ -65,9 +67,12 @@ class PromptInput(TextArea):
 class ReplyView(Vertical):
     """An assistant reply: Markdown that grows as text streams in, and a line of numbers under it."""
 
+    STREAMING_REFRESH = 0.25  # seconds between two updates of the numbers while tokens stream in
+
     def __init__(self, reply: Reply) -> None:
         super().__init__(classes="reply")
         self.reply = reply
+        self._shown_at = 0.0
 
     def compose(self) -> ComposeResult:
         yield Markdown(printable(self.reply.text))
@@ -77,12 +82,18 @@ class ReplyView(Vertical):
         self.refresh_state()
 
     def refresh_state(self) -> None:
+        """Show the reply's state and numbers; while streaming, a few times a second, not per token
+        (each update re-lays-out the screen, and eight sessions may be streaming)."""
         reply = self.reply
+        now = time.monotonic()
+        if reply.state == "streaming" and now - self._shown_at < self.STREAMING_REFRESH:
+            return
+        self._shown_at = now
         label = "waiting for engine…" if reply.state == "queued" else reply.summary()
-        if reply.live and reply.state == "streaming":
+        if reply.state == "streaming":
             label += " · streaming…"
         for stats in self.query(".reply-stats").results(Static):  # none while the view is torn down
-            stats.update(Text(printable(label)))
+            update_text(stats, Text(printable(label)))
         for state in ("queued", "streaming", "done", "aborted", "error", "interrupted"):
             self.set_class(reply.state == state, f"-{state}")
 

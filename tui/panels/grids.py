@@ -16,6 +16,7 @@ from textual.widget import Widget
 
 from engine.protocol import Stats
 from tui.names import RequestNames
+from tui.panels.base import set_titles
 
 Item = tuple[str, str]  # (glyph, style)
 FREE: Item = ("░", "grey35")
@@ -39,6 +40,12 @@ class CellGrid(Widget):
         super().__init__(classes="panel", **kwargs)  # type: ignore[arg-type]
         self.items: list[Item] = []
 
+    def set_items(self, items: list[Item]) -> None:
+        """Redraw only on change: an idle engine sends the same picture four times a second."""
+        if items != self.items:
+            self.items = items
+            self.refresh(layout=True)
+
     def render(self) -> Text:
         cell, per_cell = fit(len(self.items), self.size.width, max(1, self.size.height))
         per_row = max(1, self.size.width // cell) * per_cell  # items per line
@@ -59,10 +66,9 @@ class SlotGrid(CellGrid):
         self.border_title = "Request slots"
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
-        self.items = [FREE if rid is None else ("█", names.colour(rid)) for rid in stats.slots]
+        self.set_items([FREE if rid is None else ("█", names.colour(rid)) for rid in stats.slots])
         busy = sum(rid is not None for rid in stats.slots)
-        self.border_title = f"Request slots {busy}/{len(stats.slots)}"
-        self.refresh(layout=True)
+        set_titles(self, f"Request slots {busy}/{len(stats.slots)}")
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         cell, per_cell = fit(len(self.items), width, SLOT_ROWS)
@@ -79,14 +85,12 @@ class PageGrid(CellGrid):
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
         p = stats.pages
-        self.items = [("█", names.colour(p.owners.get(i, ""))) if state == "R" else PAGE_STATES[state]
-                      for i, state in enumerate(p.states)]
-        self.border_title = (f"KV pages: {p.held} held, {p.locked} locked, {p.cached} cached, {p.free} free "
-                             f"of {p.total} × {p.page_size} tok")
+        self.set_items([("█", names.colour(p.owners.get(i, ""))) if state == "R" else PAGE_STATES[state]
+                        for i, state in enumerate(p.states)])
         _, per_cell = fit(p.total, self.size.width, max(1, self.size.height))
-        self.border_subtitle = "█ held ▓ locked ▒ cached ░ free" + (f" · 1 cell = {per_cell} pages"
-                                                                     if per_cell > 1 else "")
-        self.refresh(layout=True)
+        set_titles(self, f"KV pages: {p.held} held, {p.locked} locked, {p.cached} cached, {p.free} free "
+                         f"of {p.total} × {p.page_size} tok",
+                   "█ held ▓ locked ▒ cached ░ free" + (f" · 1 cell = {per_cell} pages" if per_cell > 1 else ""))
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         return max(1, math.ceil(len(self.items) / max(1, width)))

@@ -15,6 +15,7 @@ from textual.widgets import DataTable
 
 from engine.protocol import RunningReq, Stats
 from tui.names import RequestNames
+from tui.panels.base import set_titles
 
 Row = tuple[Text | str, ...]
 
@@ -68,7 +69,7 @@ class RequestTable(DataTable):
                     self.update_cell(rid, column, cell, update_width=True)
             else:
                 self.add_row(*cells, key=rid)
-        self.border_title = f"{self.TITLE} ({len(rows)})"
+        set_titles(self, f"{self.TITLE} ({len(rows)})")
 
     @property
     def selected_rid(self) -> str | None:

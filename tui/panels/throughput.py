@@ -11,6 +11,7 @@ from textual.widgets import Label, Sparkline, Static
 
 from engine.protocol import Stats
 from tui.names import RequestNames
+from tui.panels.base import update_text
 
 HISTORY = 120  # samples kept per sparkline (about 24 s at five frames a second)
 RATES = (("decode", "decode_tokens_per_s", "tok/s"), ("prefill", "prefill_tokens_per_s", "tok/s"),
@@ -37,9 +38,9 @@ class ThroughputPanel(Vertical):
         for name, field, unit in RATES:
             value = getattr(c, field)
             self.history[name].append(value)
-            self.query_one(f"#rate-{name}", Label).update(f"{name:<8}{value:8.1f} {unit}")
             self.query_one(f"#spark-{name}", Sparkline).data = list(self.history[name])
-        self.query_one("#counters", Static).update(Text(
+            update_text(self.query_one(f"#rate-{name}", Label), Text(f"{name:<8}{value:8.1f} {unit}"))
+        update_text(self.query_one("#counters", Static), Text(
             f"submitted {c.submitted} · finished {c.finished} · aborted {c.aborted} · errors {c.errors} · "
-            f"steps {c.steps} · prefill {c.prefill_tokens} tok · decode {c.decode_tokens} tok · "
-            f"up {stats.uptime:.0f} s"))
+            f"steps {c.steps} · prefill {c.prefill_tokens} tok · decode {c.decode_tokens} tok"))
+
