@@ -82,8 +82,9 @@ class MinichatApp(App[None]):
         yield Footer()
 
     async def on_mount(self) -> None:
-        self._ops_restore = 50 if self.size.width >= WIDE else 100
-        self.ops_width = 50 if self.size.width >= WIDE else 0
+        wide = self.size.width >= WIDE
+        self._ops_restore = 50 if wide else 100
+        self.set_reactive(MinichatApp.ops_width, 50 if wide else 0)
         self.watch_ops_width(self.ops_width)
         self.run_worker(self.link.run(), name="engine link")
         await self.new_session()
@@ -151,7 +152,7 @@ class MinichatApp(App[None]):
             self.show_status()
             if state.kind == "lost":
                 for pane in self.query(ChatPane):
-                    pane.interrupt(state.detail)
+                    pane.interrupt("interrupted", state.detail)
                 self.notify(state.detail, title="engine lost", severity="warning")
             elif state.kind == "failed":
                 self.notify(state.detail, title="engine", severity="error", timeout=15)
@@ -328,7 +329,10 @@ class MinichatApp(App[None]):
 
     def action_switch_session(self, step: int) -> None:
         tabs = self.tabs.query_one(Tabs)
-        tabs.action_next_tab() if step > 0 else tabs.action_previous_tab()
+        if step > 0:
+            tabs.action_next_tab()
+        else:
+            tabs.action_previous_tab()
 
     def action_toggle_ops(self) -> None:
         if self.ops_width:

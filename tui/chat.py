@@ -135,8 +135,8 @@ class ChatPane(Vertical):
         self.query_one(PromptInput).focus()
 
     @staticmethod
-    def _turn_widgets(turn: Turn) -> list[Static | ReplyView]:
-        return [Static(Text(printable(turn.prompt)), classes="user"), ReplyView(turn.reply)]
+    def _turn_widgets(turn: Turn) -> tuple[Static, ReplyView]:
+        return Static(Text(printable(turn.prompt)), classes="user"), ReplyView(turn.reply)
 
     async def send(self, prompt: str) -> Reply | None:
         """Start a turn, unless a reply is still generating (one request per session at a time)."""
@@ -145,21 +145,21 @@ class ChatPane(Vertical):
             return None
         messages = self.session.messages(prompt)
         turn = self.session.start_turn(prompt)
+        user, view = self._turn_widgets(turn)
         await self.query(".chat-hint").remove()
-        await self.query_one(".chat-log", VerticalScroll).mount_all(self._turn_widgets(turn))
-        self._generate(turn, messages)
+        await self.query_one(".chat-log", VerticalScroll).mount_all([user, view])
+        self.link.names.own(turn.reply.rid, f"{self.session.name} #{len(self.session.turns)}")
+        self._generate(view, messages)
         self.post_message(self.StateChanged(self))
         return turn.reply
 
     @work(group="generate")
-    async def _generate(self, turn: Turn, messages: list[dict[str, str]]) -> None:
+    async def _generate(self, view: ReplyView, messages: list[dict[str, str]]) -> None:
         """Stream one reply into its view; every way out leaves the reply in a final state."""
-        reply = turn.reply
-        view = next(v for v in self.query(ReplyView) if v.reply is reply)
+        reply = view.reply
         markdown = Markdown.get_stream(view.query_one(Markdown))
         try:
             client = await self.link.ready()
-            self.link.names.own(reply.rid, f"{self.session.name} #{len(self.session.turns)}")
             # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
             async with contextlib.aclosing(client.generate(messages, self.session.params, rid=reply.rid)) as stream:
                 async for out in stream:
@@ -187,7 +187,9 @@ class ChatPane(Vertical):
         if reply is None:
             return False
         if reply.state == "queued" or not await self.link.abort(reply.rid):
-            self.interrupt("aborted")  # never reached the engine, or the engine is gone: stop locally
+            # not streaming yet, or the engine is gone: end it here (closing the stream also tells
+            # the engine, if it has the request)
+            self.interrupt("aborted")
         return True
 
     async def stop_streaming(self) -> None:
@@ -197,10 +199,10 @@ class ChatPane(Vertical):
             with contextlib.suppress(WorkerCancelled, WorkerFailed):
                 await worker.wait()
 
-    def interrupt(self, why: str) -> None:
-        """Stop streaming locally (engine lost, or abort without an engine); the text so far stays."""
+    def interrupt(self, state: str, why: str = "") -> None:
+        """End the live reply here as `state` (aborted, or interrupted when the engine is lost); the
+        text so far stays, and closing the stream tells the engine to stop too."""
         reply = self.session.live
         if reply is not None:
-            state = "aborted" if why == "aborted" else "interrupted"
-            reply.fail(state, "" if state == "aborted" else why)
+            reply.fail(state, why)
             self.workers.cancel_group(self, "generate")

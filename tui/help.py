@@ -65,6 +65,7 @@ class HelpScreen(ModalScreen[None]):
         with VerticalScroll(id="help") as scroll:
             scroll.border_title = "minichat help · escape closes"
             yield Static(table("Keys", ("key", "does", "where"), self.keys))
-            yield Static(table("Commands (type them in the prompt box, or find them with ctrl+p)",
+            yield Static(table("Commands: type them in the prompt box (// sends a message that starts with /), or "
+                               "find them with ctrl+p",
                                ("command", "does", "palette entry"), self.commands), classes="help-commands")
             yield Markdown(PANELS_GUIDE)
