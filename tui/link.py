@@ -137,7 +137,7 @@ class EngineLink:
         handle = await asyncio.to_thread(find, self.address)
         if handle is not None:
             return handle
-        if not (self.autostart and not self.start_failed):
+        if not self.autostart or self.start_failed:
             if self.state.kind not in ("lost", "failed"):
                 self._set("lost", f"no engine answers at {self.address}; waiting for one…")
             return None
@@ -189,7 +189,7 @@ class EngineLink:
             await asyncio.sleep(STATS_EVERY)
 
     async def close(self) -> None:
-        """Drop the client (the app is closing); the engine itself is left to `stop_engine`."""
+        """Drop the client (the engine is gone, or the app is closing); stopping an engine is `stop_engine`'s."""
         self._ready.clear()
         if self.client is not None:
             await self.client.close()
