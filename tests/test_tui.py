@@ -50,7 +50,7 @@ def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(scenario())
 
 
-async def wait_for(pilot: Pilot, predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+async def wait_for(pilot: Pilot, predicate: Callable[[], object], what: str, timeout: float = 60.0) -> None:
     """Let the app run until `predicate()` holds; fail naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():
