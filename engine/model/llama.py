@@ -7,6 +7,7 @@ reads/writes K/V through an attention backend over the paged pool.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -165,7 +166,6 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.cos_sin: torch.Tensor | None = None
-        self._targets = self._weight_targets()
 
     def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int]]:
         """HF tensor name -> (our parameter, first row it fills). Fused projections take several."""
@@ -200,22 +200,26 @@ class CausalLM(nn.Module):
                 targets[p + "mlp.down_proj.bias"] = (layer.down_proj.bias, 0)
         return targets
 
-    def expected_weights(self) -> list[str]:
-        return list(self._targets)
-
     @torch.no_grad()
-    def load_weight(self, name: str, tensor: torch.Tensor) -> set[str]:
-        """Copy one checkpoint tensor into place; returns the names consumed (empty if not ours)."""
-        if name not in self._targets:
-            return set()
-        param, row = self._targets[name]
-        rows = tensor.shape[0]
-        if param.dim() != tensor.dim() or param.shape[1:] != tensor.shape[1:] or row + rows > param.shape[0]:
-            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, which does not fit the config")
-        param[row : row + rows].copy_(tensor)
-        return {name}
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into place (ignoring ones we do not use); raise naming any missing."""
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            if name not in targets:
+                continue
+            param, row = targets[name]
+            rows = tensor.shape[0]
+            if param.dim() != tensor.dim() or param.shape[1:] != tensor.shape[1:] or row + rows > param.shape[0]:
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, which does not fit the config")
+            param[row : row + rows].copy_(tensor)
+            loaded.add(name)
+        missing = set(targets) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:8])}")
+        self._finish_loading()
 
-    def finish_loading(self) -> None:
+    def _finish_loading(self) -> None:
         """Tie the output head and build the RoPE cos/sin table once for every position."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

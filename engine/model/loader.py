@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -61,21 +62,24 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def _read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
 def load_model(path: Path, dtype: str, device: str) -> tuple[CausalLM, PretrainedConfig]:
     """Build the model for `path`'s architecture and fill it from the checkpoint's tensors."""
     hf_config = load_hf_config(path)
     spec = ModelSpec.from_hf_config(hf_config)
     torch_dtype = TORCH_DTYPES[dtype]
-    with torch.device(device):
+    with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
         model = CausalLM(spec).to(torch_dtype)
-    loaded: set[str] = set()
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                loaded |= model.load_weight(name, f.get_tensor(name))
-    missing = set(model.expected_weights()) - loaded
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
-    model.finish_loading()
+    model = model.to_empty(device=device)
+    try:
+        model.load_weights(_read_tensors(path))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
     model.eval()
     return model, hf_config
