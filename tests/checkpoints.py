@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -73,4 +74,13 @@ def with_eos(src: Path, out: Path, eos: list[int]) -> Path:
         if f.name != "generation_config.json":
             (out / f.name).symlink_to(f)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return out
+
+
+def with_context(src: Path, out: Path, max_positions: int) -> Path:
+    """A copy of `src` whose config allows `max_positions` positions (RoPE extends without retraining)."""
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = max_positions
+    (out / "config.json").write_text(json.dumps(config))
     return out

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_checkpoint, with_context
 
 torch.set_num_threads(2)
 
@@ -27,6 +27,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_ckpt(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def long_ckpt(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with a 16k context, so a request can stay running or mid-chunk until aborted
+    (with 512 positions it would finish in well under a second on an idle machine)."""
+    return with_context(llama_ckpt, tmp_path_factory.mktemp("long") / "llama", 16384)
 
 
 class HFOracle:

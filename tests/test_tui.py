@@ -39,10 +39,10 @@ def start_engine(model: Path, address: str) -> EngineHandle:
 
 
 @pytest.fixture(scope="module")
-def engine(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def engine(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One engine for the module, on a private ipc address."""
     address = f"ipc://{tmp_path_factory.mktemp('tui')}/engine.sock"
-    with start_engine(llama_ckpt, address):
+    with start_engine(long_ckpt, address):
         yield address
 
 
@@ -89,7 +89,7 @@ async def type_and_send(pilot: Pilot, text: str) -> None:
 async def long_replies(pilot: Pilot) -> None:
     """Make the current session's replies run until aborted."""
     await type_and_send(pilot, "/ignore_eos on")
-    await type_and_send(pilot, "/max_tokens 400")
+    await type_and_send(pilot, "/max_tokens 16000")
 
 
 def last_reply(app: MinichatApp) -> Reply:
@@ -141,7 +141,7 @@ def test_fan_out_sessions_appear_in_the_running_set(engine: str) -> None:
             assert all(p.session.params.ignore_eos for p in panes)  # settings follow the session fanned out
             # closing a session (after confirming) aborts its request
             closed = app.current
-            assert closed is panes[0]
+            assert closed is panes[0], (app.tabs.active, [p.parent.id for p in panes], app.focused)
             await pilot.press("ctrl+w")
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirmation")
             await pilot.press("y")
@@ -181,7 +181,7 @@ def test_abort_another_clients_request_from_the_ops_panel(engine: str) -> None:
         app = MinichatApp(EngineLink(address=engine, autostart=False))
         async with app.run_test(size=SIZE) as pilot, AsyncEngineClient(engine) as other:
             await connected_app(pilot)
-            stream = other.generate("benchmark load", max_tokens=400, ignore_eos=True, rid="bench-load-1")
+            stream = other.generate("benchmark load", max_tokens=16000, ignore_eos=True, rid="bench-load-1")
             first = asyncio.ensure_future(anext(stream))
             await wait_for(pilot, lambda: "bench-load-1" in table_rids(app, "running"), "the other client's request")
             await first
@@ -215,9 +215,9 @@ def test_unreachable_engine_is_a_state_not_a_crash(tmp_path: Path) -> None:
     run(scenario)
 
 
-def test_engine_death_keeps_the_conversation_and_reconnects(llama_ckpt: Path, tmp_path: Path) -> None:
+def test_engine_death_keeps_the_conversation_and_reconnects(long_ckpt: Path, tmp_path: Path) -> None:
     address = f"ipc://{tmp_path}/dies.sock"
-    handle = start_engine(llama_ckpt, address)
+    handle = start_engine(long_ckpt, address)
 
     async def scenario() -> None:
         app = MinichatApp(EngineLink(address=address, autostart=False))
@@ -231,7 +231,7 @@ def test_engine_death_keeps_the_conversation_and_reconnects(llama_ckpt: Path, tm
             await wait_for(pilot, lambda: app.link.state.kind == "lost", "the lost state")
             await wait_for(pilot, lambda: reply.state == "interrupted", "the reply marked interrupted")
             assert reply.text and "lost" in status(app)
-            restarted = await asyncio.to_thread(start_engine, llama_ckpt, address)
+            restarted = await asyncio.to_thread(start_engine, long_ckpt, address)
             try:
                 await connected_app(pilot)
                 await type_and_send(pilot, "/max_tokens 4")
