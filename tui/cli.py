@@ -154,37 +154,54 @@ def stop(
     typer.echo(f"stopped the engine at {address} (pid {pid})")
 
 
-@app.command()
-def bench(
-    concurrency: int = typer.Option(32, help="Requests in flight at once."),
-    num_requests: int = typer.Option(64, help="Measured requests (after warmup)."),
-    input_len: int = typer.Option(128, help="Prompt tokens per request (exact, before --range-ratio)."),
-    output_len: int = typer.Option(64, help="Output tokens per request."),
-    range_ratio: float = typer.Option(0.0, help="Draw lengths uniformly in [len*(1-r), len*(1+r)]."),
-    request_rate: float = typer.Option(float("inf"), help="Requests/s with Poisson arrivals; inf sends all at once."),
-    seed: int = typer.Option(0, help="Seed for the workload and for sampling."),
-    warmup: int = typer.Option(2, help="Unmeasured requests sent first."),
-    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Generate exactly --output-len."),
-    temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
-    model: str | None = typer.Option(None, "--model", help="Start an engine on this model if none answers."),
-    address: str | None = typer.Option(None, "--address", help=ADDRESS_HELP),
-    timeout: float = typer.Option(600.0, help="Seconds before one request counts as failed."),
-    baseline: str | None = typer.Option(None, help="'hf': also run transformers generate in static batches."),
-    json_path: Path | None = typer.Option(None, "--json", help="Write the figures and per-request records here."),
-) -> None:
-    """Serving benchmark over the engine's protocol: throughput and TTFT / TPOT / ITL / E2E latency."""
+def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,
+          request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
+          timeout: float, baseline: str | None, json_path: Path | None, **engine_options: typing.Any) -> None:
+    """Serving benchmark over the engine's protocol: throughput and TTFT / TPOT / ITL / E2E latency.
+
+    Attaches to the engine at --address; if none answers and an engine option (such as --model) is
+    given, or no --address is, starts one with those options and stops it afterwards.
+    """
     from tui.bench.command import BenchError, run_bench
 
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     try:
         result = run_bench(concurrency=concurrency, num_requests=num_requests, input_len=input_len,
                            output_len=output_len, range_ratio=range_ratio, request_rate=request_rate, seed=seed,
-                           warmup=warmup, ignore_eos=ignore_eos, temperature=temperature, model=model,
-                           address=address, timeout=timeout, baseline=baseline, json_path=json_path)
+                           warmup=warmup, ignore_eos=ignore_eos, temperature=temperature, address=address,
+                           timeout=timeout, baseline=baseline, json_path=json_path,
+                           engine_options={k: v for k, v in engine_options.items() if v != defaults[k]})
     except (BenchError, ValueError) as e:
         typer.echo(f"minichat bench: error: {e}", err=True)
         raise typer.Exit(2) from e
     if result["engine"]["failed"]:
         raise typer.Exit(1)
+
+
+def _option(name: str, annotation: object, default: object, help_text: str, *flags: str) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=typer.Option(default, *flags, help=help_text))
+
+
+bench.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    _option("concurrency", int, 32, "Requests in flight at once."),
+    _option("num_requests", int, 64, "Measured requests (after warmup)."),
+    _option("input_len", int, 128, "Prompt tokens per request (exact, before --range-ratio)."),
+    _option("output_len", int, 64, "Output tokens per request."),
+    _option("range_ratio", float, 0.0, "Draw lengths uniformly in [len*(1-r), len*(1+r)]."),
+    _option("request_rate", float, float("inf"), "Requests/s with Poisson arrivals; inf sends all at once."),
+    _option("seed", int, 0, "Seed for the workload and for sampling."),
+    _option("warmup", int, 2, "Unmeasured requests sent first."),
+    _option("ignore_eos", bool, True, "Generate exactly --output-len.", "--ignore-eos/--no-ignore-eos"),
+    _option("temperature", float, 0.0, "Sampling temperature (0 = greedy)."),
+    _option("address", str | None, None, ADDRESS_HELP, "--address"),
+    _option("timeout", float, 600.0, "Seconds before one request counts as failed."),
+    _option("baseline", str | None, None, "'hf': also run transformers generate in static batches."),
+    _option("json_path", Path | None, None, "Write the figures and per-request records here.", "--json"),
+    # bench's --seed seeds the workload and every sampled request, so the engine's default seed is moot
+    *[p for p in _engine_parameters() if p.name != "seed"],
+])
+app.command("bench")(bench)
 
 
 def main() -> None:

@@ -37,15 +37,15 @@ def ordinary_vocab(model_path: str) -> list[int]:
     return list(range(config["vocab_size"]))
 
 
-def connect(address: str | None, model: str | None) -> EngineHandle:
-    """Attach to the engine at `address`; start one only when asked for a model (or nothing at all)."""
-    if address is not None and model is None:
+def connect(address: str | None, engine_options: dict[str, object]) -> EngineHandle:
+    """Attach to the engine at `address`; start one only when given engine options (or no address)."""
+    if address is not None and not engine_options:
         pong = probe(address, timeout=2.0)
         if pong is None:
             raise BenchError(f"no engine answers at {address}; start one with `minichat serve --address {address}` "
                              f"or pass --model to let bench start it")
         return EngineHandle(address, pong.pid)
-    return find_or_start(address or default_address(), model=model)
+    return find_or_start(address or default_address(), **engine_options)  # type: ignore[arg-type]
 
 
 def render(title: str, s: Summary) -> Table:
@@ -71,13 +71,13 @@ def render(title: str, s: Summary) -> Table:
 
 
 def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,
-              request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, model: str | None,
-              address: str | None, timeout: float, baseline: str | None, json_path: Path | None) -> dict:
+              request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
+              timeout: float, baseline: str | None, json_path: Path | None, engine_options: dict[str, object]) -> dict:
     if concurrency < 1:
         raise BenchError("--concurrency must be at least 1")
     if baseline not in (None, "hf"):
         raise BenchError(f"--baseline must be 'hf'; got {baseline!r}")
-    handle = connect(address, model)
+    handle = connect(address, engine_options)
     try:
         with EngineClient(handle.address, timeout=10.0) as client:
             info = client.info()
