@@ -24,8 +24,9 @@ import itertools
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -38,6 +39,7 @@ from engine.protocol import Aborted, Delta, Error, Final, Info, Params, Pong, St
 Prompt = str | list[int] | list[dict[str, str]]
 Output = Delta | Final
 _Key = tuple[str, object]
+T = TypeVar("T")
 
 
 class EngineError(Exception):
@@ -323,8 +325,10 @@ class AsyncEngineClient:
 
     async def _get(self, queue: asyncio.Queue[protocol.EngineMessage], timeout: float | None) -> protocol.EngineMessage:
         timeout = self.timeout if timeout is None else timeout
+        if not queue.empty():  # a fast stream's next message is usually here already
+            return queue.get_nowait()
         try:
-            return await asyncio.wait_for(queue.get(), timeout)
+            return await _within(queue.get(), timeout)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s") from None
 
@@ -380,7 +384,7 @@ class AsyncEngineClient:
         if self._sub is None:
             self._sub = _subscriber(self._ctx, self.address)
         try:
-            return protocol.decode_stats(await asyncio.wait_for(self._sub.recv(), timeout))
+            return protocol.decode_stats(await _within(self._sub.recv(), timeout))
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s") from None
 
@@ -388,6 +392,21 @@ class AsyncEngineClient:
         """Snapshots as they come, newest only."""
         while True:
             yield await self.stats(timeout)
+
+
+async def _within(awaitable: Awaitable[T], timeout: float) -> T:
+    """`awaitable`'s result, or TimeoutError after `timeout` seconds. Unlike `asyncio.wait_for` before
+    Python 3.12, a cancellation that arrives together with the result is never swallowed: a
+    cancelled stream reader stops instead of going on reading (and a Textual worker that cancelled
+    it waiting for ever)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait((task,), timeout=timeout)
+    finally:
+        task.cancel()  # nothing if it is done; otherwise it must not go on without us
+    if not done:
+        raise asyncio.TimeoutError
+    return task.result()
 
 
 def _collect(outputs: list[Output]) -> Completion:

@@ -112,6 +112,35 @@ def test_async_client_streams_aborts_and_reads_stats(runtime: Path, llama_ckpt: 
     assert find(handle.address) is None
 
 
+def test_async_stream_cancelled_as_a_message_arrives_stops(tmp_path: Path) -> None:
+    """A task reading a stream that is cancelled in the same loop turn as its next message arrives is
+    cancelled (asyncio.wait_for before Python 3.12 returned the message instead, so the reader went on
+    and whoever cancelled it, such as a chat tab being closed, waited for the whole reply)."""
+
+    async def scenario() -> None:
+        async with AsyncEngineClient(f"ipc://{tmp_path}/nobody.sock") as client:  # sends queue up unread
+            got: list[object] = []
+
+            async def read() -> None:
+                async for out in client.generate("hi", rid="r1"):
+                    got.append(out)
+
+            reader = asyncio.create_task(read())
+            while ("req", "r1") not in client._queues:
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.01)  # the reader is waiting for its next message
+            for i in range(3):
+                client._queues[("req", "r1")].put_nowait(Delta(rid="r1", text=str(i), token_ids=[i]))
+                if i == 0:
+                    await asyncio.sleep(0.01)  # one message read
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(reader, 5)
+            assert len(got) <= 2  # the backlog may be read on the way, never a hang
+
+    asyncio.run(scenario())
+
+
 def test_bad_model_path_fails_fast_with_the_log_tail(runtime: Path) -> None:
     began = time.monotonic()
     with pytest.raises(EngineStartError) as err:
