@@ -39,6 +39,21 @@ STATE_STYLES = {"connected": "bold green", "stalled": "bold yellow", "connecting
                 "starting": "bold yellow", "lost": "bold red", "failed": "bold red"}
 
 
+class SessionTabs(TabbedContent):
+    """The chat tabs. Only the app picks the front tab, never a focus change inside a hidden one.
+
+    Switching tabs hides the old pane at once, but the app's focus reaches the new pane's prompt box
+    a few messages later. If the old prompt box hears that it was hidden first, Textual moves its
+    focus to a sibling in the same, hidden, pane, and TabbedContent would bring that pane back to
+    the front: a fan-out or a new chat would now and then land on the tab it came from.
+    """
+
+    def _on_tab_pane_focused(self, event: TabPane.Focused) -> None:
+        if not event.tab_pane.display:
+            event.prevent_default()  # skip TabbedContent's handler, which activates the pane
+            event.stop()
+
+
 class MinichatApp(App[None]):
     """Many concurrent chat sessions and the scheduler that serves them, in one terminal."""
 
@@ -77,7 +92,7 @@ class MinichatApp(App[None]):
     def compose(self) -> ComposeResult:
         yield Static(id="status")
         with Horizontal(id="main"):
-            yield TabbedContent(id="chats")
+            yield SessionTabs(id="chats")
             yield OpsPanels(id="ops")
         yield Footer()
 
@@ -94,8 +109,8 @@ class MinichatApp(App[None]):
         await self.link.close()
 
     @property
-    def tabs(self) -> TabbedContent:
-        return self.query_one("#chats", TabbedContent)
+    def tabs(self) -> SessionTabs:
+        return self.query_one("#chats", SessionTabs)
 
     @property
     def ops(self) -> OpsPanels:
