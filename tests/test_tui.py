@@ -22,11 +22,13 @@ from textual.widgets import Input, Markdown, Static
 
 from engine.client import AsyncEngineClient
 from engine.launcher import EngineHandle, start
+from engine.protocol import Delta, Final, Timings, Usage
 from tui.app import MinichatApp
 from tui.chat import ChatPane, PromptInput, ReplyView
 from tui.dialogs import AskScreen, ConfirmScreen
 from tui.help import HelpScreen
 from tui.link import EngineLink
+from tui.names import printable
 from tui.panels import RequestTable
 from tui.session import Reply
 
@@ -245,6 +247,55 @@ def test_engine_death_keeps_the_conversation_and_reconnects(long_ckpt: Path, tmp
         run(scenario)
     finally:
         handle.stop()
+
+
+def test_a_fast_stream_renders_a_frame_at_a_time(tmp_path: Path) -> None:
+    """Thousands of deltas, one per loop turn (a fast engine): the view appends to its Markdown a few
+    times per FRAME, not per token, shows exactly the text that arrived, and ends in the final state.
+    A view in a hidden tab renders nothing until it finishes."""
+
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=f"ipc://{tmp_path}/nobody.sock", autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            hidden_pane = app.current
+            await pilot.press("ctrl+n")
+            await wait_for(pilot, lambda: not hidden_pane.parent.display, "the first tab hidden")  # type: ignore[union-attr]
+            shown, hidden = Reply(rid="shown"), Reply(rid="hidden")
+            views = [ReplyView(shown), ReplyView(hidden)]
+            for pane, view in zip([app.current, hidden_pane], views, strict=True):
+                await pane.query_one(".chat-log").mount(view)  # type: ignore[union-attr]
+            appends = {id(view): 0 for view in views}
+            for view in views:
+                markdown = view.query_one(Markdown)
+
+                def counted(text: str, markdown: Markdown = markdown, key: int = id(view)) -> Any:
+                    appends[key] += 1
+                    return Markdown.append(markdown, text)
+
+                markdown.append = counted  # type: ignore[method-assign]
+                view.start_streaming()
+            began, deadline, n = time.monotonic(), time.monotonic() + 60, 0
+            while appends[id(views[0])] < 3:  # a delta per loop turn until the view has rendered three frames
+                assert time.monotonic() < deadline, "timed out waiting for three frames"
+                for reply in (shown, hidden):
+                    reply.add(Delta(rid=reply.rid, text=f"w{n} \x07", token_ids=[n]))
+                n += 1
+                await asyncio.sleep(0)
+            elapsed = time.monotonic() - began
+            assert appends[id(views[0])] <= elapsed / ReplyView.FRAME + 1 < n, (appends, elapsed, n)
+            assert appends[id(views[1])] == 0
+            timings = Timings(queue=0.0, ttft=0.01, total=elapsed)
+            usage = Usage(prompt_tokens=3, completion_tokens=n + 1, cached_tokens=0)
+            for view in views:
+                view.reply.add(Final(rid=view.reply.rid, text="end", token_ids=[1], finish_reason="length",
+                                     usage=usage, timings=timings))
+                await view.finish_streaming()
+                assert view.query_one(Markdown).source == printable(view.reply.text)
+                assert view.reply.text.endswith(f"w{n - 1} \x07end") and view.has_class("-done")
+                assert f"{n + 1} tok" in str(view.query_one(".reply-stats", Static).render())
+            assert appends[id(views[1])] == 1
+
+    run(scenario)
 
 
 def test_keys_and_commands_manage_sessions_and_panels(tmp_path: Path) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from rich.text import Text
@@ -17,6 +19,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
+from textual.timer import Timer
+from textual.widget import Widget
 from textual.widgets import Markdown, Static, TextArea
 from textual.worker import WorkerCancelled, WorkerFailed
 
@@ -65,14 +69,32 @@ class PromptInput(TextArea):
 
 
 class ReplyView(Vertical):
-    """An assistant reply: Markdown that grows as text streams in, and a line of numbers under it."""
+    """An assistant reply: Markdown that grows as text streams in, and a line of numbers under it.
 
+    While the reply streams, the view renders on a clock, not per token: a render re-parses the
+    reply's last Markdown block and re-lays-out the screen, and with a few sessions streaming
+    hundreds of tokens a second, rendering every token kept the app too busy to answer keys. Each
+    frame appends all the text that arrived since the last one, so the text shown is the same, and
+    `finish_streaming` appends the rest. A render costs more as the reply grows (a long paragraph
+    is re-wrapped whole, a long reply re-laid-out), so frames are spaced by their cost too: twenty
+    a second for an ordinary reply, fewer for a very long one.
+    """
+
+    FRAME = 1 / 20  # seconds between two renders of the streaming text, at least
+    FRAME_COST = 8  # ... and at least this many times as long as an append takes (median of the last few)
+    MAX_FRAME = 1.0  # ... but never longer than this
     STREAMING_REFRESH = 0.25  # seconds between two updates of the numbers while tokens stream in
 
     def __init__(self, reply: Reply) -> None:
         super().__init__(classes="reply")
         self.reply = reply
         self._shown_at = 0.0
+        self._markdown: Markdown | None = None  # set while streaming
+        self._rendered = len(reply.text)  # characters of reply.text in the Markdown
+        self._rendering = asyncio.Lock()
+        self._next_frame = 0.0
+        self._append_times: deque[float] = deque(maxlen=5)
+        self._frames: Timer | None = None
 
     def compose(self) -> ComposeResult:
         yield Markdown(printable(self.reply.text))
@@ -81,8 +103,43 @@ class ReplyView(Vertical):
     def on_mount(self) -> None:
         self.refresh_state()
 
+    def start_streaming(self) -> None:
+        """Render the reply's text as it grows, a frame at a time, until `finish_streaming`."""
+        self._markdown = self.query_one(Markdown)
+        self._frames = self.set_interval(self.FRAME, self._frame)
+
+    async def finish_streaming(self) -> None:
+        """Render the text not shown yet, and the reply's final state."""
+        if self._frames is not None:
+            self._frames.pause()  # a frame that is rendering finishes first (the lock)
+        await self._append_new_text()
+        if self._frames is not None:
+            self._frames.stop()
+            self._frames = None
+        self._markdown = None
+        self.refresh_state()
+
+    async def _frame(self) -> None:
+        # a session in a hidden tab (or behind full-width ops panels) catches up once it is shown
+        if time.monotonic() >= self._next_frame and all(
+                node.display for node in self.ancestors_with_self if isinstance(node, Widget)):
+            await self._append_new_text()
+            self.refresh_state()
+
+    async def _append_new_text(self) -> None:
+        """Append the text that arrived since the last render to the Markdown, as one piece."""
+        async with self._rendering:
+            text = self.reply.text
+            if self._markdown is None or len(text) <= self._rendered:
+                return
+            new, self._rendered = text[self._rendered:], len(text)
+            began = time.monotonic()
+            await self._markdown.append(printable(new))
+            self._append_times.append(time.monotonic() - began)  # the median: one slow loop turn is no trend
+            self._next_frame = began + min(self.MAX_FRAME, self.FRAME_COST * statistics.median(self._append_times))
+
     def refresh_state(self) -> None:
-        """Show the reply's state and numbers; while streaming, a few times a second, not per token
+        """Show the reply's state and numbers; while streaming, a few times a second, not per frame
         (each update re-lays-out the screen, and eight sessions may be streaming)."""
         reply = self.reply
         now = time.monotonic()
@@ -157,15 +214,13 @@ class ChatPane(Vertical):
     async def _generate(self, view: ReplyView, messages: list[dict[str, str]]) -> None:
         """Stream one reply into its view; every way out leaves the reply in a final state."""
         reply = view.reply
-        markdown = Markdown.get_stream(view.query_one(Markdown))
+        view.start_streaming()  # the view renders the text as it grows, a frame at a time
         try:
             client = await self.link.ready()
             # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
             async with contextlib.aclosing(client.generate(messages, self.session.params, rid=reply.rid)) as stream:
                 async for out in stream:
                     reply.add(out)
-                    await markdown.write(printable(out.text))
-                    view.refresh_state()
         except EngineError as e:
             reply.fail("error", e.message)
         except EngineUnavailable as e:
@@ -177,8 +232,7 @@ class ChatPane(Vertical):
         except Exception as e:  # whatever else goes wrong ends this reply, not the app
             reply.fail("error", f"{type(e).__name__}: {e}")
         finally:
-            await markdown.stop()
-            view.refresh_state()
+            await view.finish_streaming()
             self.post_message(self.StateChanged(self))
 
     async def abort(self) -> bool:
