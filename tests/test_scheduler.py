@@ -17,40 +17,41 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
-def test_seed_worked_example_a_b_c(llama_ckpt):
-    """Section 5.2: two slots, A/B/C need 2/5/2 tokens, C arrives after step 0."""
+def replay_a_b_c(llama_ckpt, a_tokens: int) -> tuple[LLM, list[tuple[str, list[str], list[str]]]]:
+    """The seed's section 5.2 setup: two slots, A needs `a_tokens`, B 5 and C 2 output tokens, C arrives
+    after step 0. Returns the engine and each step's (kind, members, finished) until all are done."""
     llm = LLM(str(llama_ckpt), max_running_requests=2)
-    a = llm.add_request([1, 2, 3], greedy(2), rid="A")
-    b = llm.add_request([4, 5, 6, 7], greedy(5), rid="B")
+    llm.add_request([1, 2, 3], greedy(a_tokens), rid="A")
+    llm.add_request([4, 5, 6, 7], greedy(5), rid="B")
     steps = [llm.step()]
-    c = llm.add_request([8, 9], greedy(2), rid="C")
+    llm.add_request([8, 9], greedy(2), rid="C")
     while llm.has_unfinished():
         steps.append(llm.step())
-    table = [(s.kind, s.rids, s.finished) for s in steps]
+    return llm, [(s.kind, s.rids, s.finished) for s in steps]
+
+
+def test_seed_worked_example_a_b_c(llama_ckpt):
+    """Section 5.2: A/B/C need 2/5/2 tokens; the six steps are exactly the seed's table."""
+    llm, table = replay_a_b_c(llama_ckpt, a_tokens=2)
     assert table == [
-        ("prefill", [a, b], []),
-        ("decode", [a, b], [a]),
-        ("prefill", [c], []),
-        ("decode", [b, c], [c]),
-        ("decode", [b], []),
-        ("decode", [b], [b]),
+        ("prefill", ["A", "B"], []),
+        ("decode", ["A", "B"], ["A"]),
+        ("prefill", ["C"], []),
+        ("decode", ["B", "C"], ["C"]),
+        ("decode", ["B"], []),
+        ("decode", ["B"], ["B"]),
     ]
     llm.check_integrity()
 
 
 def test_seed_exercise_4_one_token_a_frees_its_slot_at_step_0(llama_ckpt):
-    llm = LLM(str(llama_ckpt), max_running_requests=2)
-    a = llm.add_request([1, 2, 3], greedy(1), rid="A")
-    b = llm.add_request([4, 5, 6, 7], greedy(5), rid="B")
-    steps = [llm.step()]
-    c = llm.add_request([8, 9], greedy(2), rid="C")
-    steps.append(llm.step())
-    steps.append(llm.step())
-    assert [(s.kind, s.rids, s.finished) for s in steps] == [
-        ("prefill", [a, b], [a]),
-        ("prefill", [c], []),
-        ("decode", [b, c], [c]),
+    llm, table = replay_a_b_c(llama_ckpt, a_tokens=1)
+    assert table[:3] == [
+        ("prefill", ["A", "B"], ["A"]),
+        ("prefill", ["C"], []),
+        ("decode", ["B", "C"], ["C"]),
     ]
+    llm.check_integrity()
 
 
 def test_admission_stops_at_first_request_that_does_not_fit(llama_ckpt):
