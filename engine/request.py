@@ -112,6 +112,9 @@ class Req:
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output."""
-        if end <= self.input_len:
+        n = self.input_len
+        if end <= n:
             return self.input_ids[start:end]
-        return (self.input_ids + self.output_ids)[start:end]
+        if start >= n:  # decode: only output tokens, without copying the prompt every step
+            return self.output_ids[start - n : end - n]
+        return self.input_ids[start:] + self.output_ids[: end - n]

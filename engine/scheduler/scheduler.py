@@ -58,8 +58,9 @@ class Scheduler:
     def step(self) -> StepResult:
         """One scheduler step: a prefill batch if one can be formed, else a decode batch."""
         start = time.perf_counter()
-        kind = "prefill"
-        reqs = self.prefill_manager.schedule_next_batch(self.prefill_budget, self.decode_manager.inflight_pages())
+        kind, reqs = "prefill", None
+        if self.prefill_manager.runnable:  # the reservation sum is only needed to admit someone
+            reqs = self.prefill_manager.schedule_next_batch(self.prefill_budget, self.decode_manager.inflight_pages())
         if reqs is None:
             kind, reqs = "decode", self.decode_manager.schedule_next_batch()
         if reqs is None:
