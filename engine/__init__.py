@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "Delta", "EngineConfig", "RequestOutput", "SamplingParams", "StepResult", "__version__"]
 
-# Imported on first use: they pull in torch, which clients (engine.client, the CLI, the TUI) never need.
+# Imported on first use: they pull in torch, which clients (engine.service.client, the CLI, the TUI) never need.
 _LAZY = {"LLM": "engine.llm", "SamplingParams": "engine.request"}
 
 

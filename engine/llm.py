@@ -12,11 +12,12 @@ import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.kv.cache import make_cache_manager
+from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.model.loader import TORCH_DTYPES, load_model, resolve_model_path
 from engine.outputs import RequestOutput, StepResult
+from engine.prompt import Prompt
 from engine.request import Req, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -26,7 +27,6 @@ from kernels.attention import make_backend
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int] | list[dict[str, str]]
 
 
 def _kv_budget_bytes(config: EngineConfig) -> int:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from textual.pilot import Pilot
 
-from engine.client import AsyncEngineClient
 from engine.config import DEMO_MODEL_DIR
-from engine.launcher import start
+from engine.service.client import AsyncEngineClient
+from engine.service.launcher import start
 from tui.app import MinichatApp
 from tui.link import EngineLink
 

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from engine.launcher import start
+from engine.service.launcher import start
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 

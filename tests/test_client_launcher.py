@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from engine import SamplingParams
-from engine.addresses import (
+from engine.service.addresses import (
     AddressError,
     check_bindable,
     default_address,
@@ -26,9 +26,9 @@ from engine.addresses import (
     runtime_dir,
     stats_address,
 )
-from engine.client import AsyncEngineClient, EngineError
-from engine.launcher import EngineStartError, find, find_or_start, start
-from engine.protocol import Delta, Final, Params
+from engine.service.client import AsyncEngineClient, EngineError
+from engine.service.launcher import EngineStartError, find, find_or_start, start
+from engine.service.protocol import Delta, Final, Params
 from tui.cli import app
 
 ENGINE = dict(num_pages=64, max_running_requests=4)
@@ -181,7 +181,7 @@ def test_cli_status_stop_and_serve_refusing_a_taken_address(runtime: Path, llama
 
 
 def test_serve_without_model_or_demo_model_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from engine import server
+    from engine.service import server
     from engine.config import EngineConfig
 
     monkeypatch.setattr(server, "DEMO_MODEL_DIR", tmp_path / "demo_model")

@@ -14,9 +14,9 @@ import pytest
 import zmq
 
 from engine import LLM, SamplingParams
-from engine.client import EngineClient, EngineError
-from engine.launcher import EngineHandle, start
-from engine.protocol import Delta, Final, Stats
+from engine.service.client import EngineClient, EngineError
+from engine.service.launcher import EngineHandle, start
+from engine.service.protocol import Delta, Final, Stats
 
 ROOT = Path(__file__).resolve().parent.parent
 # Few slots, a 4-token prefill budget and a big KV pool: a long prompt stays mid-chunk for hundreds of
@@ -223,7 +223,7 @@ def test_bad_input_gets_error_replies_and_the_engine_keeps_serving(served: Engin
 
 CLIENT = """
 import sys
-from engine.client import EngineClient
+from engine.service.client import EngineClient
 
 client = EngineClient(sys.argv[1])
 prefix, streaming = sys.argv[2], int(sys.argv[3])

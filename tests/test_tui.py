@@ -20,9 +20,9 @@ from textual.command import CommandPalette
 from textual.pilot import Pilot
 from textual.widgets import Input, Markdown, Static
 
-from engine.client import AsyncEngineClient
-from engine.launcher import EngineHandle, start
-from engine.protocol import Delta, Final, Timings, Usage
+from engine.service.client import AsyncEngineClient
+from engine.service.launcher import EngineHandle, start
+from engine.service.protocol import Delta, Final, Timings, Usage
 from tui.app import MinichatApp
 from tui.chat import ChatPane, PromptInput, ReplyView
 from tui.dialogs import AskScreen, ConfirmScreen

@@ -23,7 +23,7 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Static, TabbedContent, TabPane, Tabs
 
-from engine.protocol import Stats
+from engine.service.protocol import Stats
 from tui.chat import ChatPane, PromptInput
 from tui.commands import BY_NAME, COMMANDS, Command, parse_fanout, parse_slash
 from tui.dialogs import AskScreen, ConfirmScreen

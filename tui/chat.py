@@ -24,7 +24,7 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static, TextArea
 from textual.worker import WorkerCancelled, WorkerFailed
 
-from engine.client import EngineError, EngineUnavailable
+from engine.service.client import EngineError, EngineUnavailable
 from tui.names import printable
 from tui.panels.base import update_text
 from tui.session import Reply, Session, Turn

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.addresses import AddressError, default_address, ipc_listening, split
-from engine.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.config import DEMO_MODEL_DIR
-from engine.launcher import EngineHandle, EngineStartError, find, start
-from engine.protocol import Info, Stats
+from engine.service.addresses import AddressError, default_address, ipc_listening, split
+from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
+from engine.service.launcher import EngineHandle, EngineStartError, find, start
+from engine.service.protocol import Info, Stats
 from tui.names import RequestNames
 
 STALL_AFTER = 2.0  # seconds without a stats snapshot before we check whether the engine is still there

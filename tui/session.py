@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from engine.protocol import Delta, Final, Params
+from engine.service.protocol import Delta, Final, Params
 
 DEFAULT_PARAMS = Params(max_tokens=256, temperature=0.8, top_p=0.95, top_k=-1)
 

@@ -1,16 +1,30 @@
-"""Paged KV memory: the page pool, who owns which page, and the request table."""
+"""Paged KV memory: the page pool, who owns which page, the request table, and the cache policies."""
 
 from engine.kv.allocator import PageAllocator
-from engine.kv.cache import CacheManager, NaiveCacheManager, PrefixMatch, make_cache_manager
+from engine.kv.cache import CacheManager, PrefixMatch
+from engine.kv.naive import NaiveCacheManager
 from engine.kv.pool import KVPool
+from engine.kv.radix import RadixCacheManager
 from engine.kv.table import RequestTable
 
+CACHE_POLICIES: dict[str, type[CacheManager]] = {"radix": RadixCacheManager, "naive": NaiveCacheManager}
+
+
+def make_cache_manager(kind: str, num_pages: int, page_size: int) -> CacheManager:
+    """Build the cache policy named in the config."""
+    if kind not in CACHE_POLICIES:
+        raise ValueError(f"unknown prefix cache {kind!r}; choose one of {', '.join(CACHE_POLICIES)}")
+    return CACHE_POLICIES[kind](PageAllocator(num_pages), page_size)
+
+
 __all__ = [
+    "CACHE_POLICIES",
     "CacheManager",
     "KVPool",
     "NaiveCacheManager",
     "PageAllocator",
     "PrefixMatch",
+    "RadixCacheManager",
     "RequestTable",
     "make_cache_manager",
 ]

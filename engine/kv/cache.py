@@ -1,4 +1,4 @@
-"""Cache-manager interface: what the scheduler asks of KV memory, and a naive (no reuse) policy.
+"""Cache-manager interface: what the scheduler asks of KV memory, whatever the reuse policy.
 
 The scheduler never touches the page allocator directly. It asks the cache manager to match a
 prompt prefix, lock what it matched while the request runs, allocate fresh pages (evicting cached
@@ -98,39 +98,3 @@ class CacheManager(ABC):
                                  f"free&cached={sorted(free & cached)} used&cached={sorted(used & cached)}")
         if len(free) + len(used) + len(cached) != total:
             raise AssertionError(f"free {len(free)} + used {len(used)} + cached {len(cached)} != total {total}")
-
-
-class NaiveCacheManager(CacheManager):
-    """No prefix reuse: nothing is ever cached, a finished request's pages go straight back."""
-
-    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
-        return PrefixMatch()
-
-    def lock(self, handle: object) -> None:
-        pass
-
-    def unlock(self, handle: object) -> None:
-        pass
-
-    def release(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> None:
-        self.allocator.free(pages)
-
-    def evict(self, num_pages: int) -> int:
-        return 0
-
-    def cached_pages(self) -> dict[int, bool]:
-        return {}
-
-    @property
-    def evictable_size(self) -> int:
-        return 0
-
-
-def make_cache_manager(kind: str, num_pages: int, page_size: int) -> CacheManager:
-    """Build the cache policy named in the config."""
-    from engine.kv.radix import RadixCacheManager
-
-    policies: dict[str, type[CacheManager]] = {"radix": RadixCacheManager, "naive": NaiveCacheManager}
-    if kind not in policies:
-        raise ValueError(f"unknown prefix cache {kind!r}; choose one of {', '.join(policies)}")
-    return policies[kind](PageAllocator(num_pages), page_size)

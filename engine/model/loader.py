@@ -12,11 +12,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.config import DTYPES
 from engine.model.llama import CausalLM, ModelSpec
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def resolve_model_path(model: str) -> Path:

@@ -11,9 +11,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from engine.addresses import default_address
-from engine.client import EngineClient, probe
-from engine.launcher import EngineHandle, find_or_start
+from engine.service.addresses import default_address
+from engine.service.client import EngineClient, probe
+from engine.service.launcher import EngineHandle, find_or_start
 from tui.bench.engine_run import run_engine_bench
 from tui.bench.metrics import Summary, summarize
 from tui.bench.workload import BenchRequest, make_workload

@@ -7,7 +7,7 @@ import time
 
 from tqdm import tqdm
 
-from engine.client import AsyncEngineClient
+from engine.service.client import AsyncEngineClient
 from tui.bench.metrics import RequestRecord
 from tui.bench.workload import BenchRequest, arrival_gaps
 

@@ -11,7 +11,7 @@ from textual.containers import Container, Vertical
 from textual.events import Resize
 from textual.widget import Widget
 
-from engine.protocol import Stats
+from engine.service.protocol import Stats
 from tui.names import RequestNames
 from tui.panels.grids import PageGrid, SlotGrid
 from tui.panels.requests import RequestTable, RunningTable, WaitingTable

@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.geometry import Size
 from textual.widget import Widget
 
-from engine.protocol import Stats
+from engine.service.protocol import Stats
 from tui.names import RequestNames
 from tui.panels.base import set_titles
 

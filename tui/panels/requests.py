@@ -13,7 +13,7 @@ from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.widgets import DataTable
 
-from engine.protocol import RunningReq, Stats
+from engine.service.protocol import RunningReq, Stats
 from tui.names import RequestNames
 from tui.panels.base import set_titles
 

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widget import Widget
 
-from engine.protocol import Stats, StepRecord
+from engine.service.protocol import Stats, StepRecord
 from tui.names import RequestNames
 
 KIND_STYLES = {"prefill": "bold magenta", "decode": "cyan"}

@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, Sparkline, Static
 
-from engine.protocol import Stats
+from engine.service.protocol import Stats
 from tui.names import RequestNames
 from tui.panels.base import update_text
 

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.addresses import check_bindable, default_address, log_path, split
-from engine.client import AsyncEngineClient, EngineClient, EngineUnavailable, probe
+from engine.service.addresses import check_bindable, default_address, log_path, split
+from engine.service.client import AsyncEngineClient, EngineClient, EngineUnavailable, probe
 
 START_TIMEOUT = 120.0  # loading a real checkpoint on CPU can take a while
 
@@ -73,14 +73,16 @@ class EngineHandle:
 
 def serve_command(address: str, model: str | None = None, **options: object) -> list[str]:
     """The `minichat serve` command line; `options` are EngineConfig / ServerOptions field names."""
-    cmd = [sys.executable, "-m", "tui.cli", "serve", "--address", address]
+    cmd = [sys.executable, "-m", "engine.service", "--address", address]
     if model is not None:
         cmd += ["--model", str(model)]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
             cmd.append(flag)
-        elif value is not None and value is not False:
+        elif value is False:
+            cmd.append("--no-" + name.replace("_", "-"))
+        elif value is not None:
             cmd += [flag, str(value)]
     return cmd
 

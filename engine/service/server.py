@@ -24,14 +24,21 @@ import msgspec
 import zmq
 
 import engine
-from engine import protocol
-from engine.addresses import AddressError, check_bindable, default_address, remove_stale_ipc, split, stats_address
-from engine.client import probe
 from engine.config import DEMO_MODEL_DIR, EngineConfig
 from engine.llm import LLM
 from engine.outputs import Delta, StepResult
 from engine.request import Req, SamplingParams
-from engine.stats import StatsRecorder
+from engine.service import protocol
+from engine.service.addresses import (
+    AddressError,
+    check_bindable,
+    default_address,
+    remove_stale_ipc,
+    split,
+    stats_address,
+)
+from engine.service.client import probe
+from engine.service.stats import StatsRecorder
 
 log = logging.getLogger(__name__)
 

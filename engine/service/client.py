@@ -32,11 +32,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine import protocol
-from engine.addresses import default_address, ipc_listening, split, stats_address
-from engine.protocol import Aborted, Delta, Error, Final, Info, Params, Pong, Stats, Timings, Usage
+from engine.prompt import Prompt
+from engine.service import protocol
+from engine.service.addresses import default_address, ipc_listening, split, stats_address
+from engine.service.protocol import Aborted, Delta, Error, Final, Info, Params, Pong, Stats, Timings, Usage
 
-Prompt = str | list[int] | list[dict[str, str]]
 Output = Delta | Final
 _Key = tuple[str, object]
 T = TypeVar("T")

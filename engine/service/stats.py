@@ -12,7 +12,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.protocol import Counters, Info, Pages, RunningReq, Stats, StepRecord, WaitingReq
+from engine.service.protocol import Counters, Info, Pages, RunningReq, Stats, StepRecord, WaitingReq
 
 if TYPE_CHECKING:  # only the engine process builds snapshots; `minichat status` just formats them
     from engine.llm import LLM
