@@ -8,7 +8,7 @@ from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.model.llama import CausalLM
 from engine.request import Req
-from kernels.attention.base import AttentionBackend, AttentionBatch
+from kernels.attention.base import AttentionBackend, build_metadata
 
 
 class ModelRunner:
@@ -28,27 +28,18 @@ class ModelRunner:
         """
         tokens: list[int] = []
         positions: list[int] = []
-        row_of_token: list[int] = []
         q_lens, kv_lens, logits_at = [], [], []
         for req, wants in zip(reqs, wants_logits, strict=True):
             start, end = req.cached_len, req.cached_len + req.extend_len
             tokens += req.tokens(start, end)
             positions += range(start, end)
-            row_of_token += [req.slot] * req.extend_len
             q_lens.append(req.extend_len)
             kv_lens.append(end)
             if wants:
                 logits_at.append(len(tokens) - 1)
         dev = self.device
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        rows_of_token = torch.tensor(row_of_token, dtype=torch.int64, device=dev)
-        batch = AttentionBatch(
-            q_lens=q_lens,
-            kv_lens=kv_lens,
-            rows=torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=dev),
-            out_slots=self.table.table[rows_of_token, positions_t],
-            table=self.table.table,
-        )
-        meta = self.backend.prepare(batch)
+        rows = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=dev)
+        meta = self.backend.prepare(build_metadata(q_lens, kv_lens, rows, self.table.table))
         return self.model(torch.tensor(tokens, dtype=torch.int64, device=dev), positions_t,
                           torch.tensor(logits_at, dtype=torch.int64, device=dev), self.kv, self.backend, meta)

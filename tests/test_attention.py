@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import AttentionBatch, make_backend
+from kernels.attention import build_metadata, make_backend
 
 
 def naive_attention(q, k_cache, v_cache, table, rows, q_lens, kv_lens, scale):
@@ -43,9 +43,12 @@ def test_backend_matches_naive(backend_name, q_lens, kv_lens, heads):
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     out_slots = torch.cat([table[r, kl - ql : kl] for r, ql, kl in zip(rows.tolist(), q_lens, kv_lens, strict=True)])
     backend = make_backend(backend_name, "cpu")
-    batch = AttentionBatch(q_lens, kv_lens, rows, out_slots, table)
+    meta = build_metadata(q_lens, kv_lens, rows, table)
+    assert torch.equal(meta.out_slots, out_slots)
+    assert torch.equal(meta.kv_indices.long(), torch.cat([table[r, :kl] for r, kl in zip(rows.tolist(), kv_lens,
+                                                                                          strict=True)]))
     kc, vc = k_cache.clone(), v_cache.clone()
-    got = backend.forward(q, k, v, kc, vc, backend.prepare(batch), d**-0.5)
+    got = backend.forward(q, k, v, kc, vc, backend.prepare(meta), d**-0.5)
     assert torch.equal(kc[out_slots], k) and torch.equal(vc[out_slots], v)  # new K/V landed in their slots
     want = naive_attention(q, kc, vc, table, rows, q_lens, kv_lens, d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

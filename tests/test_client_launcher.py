@@ -181,8 +181,8 @@ def test_cli_status_stop_and_serve_refusing_a_taken_address(runtime: Path, llama
 
 
 def test_serve_without_model_or_demo_model_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from engine.service import server
     from engine.config import EngineConfig
+    from engine.service import server
 
     monkeypatch.setattr(server, "DEMO_MODEL_DIR", tmp_path / "demo_model")
     with pytest.raises(ValueError, match="demo model is not built yet"):

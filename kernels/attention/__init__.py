@@ -1,14 +1,29 @@
-"""Attention backends behind one interface; `make_backend` picks one for the device."""
+"""Attention backends behind one interface, chosen by name; optional ones are imported only when used."""
 
-from kernels.attention.base import AttentionBackend, AttentionBatch
-from kernels.attention.torch_ref import TorchRefBackend
+from __future__ import annotations
+
+import importlib
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata, build_metadata
+
+BACKENDS = {"torch": "kernels.attention.torch_ref:TorchRefBackend"}
+"""name -> "module:class"; a backend module is imported only when its name is asked for."""
+
+
+def resolve_backend_name(name: str, device: str) -> str:
+    """`auto` is the best backend the device can run; other names pass through after a check."""
+    if name == "auto":
+        return "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
+    return name
 
 
 def make_backend(name: str, device: str) -> AttentionBackend:
-    """`auto` is the torch reference on CPU; GPU backends register here as they land."""
-    if name in ("auto", "torch"):
-        return TorchRefBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")
+    """Instantiate the backend registered under `name` (or picked by `auto`) for `device`."""
+    module, cls = BACKENDS[resolve_backend_name(name, device)].split(":")
+    return getattr(importlib.import_module(module), cls)()
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "TorchRefBackend", "make_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "build_metadata", "make_backend",
+           "resolve_backend_name"]

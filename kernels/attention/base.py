@@ -1,4 +1,4 @@
-"""The attention-backend interface shared by every implementation."""
+"""The attention-backend interface and the step metadata every backend reads."""
 
 from __future__ import annotations
 
@@ -9,36 +9,64 @@ import torch
 
 
 @dataclass
-class AttentionBatch:
-    """One step's ragged batch, as the runner describes it to a backend.
+class AttentionMetadata:
+    """One step's ragged batch at page size 1, built once per step and read by every layer.
 
-    Request `b` contributes `q_lens[b]` consecutive query tokens to the flat token axis; after this
-    step it has `kv_lens[b]` tokens of K/V (its queries are the last `q_lens[b]` of them, so the
-    causal mask is aligned bottom-right). `rows` are the request-table rows and `out_slots` the KV
-    token slots where this step's new K/V are written.
+    Request `b` contributes `q_lens[b]` consecutive query tokens to the flat token axis, starting at
+    `qo_indptr[b]`. After this step it has `kv_lens[b]` tokens of K/V: the first `prefix_lens[b]`
+    were cached before the step, the rest are this step's tokens, so the causal mask is aligned
+    bottom-right. `kv_indices[kv_indptr[b] : kv_indptr[b + 1]]` are the KV-pool token slots of its
+    positions 0..kv_lens[b]-1, as the request table maps them (so kernels never see the page size);
+    `out_slots` are where this step's new K/V are written. `rows` and `table` are the request-table
+    rows and the table itself, for backends that gather by row.
     """
 
     q_lens: list[int]
     kv_lens: list[int]
-    rows: torch.Tensor
-    out_slots: torch.Tensor
-    table: torch.Tensor
+    qo_indptr: torch.Tensor  # int32 [B + 1]
+    kv_indptr: torch.Tensor  # int32 [B + 1]
+    kv_indices: torch.Tensor  # int32 [sum(kv_lens)]
+    prefix_lens: torch.Tensor  # int32 [B]
+    out_slots: torch.Tensor  # int64 [T]
+    rows: torch.Tensor  # int64 [B]
+    table: torch.Tensor  # int64 [slots, max_len]
 
     @property
     def is_decode(self) -> bool:
         return all(q == 1 for q in self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_slots.numel()
+
+
+def build_metadata(q_lens: list[int], kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> AttentionMetadata:
+    """Index tensors for a batch whose request `b` sits in table row `rows[b]` (all on the table's device)."""
+    device = table.device
+    q = torch.tensor(q_lens, dtype=torch.int32, device=device)
+    kv = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    qo_indptr = torch.cat((zero, torch.cumsum(q, 0, dtype=torch.int32)))
+    kv_indptr = torch.cat((zero, torch.cumsum(kv, 0, dtype=torch.int32)))
+    window = table[rows, : max(kv_lens)]
+    positions = torch.arange(window.shape[1], device=device)
+    kv_indices = window[positions[None, :] < kv[:, None]].to(torch.int32)
+    is_new = (positions[None, :] >= (kv - q)[:, None]) & (positions[None, :] < kv[:, None])
+    return AttentionMetadata(q_lens=q_lens, kv_lens=kv_lens, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                             kv_indices=kv_indices, prefix_lens=kv - q, out_slots=window[is_new], rows=rows,
+                             table=table)
 
 
 class AttentionBackend(ABC):
     """Writes new K/V into the paged pool and attends over each request's cached tokens."""
 
     @abstractmethod
-    def prepare(self, batch: AttentionBatch) -> object:
-        """Build per-step metadata once; it is reused by every layer."""
+    def prepare(self, meta: AttentionMetadata) -> object:
+        """Backend-specific state for this step (masks, plans), built once and reused by every layer."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: object, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, state: object, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens; caches: [slots, Hkv, D]. Returns [T, Hq, D]."""
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.base import AttentionBackend, AttentionBatch, store_kv
+from kernels.attention.base import AttentionBackend, AttentionMetadata, store_kv
 
 
 @dataclass
@@ -24,7 +24,9 @@ class TorchRefMeta:
 
 
 class TorchRefBackend(AttentionBackend):
-    def prepare(self, batch: AttentionBatch) -> TorchRefMeta:
+    """Gather each request's K/V by its table row into a padded batch; one SDPA call for the step."""
+
+    def prepare(self, batch: AttentionMetadata) -> TorchRefMeta:
         device = batch.out_slots.device
         q_lens = torch.tensor(batch.q_lens, device=device)
         kv_lens = torch.tensor(batch.kv_lens, device=device)
