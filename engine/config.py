@@ -7,6 +7,7 @@ from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 DTYPES = ("float32", "bfloat16", "float16")
+LINEAR_DTYPES = ("auto", "model", "float32")
 
 
 @dataclass
@@ -16,7 +17,9 @@ class EngineConfig:
     `max_running_requests` is the number of request slots (rows of the request table);
     `max_prefill_tokens` is the per-step prefill token budget (longer prompts are chunked);
     `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
-    `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive".
+    `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
+    `linear_dtype` is where the GEMMs run: "model", "float32", or "auto" (float32 for a bf16/fp16 model on
+    a CPU without native half-precision GEMM, where it is several times faster; see engine/model/ops.py).
     """
 
     model: str | None = None
@@ -31,10 +34,13 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     prefix_cache: str = "radix"
+    linear_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.linear_dtype not in LINEAR_DTYPES:
+            raise ValueError(f"linear_dtype must be one of {', '.join(LINEAR_DTYPES)}; got {self.linear_dtype!r}")
         for name in ("page_size", "max_running_requests", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")

@@ -16,6 +16,7 @@ from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.model.loader import TORCH_DTYPES, load_model, resolve_model_path
+from engine.model.ops import resolve_linear_dtype, set_linear_dtype
 from engine.outputs import RequestOutput, StepResult
 from engine.prompt import Prompt
 from engine.request import Req, SamplingParams
@@ -60,6 +61,7 @@ class LLM:
         self.device = torch.device(cfg.device)
         self.model_path = resolve_model_path(cfg.model_path)
         self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device)
+        set_linear_dtype(self.model, resolve_linear_dtype(cfg.linear_dtype, TORCH_DTYPES[cfg.dtype], self.device))
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
         spec = self.model.spec

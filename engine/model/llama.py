@@ -16,6 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.kv.pool import KVPool
+from engine.model.ops import linear
 from kernels.attention.base import AttentionBackend
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -142,7 +143,7 @@ class DecoderLayer(nn.Module):
         spec, tokens = self.spec, x.shape[0]
         residual = x
         h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(h, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, spec.num_heads, spec.head_dim)
         k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
         v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
@@ -151,10 +152,10 @@ class DecoderLayer(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         attn = backend.forward(q, k, v.contiguous(), kv.k(layer), kv.v(layer), meta, self.scale)
-        x = residual + self.o_proj(attn.reshape(tokens, self.q_size))
+        x = residual + linear(attn.reshape(tokens, self.q_size), self.o_proj)
         residual = x
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        gate, up = linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
+        return residual + linear(F.silu(gate) * up, self.down_proj)
 
 
 class CausalLM(nn.Module):
@@ -233,9 +234,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
                 kv: KVPool, backend: AttentionBackend, meta: object) -> torch.Tensor:
         """Run the flat batch; returns float32 logits only for the rows in `logits_index`."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a tied embedding may be stored upcast
         cos_sin = self.cos_sin[:, positions, None, :].to(x.dtype)
         cos, sin = cos_sin[0], cos_sin[1]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, kv, backend, meta)
-        return self.lm_head(self.norm(x[logits_index])).float()
+        return linear(self.norm(x[logits_index]), self.lm_head).float()

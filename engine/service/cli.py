@@ -27,6 +27,7 @@ ENGINE_HELP = {
     "seed": "Seed for requests that sample without their own seed.",
     "attention_backend": "Attention kernels: torch, triton, flashinfer, or auto (the best available).",
     "prefix_cache": "radix (reuse cached prompt prefixes) or naive.",
+    "linear_dtype": "GEMM dtype: model, float32, or auto (float32 for bf16/fp16 on CPUs without native support).",
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
     "max_running_requests": "Request slots: how many requests may hold KV at once.",
     "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
