@@ -69,13 +69,13 @@ class LLM:
             context = min(context, cfg.max_model_len)
         num_pages = cfg.num_pages
         if num_pages is None:
-            per_page = KVPool.bytes_per_page(spec.num_layers, cfg.page_size, spec.num_kv_heads, spec.head_dim,
+            per_page = KVPool.bytes_per_page(spec.num_layers, cfg.page_size, self.model.num_kv_heads, spec.head_dim,
                                              TORCH_DTYPES[cfg.dtype])
             demand = cfg.max_running_requests * pages_for(context, cfg.page_size)
             num_pages = max(1, min(demand, _kv_budget_bytes(cfg) // per_page))
         self.num_pages = num_pages
         self.max_seq_len = min(context, num_pages * cfg.page_size)
-        self.kv = KVPool(spec.num_layers, num_pages, cfg.page_size, spec.num_kv_heads, spec.head_dim,
+        self.kv = KVPool(spec.num_layers, num_pages, cfg.page_size, self.model.num_kv_heads, spec.head_dim,
                          TORCH_DTYPES[cfg.dtype], self.device)
         self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
         self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)

@@ -13,7 +13,9 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.config import DTYPES
+from engine.distributed import TensorParallel
 from engine.model.llama import CausalLM, ModelSpec
+from engine.model.parallel import TensorSlice
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +65,23 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(path: Path) -> Iterator[tuple[str, TensorSlice]]:
+    """Every checkpoint tensor as a lazy slice: a tensor-parallel rank reads only its own part."""
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
-def load_model(path: Path, dtype: str, device: str) -> tuple[CausalLM, PretrainedConfig]:
-    """Build the model for `path`'s architecture and fill it from the checkpoint's tensors."""
+def load_model(path: Path, dtype: str, device: str,
+               tp: TensorParallel | None = None) -> tuple[CausalLM, PretrainedConfig]:
+    """Build the model for `path`'s architecture (this rank's shard of it, under tensor parallelism)
+    and fill it from the checkpoint's tensors."""
     hf_config = load_hf_config(path)
     spec = ModelSpec.from_hf_config(hf_config)
     torch_dtype = TORCH_DTYPES[dtype]
     with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
-        model = CausalLM(spec).to(torch_dtype)
+        model = CausalLM(spec, tp).to(torch_dtype)
     model = model.to_empty(device=device)
     try:
         model.load_weights(_read_tensors(path))
