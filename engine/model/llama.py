@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.distributed import TensorParallel
 from engine.kv.pool import KVPool
@@ -28,6 +28,9 @@ from engine.model.parallel import (
     load_into,
 )
 from kernels.attention.base import AttentionBackend
+
+if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
+    from transformers import PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

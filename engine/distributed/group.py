@@ -33,6 +33,14 @@ class TensorParallel:
             self.backend.allreduce([x]).wait()
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` (same shape and dtype everywhere) takes rank 0's values, in place."""
+        if self.backend is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.backend.broadcast([x], opts).wait()
+        return x
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets every rank's `x` concatenated along the last dimension (in rank order); others None."""
         if self.backend is None:
