@@ -18,6 +18,7 @@ class EngineConfig:
     `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
     `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
     `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).
+    `overlap` schedules step N+1 while step N runs (the model in a worker thread); see docs/architecture.md.
     """
 
     model: str | None = None
@@ -33,6 +34,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     prefix_cache: str = "radix"
     tensor_parallel_size: int = 1
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
