@@ -10,6 +10,7 @@ how many steps it has run, for rank 0's integrity check; None tells it to stop.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import signal
 import sys
@@ -51,11 +52,12 @@ def main(conn: Connection) -> None:
     try:
         _serve(pickle.loads(conn.recv_bytes()), conn)
     except EOFError:
-        return  # rank 0 is gone: nothing left to serve
+        pass  # rank 0 is gone: nothing left to serve
     except Exception:
         with contextlib.suppress(OSError):
             conn.send(("error", traceback.format_exc()))
-        sys.exit(1)
+        os._exit(1)
+    os._exit(0)  # nothing to flush or save; skipping interpreter teardown makes the engine's close quick
 
 
 def _serve(spec: WorkerSpec, conn: Connection) -> None:

@@ -30,7 +30,9 @@ ENGINE_HELP = {
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
     "max_running_requests": "Request slots: how many requests may hold KV at once.",
     "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
+    "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
 }
+ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
 
 def option(name: str, annotation: object, default: object, help_text: str, *flags: str) -> inspect.Parameter:
@@ -48,7 +50,7 @@ def engine_parameters() -> list[inspect.Parameter]:
         if hints[f.name] is bool:
             flag += "/--no-" + f.name.replace("_", "-")
         params.append(option(f.name, hints[f.name], f.default, ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}"),
-                             flag))
+                             flag, *ENGINE_ALIASES.get(f.name, ())))
     return params
 
 
@@ -61,13 +63,14 @@ def engine_options_given(options: dict[str, typing.Any]) -> dict[str, typing.Any
 def serve(address: str | None, allow_remote: bool, max_waiting_requests: int, max_message_bytes: int,
           log_level: str, **engine_options: typing.Any) -> None:
     """Run the engine in the foreground (logs to stderr) until Ctrl-C or SIGTERM."""
+    from engine.distributed.workers import WorkerFailed
     from engine.service.server import ServerOptions, StartupError, run_server
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run_server(EngineConfig(**engine_options), ServerOptions(address, allow_remote, max_waiting_requests,
                                                                  max_message_bytes))
-    except StartupError as e:
+    except (StartupError, WorkerFailed) as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
 
