@@ -16,7 +16,8 @@ class EngineConfig:
     `max_running_requests` is the number of request slots (rows of the request table);
     `max_prefill_tokens` is the per-step prefill token budget (longer prompts are chunked);
     `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
-    `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive".
+    `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
+    `overlap` schedules step N+1 while step N runs (the model in a worker thread); see docs/architecture.md.
     """
 
     model: str | None = None
@@ -31,6 +32,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     prefix_cache: str = "radix"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
