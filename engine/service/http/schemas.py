@@ -34,7 +34,6 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     n: Annotated[int, Field(ge=1, le=1)] = 1
-    user: str | None = None
 
     @field_validator("stop")
     @classmethod
