@@ -14,7 +14,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.config import LINEAR_DTYPES
 
@@ -38,18 +37,8 @@ def resolve_linear_dtype(choice: str, model_dtype: torch.dtype, device: torch.de
     return model_dtype
 
 
-@torch.no_grad()
-def set_linear_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """Store every nn.Linear's weight and bias in `dtype` (a tied embedding shares the head's weight)."""
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.weight.data = module.weight.data.to(dtype)
-            if module.bias is not None:
-                module.bias.data = module.bias.data.to(dtype)
-
-
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """`layer(x)` in the layer's storage dtype, returned in `x`'s dtype."""
-    if layer.weight.dtype == x.dtype:
-        return F.linear(x, layer.weight, layer.bias)
-    return F.linear(x.to(layer.weight.dtype), layer.weight, layer.bias).to(x.dtype)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` in the weight's storage dtype, returned in `x`'s dtype."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
