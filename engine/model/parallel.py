@@ -177,6 +177,6 @@ def set_linear_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     """
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            for param in (module.weight, module.bias):
+            for param in (module.weight, getattr(module, "bias", None)):
                 if param is not None:
                     param.data = param.data.to(dtype)
