@@ -1,8 +1,9 @@
 """One step, measured four ways side by side: minichat, transformers, the linear-layer floor, vLLM CPU.
 
 Prefill = one step over `--num-prompts` fresh prompts of `--prompt-len` tokens; decode = one step with
-`--decode-batch` requests running. Every line is the median over repeats, taken in the same run so
-that the ratios hold on a noisy shared machine even when the absolute numbers do not.
+`--decode-batch` requests running. Every line is the median over rounds taken in the same run, and
+each round times every contender in turn, so that the ratios hold on a noisy shared machine even
+when the absolute numbers do not.
 
     python scripts/make_random_checkpoint.py /tmp/qwen05b --shape qwen2.5-0.5b --dtype bfloat16
     python scripts/bench_step.py /tmp/qwen05b                       # 32 x 64 prefill, 32 decoding
@@ -17,13 +18,14 @@ bf16), and ratios are to the first. `--variant linear_dtype=model` adds an engin
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -34,15 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import LLM, SamplingParams
 
 
-def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -50,15 +47,18 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 
-def bench_engine(args: argparse.Namespace, options: dict[str, object]) -> dict[str, float]:
+Rounds = Iterator[tuple[float, float]]
+"""One (prefill seconds, decode-step seconds) per round, set up before the first."""
+
+
+def engine_rounds(args: argparse.Namespace, options: dict[str, object]) -> Rounds:
     """Whole `LLM.step()` calls: a prefill step of every prompt, then decode steps with all running."""
     n, length = args.num_prompts, args.prompt_len
     llm = LLM(args.model, dtype=args.dtype, max_running_requests=max(n, args.decode_batch),
               max_prefill_tokens=max(n, args.decode_batch) * length, **options)
     vocab = llm.model.spec.vocab_size
     params = SamplingParams(max_tokens=args.decode_steps + 2, ignore_eos=True)
-    prefill, decode = [], []
-    for rep in range(args.repeats + 1):  # the first round warms up
+    for rep in itertools.count():
         for p in random_prompts(n, length, vocab, seed=rep):
             llm.add_request(p, params)
         start = time.perf_counter()
@@ -83,14 +83,11 @@ def bench_engine(args: argparse.Namespace, options: dict[str, object]) -> dict[s
         for rid in list(llm.scheduler.reqs):
             llm.abort(rid)
         llm.step()
-        if rep:
-            prefill.append(took)
-            decode.append(statistics.median(steps))
-    llm.check_integrity()
-    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+        llm.check_integrity()
+        yield took, statistics.median(steps)
 
 
-def bench_hf(args: argparse.Namespace) -> dict[str, float]:
+def hf_rounds(args: argparse.Namespace) -> Rounds:
     """transformers: one batched forward over the prompts (no padding: equal lengths), then cached decode."""
     from transformers import AutoModelForCausalLM
 
@@ -104,8 +101,7 @@ def bench_hf(args: argparse.Namespace) -> dict[str, float]:
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         return out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
-    prefill_times, decode_times = [], []
-    for rep in range(args.repeats + 1):
+    for rep in itertools.count():
         start = time.perf_counter()
         prefill(n, rep)
         took = time.perf_counter() - start
@@ -117,13 +113,10 @@ def bench_hf(args: argparse.Namespace) -> dict[str, float]:
                 out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
                 cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
                 steps.append(time.perf_counter() - start)
-        if rep:
-            prefill_times.append(took)
-            decode_times.append(statistics.median(steps))
-    return {"prefill": statistics.median(prefill_times), "decode": statistics.median(decode_times)}
+        yield took, statistics.median(steps)
 
 
-def bench_floor(args: argparse.Namespace, linear_dtype: str) -> dict[str, float]:
+def floor_rounds(args: argparse.Namespace, linear_dtype: str) -> Rounds:
     """The engine model's linear weights through `F.linear` alone, at the prefill and decode row counts."""
     model = LLM(args.model, dtype=args.dtype, max_running_requests=1, num_pages=4, linear_dtype=linear_dtype).model
     dtype = model.lm_head.weight.dtype
@@ -143,8 +136,10 @@ def bench_floor(args: argparse.Namespace, linear_dtype: str) -> dict[str, float]
             F.linear(x_head, head)
         return go
 
-    return {"prefill": median_time(run(args.num_prompts * args.prompt_len, args.num_prompts), args.repeats),
-            "decode": median_time(run(args.decode_batch, args.decode_batch), args.repeats)}
+    prefill = run(args.num_prompts * args.prompt_len, args.num_prompts)
+    decode = run(args.decode_batch, args.decode_batch)
+    while True:
+        yield timed(prefill), timed(decode)
 
 
 VLLM_SCRIPT = """
@@ -209,17 +204,28 @@ def main() -> None:
           f"{args.decode_batch} running; medians of {args.repeats}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, cpu {torch.backends.cpu.get_cpu_capability()}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
-    results: dict[str, dict[str, float] | str] = {}
-    results["floor"] = bench_floor(args, "model")
-    results[f"floor {args.dtype.replace('bfloat', 'bf').replace('float', 'fp')}->fp32"] = bench_floor(args, "float32")
-    print(f"floors done: {results}", flush=True)
+    # Every participant is set up first, then each round runs each of them in turn, so that the load
+    # of a shared machine drifting during the run weighs on all of them alike.
+    contenders: dict[str, Rounds] = {
+        "floor": floor_rounds(args, "model"),
+        f"floor {args.dtype.replace('bfloat', 'bf').replace('float', 'fp')}->fp32": floor_rounds(args, "float32"),
+    }
     for variant in ["", *args.variant]:
-        options = dict(parse_option(o) for o in variant.split(",") if o)
-        results[f"minichat {variant}".strip()] = bench_engine(args, options)
-        print(f"minichat {variant} done: {results[f'minichat {variant}'.strip()]}", flush=True)
+        contenders[f"minichat {variant}".strip()] = engine_rounds(
+            args, dict(parse_option(o) for o in variant.split(",") if o))
     if not args.skip_hf:
-        results["transformers"] = bench_hf(args)
-        print(f"transformers done: {results['transformers']}", flush=True)
+        contenders["transformers"] = hf_rounds(args)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    for rnd in range(args.repeats + 1):  # round 0 warms up
+        for name, rounds in contenders.items():
+            sample = next(rounds)
+            print(f"round {rnd} {name}: prefill {sample[0]:.3f} s, decode {sample[1] * 1e3:.1f} ms, "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+            if rnd:
+                times[name].append(sample)
+    results: dict[str, dict[str, float] | str] = {
+        name: {"prefill": statistics.median(p for p, _ in t), "decode": statistics.median(d for _, d in t)}
+        for name, t in times.items()}
     if args.vllm:
         from transformers import AutoConfig
 
