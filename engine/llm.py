@@ -23,7 +23,7 @@ from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
-from kernels.attention import make_backend
+from kernels.attention import AttentionShape, make_backend
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class LLM:
         self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
         self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
         backend = make_backend(cfg.attention_backend, cfg.device)
+        backend.setup(AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, TORCH_DTYPES[cfg.dtype],
+                                     spec.head_dim**-0.5), self.device)
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids)
         self._rng = torch.Generator().manual_seed(cfg.seed)

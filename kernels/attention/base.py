@@ -57,8 +57,22 @@ def build_metadata(q_lens: list[int], kv_lens: list[int], rows: torch.Tensor, ta
                              table=table)
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend that plans ahead (FlashInfer) must know about the model before the first step."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scale: float
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged pool and attends over each request's cached tokens."""
+
+    def setup(self, shape: AttentionShape, device: torch.device) -> None:  # noqa: B027 - optional hook
+        """Called once with the model's attention shape before the first step; most backends need nothing."""
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> object:
