@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.cuda_graph import DecodeGraphs
 from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
@@ -75,14 +76,22 @@ class LLM:
             num_pages = max(1, min(demand, _kv_budget_bytes(cfg) // per_page))
         self.num_pages = num_pages
         self.max_seq_len = min(context, num_pages * cfg.page_size)
-        self.kv = KVPool(spec.num_layers, num_pages, cfg.page_size, spec.num_kv_heads, spec.head_dim,
-                         TORCH_DTYPES[cfg.dtype], self.device)
-        self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
-        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
         backend = make_backend(cfg.attention_backend, cfg.device)
         backend.setup(AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, TORCH_DTYPES[cfg.dtype],
                                      spec.head_dim**-0.5), self.device)
-        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device)
+        use_graphs = cfg.cuda_graph and backend.supports_cuda_graph
+        # CUDA graphs pad decode batches with dummy requests writing to a scratch page no request owns.
+        self.kv = KVPool(spec.num_layers, num_pages + use_graphs, cfg.page_size, spec.num_kv_heads, spec.head_dim,
+                         TORCH_DTYPES[cfg.dtype], self.device)
+        self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
+        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
+        graphs = None
+        if use_graphs:
+            # Off CUDA (Triton under its interpreter) the same padded path runs without capture.
+            graphs = DecodeGraphs(self.model, self.kv, backend, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
+                                  self.max_seq_len, num_pages * cfg.page_size, self.device,
+                                  capture=self.device.type == "cuda")
+        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, graphs)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids)
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self._uid = 0

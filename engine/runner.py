@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.cuda_graph import DecodeGraphs
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.model.llama import CausalLM
@@ -13,8 +14,9 @@ from kernels.attention.base import AttentionBackend, build_metadata
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVPool, table: RequestTable, backend: AttentionBackend,
-                 device: torch.device) -> None:
+                 device: torch.device, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs
         self.kv = kv
         self.table = table
         self.backend = backend
@@ -40,6 +42,9 @@ class ModelRunner:
         dev = self.device
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         rows = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=dev)
-        meta = self.backend.prepare(build_metadata(q_lens, kv_lens, rows, self.table.table))
-        return self.model(torch.tensor(tokens, dtype=torch.int64, device=dev), positions_t,
-                          torch.tensor(logits_at, dtype=torch.int64, device=dev), self.kv, self.backend, meta)
+        attn = build_metadata(q_lens, kv_lens, rows, self.table.table)
+        input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        if self.graphs is not None and attn.is_decode and self.graphs.bucket(len(reqs)) is not None:
+            return self.graphs.run(input_ids, positions_t, attn)
+        return self.model(input_ids, positions_t, torch.tensor(logits_at, dtype=torch.int64, device=dev), self.kv,
+                          self.backend, self.backend.prepare(attn))

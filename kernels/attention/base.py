@@ -74,6 +74,17 @@ class AttentionBackend(ABC):
     def setup(self, shape: AttentionShape, device: torch.device) -> None:  # noqa: B027 - optional hook
         """Called once with the model's attention shape before the first step; most backends need nothing."""
 
+    supports_cuda_graph = False
+    """Whether `capture_state` / `replay_prepare` are implemented (decode steps may then be graphed)."""
+
+    def capture_state(self, meta: AttentionMetadata) -> object:
+        """Capture hook: the state a CUDA graph of decode steps will bake in, for `meta`, whose tensors are
+        the graph's static buffers (their contents change before each replay, their addresses never)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def replay_prepare(self, state: object, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Replay hook: the static buffers now hold this step's (padded) batch; redo any host-side planning."""
+
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> object:
         """Backend-specific state for this step (masks, plans), built once and reused by every layer."""
