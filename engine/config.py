@@ -17,6 +17,7 @@ class EngineConfig:
     `max_prefill_tokens` is the per-step prefill token budget (longer prompts are chunked);
     `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
     `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
+    `overlap` schedules step N+1 while step N runs (the model in a worker thread); see docs/architecture.md;
     `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
     (when the attention backend supports them; see engine/cuda_graph.py).
     """
@@ -33,6 +34,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     prefix_cache: str = "radix"
+    overlap: bool = True
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 64
 

@@ -16,6 +16,7 @@ from engine.cuda_graph import DecodeGraphs
 from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
+from engine.loop import StepLoop
 from engine.model.loader import TORCH_DTYPES, load_model, resolve_model_path
 from engine.outputs import RequestOutput, StepResult
 from engine.prompt import Prompt
@@ -23,6 +24,7 @@ from engine.request import Req, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
+from engine.scheduler.snapshot import SchedulerSnapshot
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from kernels.attention import AttentionShape, make_backend
 
@@ -93,6 +95,7 @@ class LLM:
                                   capture=self.device.type == "cuda")
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, graphs)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids)
+        self.loop = StepLoop(self.scheduler, self.runner)
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self._uid = 0
         self._live: dict[str, Req] = {}
@@ -147,8 +150,11 @@ class LLM:
         return rid
 
     # -- stepping ---------------------------------------------------------------------------------
-    def step(self) -> StepResult:
-        result = self.scheduler.step()
+    def step(self, overlap: bool = False) -> StepResult:
+        """Schedule, run and process one batch. With `overlap` (what `generate` and the server use when
+        `EngineConfig.overlap` is on) the next batch is scheduled and started before this one is
+        processed; a plain `step()` after overlapped ones first finishes the batch still in flight."""
+        result = self.loop.step(overlap)
         for rid in result.finished:
             self._live.pop(rid, None)
         return result
@@ -164,17 +170,14 @@ class LLM:
         """A live (not yet finished) request, for inspection."""
         return self._live.get(rid)
 
-    def stats(self) -> dict[str, object]:
-        """Scheduler occupancy: queue lengths, who holds each request slot, and KV page counts."""
-        pages = self.cache.counts()
-        pm = self.scheduler.prefill_manager
-        return {
-            "waiting": len(pm.waiting),
-            "running": len(self.scheduler.decode_manager.running) + (pm.chunked is not None),
-            "slots": list(self.table.holder),
-            "pages": {"free": pages.free, "used": pages.used, "cached": pages.cached, "locked": pages.locked,
-                      "total": pages.total},
-        }
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue (what the server's overload limit counts), without a snapshot."""
+        return self.scheduler.num_waiting
+
+    def stats(self) -> SchedulerSnapshot:
+        """A read-only snapshot of the scheduler: waiting queue, running set, slots, pages, counters."""
+        return self.scheduler.snapshot()
 
     def check_integrity(self) -> None:
         """At idle every page is free or cached and every slot free; raise AssertionError otherwise."""
@@ -199,9 +202,11 @@ class LLM:
         wanted = set(rids)
         with tqdm(total=len(rids), desc="generate", disable=not use_tqdm) as bar:
             while wanted:
-                done = wanted.intersection(self.step().finished)
+                done = wanted.intersection(self.step(self.config.overlap).finished)
                 wanted -= done
                 bar.update(len(done))
+        if self.loop.has_inflight:  # settle: the batch scheduled ahead may still hold finished requests' pages
+            self.step()
         return [self._output(reqs[rid]) for rid in rids]
 
     @staticmethod
