@@ -104,13 +104,15 @@ def test_flashinfer_backend(case, heads, dtype):
 BACKENDS = ["torch", "triton", pytest.param("flashinfer", marks=needs_flashinfer)]
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
 @pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_greedy_matches_transformers_on_cuda(checkpoints, hf, backend, cuda_graph):
+def test_greedy_matches_transformers_on_cuda(checkpoints, hf, backend, cuda_graph, overlap):
     """fp32 on the GPU (Triton's dots in ieee precision) must still pick transformers' CPU tokens; 10 slots
-    give buckets 1, 2, 4, 8, 10, so decode batches are padded as requests finish."""
+    give buckets 1, 2, 4, 8, 10, so decode batches are padded as requests finish; with overlap the next
+    step's input ids come from the device token table while the host processes the previous step."""
     path = checkpoints["qwen2"]
-    llm = LLM(str(path), device="cuda", attention_backend=backend, cuda_graph=cuda_graph, max_running_requests=10,
-              max_prefill_tokens=64)
+    llm = LLM(str(path), device="cuda", attention_backend=backend, cuda_graph=cuda_graph, overlap=overlap,
+              max_running_requests=10, max_prefill_tokens=64)
     assert (llm.runner.graphs is not None) == (cuda_graph and backend != "torch")
     assert_matches_hf(llm, path, hf, mixed_prompts(16, seed=7), max_tokens=12)

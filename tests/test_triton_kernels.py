@@ -70,9 +70,21 @@ EXTEND_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("group", list(GROUPS))
-@pytest.mark.parametrize("case", list(EXTEND_CASES))
+def alternate_dtypes(*axes: list[str]) -> list:
+    """The product of `axes`, each combination in fp32 or fp16 in a checkerboard, so that every value of
+    every axis meets both dtypes at half the interpreter time of the full product."""
+    combos: list[tuple[int, ...]] = [()]
+    for axis in axes:
+        combos = [(*c, i) for c in combos for i in range(len(axis))]
+    params = []
+    for combo in combos:
+        values = [axis[i] for axis, i in zip(axes, combo, strict=True)]
+        dtype, name = ((torch.float32, "fp32"), (torch.float16, "fp16"))[sum(combo) % 2]
+        params.append(pytest.param(*values, dtype, id="-".join([*values, name])))
+    return params
+
+
+@pytest.mark.parametrize(("case", "group", "dtype"), alternate_dtypes(list(EXTEND_CASES), list(GROUPS)))
 def test_extend_attention(case, group, dtype):
     q_lens, kv_lens = EXTEND_CASES[case]
     meta, q, k, v, k_cache, v_cache = make_step(q_lens, kv_lens, GROUPS[group], dtype)
@@ -91,14 +103,12 @@ SPLITS = {
 
 # The per-head kernel serves MHA (group 1); the grouped one serves GQA, and must also cover padding a
 # block of 16 heads (group 2, 8) and more than one block per KV head (group 20).
-KERNELS = [(False, "group1"), (False, "group2"), *((True, g) for g in GROUPS)]
-KERNEL_IDS = [f"{'grouped' if grouped else 'per_head'}-{group}" for grouped, group in KERNELS]
+KERNELS = ["per_head-group1", "per_head-group2", *(f"grouped-{g}" for g in GROUPS)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("grouped", "group"), KERNELS, ids=KERNEL_IDS)
-@pytest.mark.parametrize("split", list(SPLITS))
-def test_decode_attention(split, grouped, group, dtype):
+@pytest.mark.parametrize(("split", "kernel", "dtype"), alternate_dtypes(list(SPLITS), KERNELS))
+def test_decode_attention(split, kernel, dtype):
+    grouped, group = kernel.startswith("grouped"), kernel.split("-")[1]
     meta, q, k, v, k_cache, v_cache = make_step([1, 1, 1], [37, 1, 12], GROUPS[group], dtype)
     store_kv(k, v, k_cache, v_cache, meta.out_slots)
     got = decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, HEAD_DIM**-0.5, block_n=16,
@@ -143,14 +153,14 @@ def test_backend_choice():
         resolve_backend_name("flashinfer", "cpu")
 
 
-@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graph_path", "eager"])
-def test_engine_with_triton_backend_matches_transformers(llama_ckpt, hf, cuda_graph):
+def test_engine_with_triton_backend_matches_transformers(llama_ckpt, hf):
     """Greedy output through the Triton kernels equals transformers; a small prefill budget makes
-    chunks extend cached prefixes and mixes decode steps between them. With `cuda_graph` on a CPU the
-    decode steps take the CUDA-graph path without capture: static buffers, batches padded to a bucket
-    (4 slots -> buckets 1, 2, 4: a step of 3 is padded) with dummy requests on the scratch slot."""
+    chunks extend cached prefixes and mixes decode steps between them. On a CPU, decode steps take the
+    CUDA-graph path without capture (`cuda_graph` is on by default): static buffers, batches padded to
+    a bucket (4 slots -> buckets 1, 2, 4: a step of 3 is padded) with dummy requests on the scratch slot.
+    (Eager Triton decode is covered by test_backend_matches_torch_backend.)"""
     llm = LLM(str(llama_ckpt), attention_backend="triton", max_prefill_tokens=12, page_size=4,
-              max_running_requests=4, cuda_graph=cuda_graph)
+              max_running_requests=4)
     assert isinstance(llm.runner.backend, TritonBackend)
-    assert (llm.runner.graphs is not None) == cuda_graph
+    assert llm.runner.graphs is not None and llm.runner.graphs.buckets == [1, 2, 4]
     assert_matches_hf(llm, llama_ckpt, hf, mixed_prompts(7, seed=5, max_len=20), max_tokens=5)
