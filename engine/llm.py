@@ -78,7 +78,7 @@ class LLM:
             num_pages = max(1, min(demand, _kv_budget_bytes(cfg) // per_page))
         self.num_pages = num_pages
         self.max_seq_len = min(context, num_pages * cfg.page_size)
-        backend = make_backend(cfg.attention_backend, cfg.device)
+        backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype)
         backend.setup(AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, TORCH_DTYPES[cfg.dtype],
                                      spec.head_dim**-0.5), self.device)
         use_graphs = cfg.cuda_graph and backend.supports_cuda_graph

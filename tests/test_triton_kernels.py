@@ -145,10 +145,14 @@ def test_backend_choice():
         best = "flashinfer"
     except ImportError:
         best = "triton"
-    assert resolve_backend_name("auto", "cuda") == best
+    assert resolve_backend_name("auto", "cuda", "bfloat16") == best
+    assert resolve_backend_name("auto", "cuda", "float32") == "triton"  # FlashInfer has no fp32 kernels
     if best != "flashinfer":
         with pytest.raises(ValueError, match="flashinfer-python"):
-            resolve_backend_name("flashinfer", "cuda")
+            resolve_backend_name("flashinfer", "cuda", "bfloat16")
+    else:
+        with pytest.raises(ValueError, match="bfloat16 or float16"):
+            resolve_backend_name("flashinfer", "cuda", "float32")
     with pytest.raises(ValueError, match="only on CUDA"):
         resolve_backend_name("flashinfer", "cpu")
 

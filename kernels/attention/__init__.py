@@ -20,13 +20,16 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_backend_name(name: str, device: str) -> str:
+def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16") -> str:
     """`auto` is the best backend the device can run (FlashInfer, then Triton on CUDA; torch elsewhere);
-    other names pass through after checking that this device and environment can run them."""
+    other names pass through after checking that this device, dtype and environment can run them."""
     on_cuda = device.startswith("cuda")
+    half = dtype != "float32"  # FlashInfer's kernels take bf16/fp16 only
     if name == "auto":
         if on_cuda:
-            return "flashinfer" if _installed("flashinfer") else "triton" if _installed("triton") else "torch"
+            if half and _installed("flashinfer"):
+                return "flashinfer"
+            return "triton" if _installed("triton") else "torch"
         return "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
@@ -37,6 +40,9 @@ def resolve_backend_name(name: str, device: str) -> str:
         if not _installed("flashinfer"):
             raise ValueError("the flashinfer attention backend needs flashinfer-python "
                              "(pip install 'minichat[gpu]'); or use attention_backend='triton'")
+        if not half:
+            raise ValueError("the flashinfer attention backend needs dtype bfloat16 or float16; "
+                             "use attention_backend='triton' for float32")
     if name == "triton":
         if not _installed("triton"):
             raise ValueError("the triton attention backend needs triton (pip install 'minichat[gpu]')")
@@ -46,9 +52,9 @@ def resolve_backend_name(name: str, device: str) -> str:
     return name
 
 
-def make_backend(name: str, device: str) -> AttentionBackend:
-    """Instantiate the backend registered under `name` (or picked by `auto`) for `device`."""
-    module, cls = BACKENDS[resolve_backend_name(name, device)].split(":")
+def make_backend(name: str, device: str, dtype: str = "bfloat16") -> AttentionBackend:
+    """Instantiate the backend registered under `name` (or picked by `auto`) for `device` and `dtype`."""
+    module, cls = BACKENDS[resolve_backend_name(name, device, dtype)].split(":")
     return getattr(importlib.import_module(module), cls)()
 
 
