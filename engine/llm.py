@@ -83,7 +83,7 @@ class LLM:
                                      spec.head_dim**-0.5), self.device)
         use_graphs = cfg.cuda_graph and backend.supports_cuda_graph
         # CUDA graphs pad decode batches with dummy requests writing to a scratch page no request owns.
-        self.kv = KVPool(spec.num_layers, num_pages + use_graphs, cfg.page_size, spec.num_kv_heads, spec.head_dim,
+        self.kv = KVPool(spec.num_layers, num_pages + int(use_graphs), cfg.page_size, spec.num_kv_heads, spec.head_dim,
                          TORCH_DTYPES[cfg.dtype], self.device)
         self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
         self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
