@@ -46,6 +46,7 @@ else
     echo "nothing missing"
 fi
 # --no-deps: the machine's torch/transformers stay as they are; the build backend comes from wheels/.
+[ -d "$WHEELS" ] || { echo "no $WHEELS/ folder (setuptools for the build comes from it): run scripts/fetch_gpu_wheels.sh"; exit 1; }
 run "$PY" -m pip install --no-index --find-links "$WHEELS" --no-deps -e . || exit 1
 MINICHAT=("$PY" -m tui.cli)
 
