@@ -10,7 +10,8 @@ mkdir -p "$dest"
 pip="${PIP:-python3 -m pip}"
 # The project's light dependencies (not torch/transformers, which that machine has in its own builds),
 # the test runner, and setuptools for the project's isolated build.
-packages=(pyzmq msgspec textual typer tqdm pytest pytest-timeout "setuptools>=68")
+packages=(pyzmq msgspec textual typer tqdm httpx fastapi uvicorn prometheus-client pytest pytest-timeout
+          "setuptools>=68")
 # Several manylinux tags: pip picks, per package, a wheel that runs on glibc >= 2.17.
 $pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -36,7 +36,8 @@ PYEOF
 step "install missing dependencies from $WHEELS/ (no index, torch untouched)"
 missing=()
 for pair in zmq:pyzmq msgspec:msgspec textual:textual typer:typer tqdm:tqdm safetensors:safetensors \
-            tokenizers:tokenizers pytest:pytest pytest_timeout:pytest-timeout; do
+            tokenizers:tokenizers httpx:httpx fastapi:fastapi uvicorn:uvicorn prometheus_client:prometheus-client \
+            pytest:pytest pytest_timeout:pytest-timeout; do
     "$PY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

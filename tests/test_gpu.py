@@ -98,7 +98,8 @@ def test_flashinfer_backend(case, heads, dtype):
     backend = make_backend("flashinfer", "cuda", "bfloat16")
     backend.setup(AttentionShape(hq, hkv, d, dtype, d**-0.5), torch.device("cuda"))
     got = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(meta), d**-0.5)
-    check(got, reference(meta, q, k_cache, v_cache), dtype)
+    # FlashInfer rounds the softmax weights to the storage dtype before multiplying by V.
+    torch.testing.assert_close(got.float().cpu(), reference(meta, q, k_cache, v_cache), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
