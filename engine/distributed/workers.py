@@ -103,7 +103,6 @@ class WorkerPool:
 
     def send(self, message: object) -> None:
         """The same message to every worker."""
-        self.raise_if_failed()
         with self.guard():
             for conn in self.conns:
                 conn.send(message)
