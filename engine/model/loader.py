@@ -17,6 +17,7 @@ from engine.distributed import TensorParallel
 from engine.model.llama import CausalLM, ModelSpec
 from engine.model.ops import resolve_linear_dtype
 from engine.model.parallel import TensorSlice, set_linear_dtype
+from kernels.attention.base import AttentionShape
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -108,3 +109,10 @@ def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: Tensor
     set_linear_dtype(model, resolve_linear_dtype(linear_dtype, TORCH_DTYPES[dtype], torch.device(device)))
     model.eval()
     return model
+
+
+def attention_shape(model: CausalLM, dtype: str) -> AttentionShape:
+    """What an attention backend must know of a loaded model (this rank's heads under tensor parallelism)."""
+    spec = model.spec
+    return AttentionShape(model.layers[0].num_heads, model.num_kv_heads, spec.head_dim, TORCH_DTYPES[dtype],
+                          spec.head_dim**-0.5)
