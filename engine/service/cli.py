@@ -27,10 +27,14 @@ ENGINE_HELP = {
     "seed": "Seed for requests that sample without their own seed.",
     "attention_backend": "Attention kernels: torch, triton, flashinfer, or auto (the best available).",
     "prefix_cache": "radix (reuse cached prompt prefixes) or naive.",
+    "cuda_graph": "Replay decode steps from CUDA graphs (triton and flashinfer backends on CUDA).",
+    "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph; bigger ones run eagerly.",
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
     "max_running_requests": "Request slots: how many requests may hold KV at once.",
     "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
+    "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
 }
+ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
 
 def option(name: str, annotation: object, default: object, help_text: str, *flags: str) -> inspect.Parameter:
@@ -48,7 +52,7 @@ def engine_parameters() -> list[inspect.Parameter]:
         if hints[f.name] is bool:
             flag += "/--no-" + f.name.replace("_", "-")
         params.append(option(f.name, hints[f.name], f.default, ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}"),
-                             flag))
+                             flag, *ENGINE_ALIASES.get(f.name, ())))
     return params
 
 
@@ -85,6 +89,7 @@ def serve(address: str | None, allow_remote: bool, max_waiting_requests: int, ma
     With --http HOST:PORT, run the engine as a child process instead and the OpenAI-compatible HTTP
     API in the foreground; stopping the API stops that engine.
     """
+    from engine.distributed.workers import WorkerFailed
     from engine.service.server import ServerOptions, StartupError, run_server
 
     if http is not None:
@@ -96,7 +101,7 @@ def serve(address: str | None, allow_remote: bool, max_waiting_requests: int, ma
     try:
         run_server(EngineConfig(**engine_options), ServerOptions(address, allow_remote, max_waiting_requests,
                                                                  max_message_bytes))
-    except StartupError as e:
+    except (StartupError, WorkerFailed) as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
 
