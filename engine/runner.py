@@ -28,7 +28,9 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [S, vocab] for the batch's sampled rows (intermediate prefill chunks get none)."""
-        input_ids = self.table.token_ids.view(-1)[batch.input_index]
+        input_ids = batch.input_ids
+        if input_ids is None:
+            input_ids = self.table.token_ids.view(-1)[batch.input_index]
         state = self.backend.prepare(batch.attn)
         return self.model(input_ids, batch.positions, batch.logits_index, self.kv, self.backend, state)
 
