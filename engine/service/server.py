@@ -138,7 +138,8 @@ class EngineServer:
         self._was_idle = True
         self._last_publish = 0.0
         self._last_sweep = time.monotonic()
-        self._subscribed = False  # someone reads stats: XPUB reports the first subscribe and the last unsubscribe
+        self._topics: set[bytes] = set()  # subscribed stats topics: XPUB reports each one's first subscribe
+        # and last unsubscribe, so this is empty exactly when nobody listens
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self.pub, zmq.POLLIN)
@@ -327,14 +328,16 @@ class EngineServer:
                 event = self.pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._subscribed = event[:1] == b"\x01"
-            self._dirty = self._dirty or self._subscribed
-            self._last_publish = 0.0
+            if event[:1] == b"\x01":
+                self._topics.add(event[1:])
+                self._dirty, self._last_publish = True, 0.0
+            else:
+                self._topics.discard(event[1:])
 
     def _publish(self, force: bool = False) -> None:
         """While someone subscribes: a complete snapshot ~10x a second, and on changes (rate-limited), at
         once when busy<->idle flips. With no subscriber no snapshot is even built."""
-        if not self._subscribed:
+        if not self._topics:
             return
         now = time.monotonic()
         since = now - self._last_publish
