@@ -56,7 +56,17 @@ class ForwardBatch:
 
 @dataclass
 class ForwardOutput:
-    """Sampled next-token ids, one per sampled row (on the model's device; `process` copies them)."""
+    """Sampled next-token ids, one per sampled row.
+
+    On CUDA the step runs on the runner's stream and `next_tokens` is a pinned host copy still in
+    flight until `ready` fires; `tokens()` waits for it, so only `process` ever waits for the GPU.
+    """
 
     next_tokens: torch.Tensor  # int64 [S]
-    run_time: float = 0.0
+    run_time: float = 0.0  # host seconds to launch (CUDA) or run (CPU) the step
+    ready: torch.cuda.Event | None = None
+
+    def tokens(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.next_tokens.tolist()

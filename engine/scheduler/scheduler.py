@@ -157,7 +157,7 @@ class Scheduler:
         A request that finished after this batch was scheduled (EOS seen in the previous step, or an
         abort) drops its token here; its slot and pages are released once no batch uses them."""
         start = time.perf_counter()
-        tokens = output.next_tokens.tolist()
+        tokens = output.tokens()
         self.inflight_batches -= 1
         for req in batch.reqs:
             req.inflight -= 1

@@ -157,6 +157,7 @@ class EngineServer:
                  os.getpid())
         try:
             while not self._stop:
+                self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
                 busy = self.llm.has_unfinished()
                 self._receive(0 if busy else self._ms_until_publish())
                 if self.llm.has_unfinished():
@@ -404,8 +405,11 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
             llm = load_llm(config)
         except (ValueError, OSError) as e:
             raise StartupError(f"cannot load the model: {e}") from e
-        server = EngineServer(llm, sockets, options)
-        server.run()
+        try:
+            server = EngineServer(llm, sockets, options)
+            server.run()
+        finally:
+            llm.close()
     finally:
         sockets.close(linger=2000)
 
