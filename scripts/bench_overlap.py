@@ -6,7 +6,7 @@
 Each run submits `--concurrency` requests of `--input-len` fresh random prompt tokens (no prefix-cache
 hits) and `--output-len` output tokens (EOS ignored); runs alternate between overlap off and on so a
 noisy machine hurts both alike. Prints per-mode medians of output tokens/s and of the decode step time,
-and checks that both modes produced the same tokens.
+the median on/off ratio over back-to-back pairs, and checks that both modes produced the same tokens.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ def main() -> None:
         for overlap in (False, True):
             tok_s, step_s, outputs = run_once(llm, overlap, prompts, args.output_len)
             results[overlap].append((tok_s, step_s))
+            print(f"  run: overlap {'on ' if overlap else 'off'} {tok_s:8.1f} out tok/s, decode step "
+                  f"{step_s * 1e3:6.2f} ms", flush=True)
             reference = reference if reference is not None else outputs
             assert outputs == reference, f"overlap={overlap} produced different tokens"
     print(f"model {llm.model_path}, {args.dtype}, "
@@ -68,8 +70,9 @@ def main() -> None:
         step = statistics.median(r[1] for r in results[overlap])
         label = "on " if overlap else "off"
         print(f"  overlap {label}: {tok:8.1f} out tok/s (median), decode step {step * 1e3:6.2f} ms")
-    ratio = statistics.median(r[0] for r in results[True]) / statistics.median(r[0] for r in results[False])
-    print(f"  on/off throughput ratio: {ratio:.3f}")
+    pairs = [on[0] / off[0] for off, on in zip(results[False], results[True], strict=True)]
+    print(f"  on/off throughput ratio: median of {len(pairs)} back-to-back pairs {statistics.median(pairs):.3f} "
+          f"(each: {', '.join(f'{r:.2f}' for r in pairs)})")
 
 
 if __name__ == "__main__":
