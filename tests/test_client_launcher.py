@@ -191,14 +191,16 @@ def test_serve_without_model_or_demo_model_says_so(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize("address", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://192.168.1.7:5555",
                                      "tcp://example.com:5555"])
-def test_non_loopback_needs_allow_remote(address: str) -> None:
+def test_non_loopback_needs_allow_remote_and_a_token(address: str) -> None:
     with pytest.raises(AddressError, match="--allow-remote"):
         check_bindable(address)
-    check_bindable(address, allow_remote=True)
+    with pytest.raises(AddressError, match="--auth-token"):
+        check_bindable(address, allow_remote=True)
+    check_bindable(address, allow_remote=True, has_token=True)
 
 
 @pytest.mark.parametrize("address", ["http://127.0.0.1:80", "tcp://127.0.0.1", "tcp://127.0.0.1:65535",
-                                     "ipc://", "ipc:///" + "x" * 120])
+                                     "ipc://", "ipc:///" + "x" * 120, "tcp://::1:5555"])
 def test_malformed_addresses_are_refused(address: str) -> None:
     with pytest.raises(AddressError):
         check_bindable(address)

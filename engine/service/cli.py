@@ -15,6 +15,7 @@ import typing
 import typer
 
 from engine.config import EngineConfig
+from engine.service.client import AUTH_ENV
 
 ADDRESS_HELP = "Engine address: ipc:///path or tcp://127.0.0.1:PORT (default: a per-user ipc socket)."
 ENGINE_HELP = {
@@ -58,26 +59,35 @@ def engine_options_given(options: dict[str, typing.Any]) -> dict[str, typing.Any
     return {k: v for k, v in options.items() if v != defaults[k]}
 
 
-def serve(address: str | None, allow_remote: bool, max_waiting_requests: int, max_message_bytes: int,
-          log_level: str, **engine_options: typing.Any) -> None:
-    """Run the engine in the foreground (logs to stderr) until Ctrl-C or SIGTERM."""
+def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_waiting_requests: int,
+          max_message_bytes: int, max_connections: int, client_buffer_messages: int, log_level: str,
+          **engine_options: typing.Any) -> None:
+    """Run the engine in the foreground (logs to stderr) until Ctrl-C, SIGTERM or `minichat stop`."""
     from engine.service.server import ServerOptions, StartupError, run_server
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run_server(EngineConfig(**engine_options), ServerOptions(address, allow_remote, max_waiting_requests,
-                                                                 max_message_bytes))
-    except StartupError as e:
+        options = ServerOptions(address, allow_remote, max_waiting_requests, max_message_bytes, auth_token or None,
+                                max_connections, client_buffer_messages)
+        run_server(EngineConfig(**engine_options), options)
+    except (StartupError, ValueError) as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
 
 
 serve.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
     option("address", str | None, None, ADDRESS_HELP, "--address"),
-    option("allow_remote", bool, False, "Allow a non-loopback tcp address (the protocol has no auth).",
+    option("allow_remote", bool, False, "Allow a non-loopback tcp address (needs --auth-token).",
            "--allow-remote/--no-allow-remote"),
+    inspect.Parameter("auth_token", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+                      default=typer.Option(None, "--auth-token", envvar=AUTH_ENV, show_envvar=True,
+                                           help="Shared secret clients must present (ZeroMQ PLAIN); prefer the "
+                                                "environment variable, which other users cannot read.")),
     option("max_waiting_requests", int, 1024, "Refuse new requests ('overloaded') beyond this queue."),
     option("max_message_bytes", int, 1 << 20, "Largest accepted message; bigger ones drop the peer."),
+    option("max_connections", int, 4096, "Connections beyond this (or the open-file limit) are closed at once."),
+    option("client_buffer_messages", int, 1000, "Replies queued for a client that does not read them before "
+                                                "its requests are aborted."),
     option("log_level", str, "info", "debug, info, warning or error."),
     *engine_parameters(),
 ])

@@ -68,7 +68,12 @@ class GetInfo(_ClientMsg, tag="get_info"):
     """Ask for the engine's model, configuration and version; answered by `Info`."""
 
 
-ClientMessage = Submit | Abort | Ping | GetInfo
+class Shutdown(_ClientMsg, tag="shutdown"):
+    """Stop the engine (what `minichat stop` sends): answered by `ShuttingDown`, then every in-flight
+    request ends with a `Final` ("abort") and the engine exits, as on SIGTERM."""
+
+
+ClientMessage = Submit | Abort | Ping | GetInfo | Shutdown
 
 
 # -- engine -> client ---------------------------------------------------------------------------
@@ -118,7 +123,7 @@ class Error(_EngineMsg, tag="error"):
     """A refused or malformed message. `rid` names the request it concerns, when known.
 
     Codes: bad_message, invalid_request, invalid_params, duplicate_request, unknown_request,
-    overloaded, internal.
+    overloaded, sampling_failed, internal.
     """
 
     code: str
@@ -153,12 +158,18 @@ class Info(_EngineMsg, tag="info"):
     config: dict[str, Any]
 
 
+class ShuttingDown(_EngineMsg, tag="shutting_down"):
+    """Acknowledges a `Shutdown`: the engine (process `pid`) is stopping."""
+
+    pid: int
+
+
 class Heartbeat(_EngineMsg, tag="heartbeat"):
     """Sent about once a second to clients with live requests that got nothing else: it proves the
     client is still connected (a failed send aborts its requests) and the engine still alive."""
 
 
-EngineMessage = Delta | Final | Error | Aborted | Pong | Info | Heartbeat
+EngineMessage = Delta | Final | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat
 
 
 # -- stats (PUB socket) -------------------------------------------------------------------------
@@ -249,11 +260,11 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo:
+def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo | Shutdown:
     return _client_decoder.decode(data)
 
 
-def decode_engine(data: bytes) -> Delta | Final | Error | Aborted | Pong | Info | Heartbeat:
+def decode_engine(data: bytes) -> Delta | Final | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat:
     return _engine_decoder.decode(data)
 
 
@@ -266,7 +277,7 @@ def salvage_rid(data: bytes) -> str | None:
     the request's waiter instead of nobody."""
     try:
         raw = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: a hostile, deeply nested frame
         return None
     rid = raw.get("rid") if isinstance(raw, dict) else None
     return rid if isinstance(rid, str) else None
