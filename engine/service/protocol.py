@@ -123,7 +123,7 @@ class Error(_EngineMsg, tag="error"):
     """A refused or malformed message. `rid` names the request it concerns, when known.
 
     Codes: bad_message, invalid_request, invalid_params, duplicate_request, unknown_request,
-    overloaded, sampling_failed, internal.
+    overloaded, internal.
     """
 
     code: str
@@ -261,7 +261,10 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo | Shutdown:
-    return _client_decoder.decode(data)
+    try:
+        return _client_decoder.decode(data)
+    except RecursionError:  # an unknown field whose value nests thousands deep
+        raise msgspec.DecodeError("the message nests too deeply") from None
 
 
 def decode_engine(data: bytes) -> Delta | Final | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat:
