@@ -234,25 +234,35 @@ def test_8_a_client_that_never_reads_is_cut_off(served: EngineHandle, baseline: 
     healthy(served, baseline)
 
 
+SUBSCRIBER_HOG = """
+import os, sys, zmq
+ctx = zmq.Context()
+socks = []
+for i in range(8):
+    s = ctx.socket(zmq.SUB)
+    s.connect(sys.argv[1])
+    s.setsockopt(zmq.SUBSCRIBE, bytes([i]) * (1 << 20))
+    socks.append(s)
+for i in range(50):
+    socks[0].setsockopt(zmq.SUBSCRIBE, str(i).encode() * 5)  # many small distinct ones on one peer
+print("subscribed", flush=True)
+sys.stdin.read()
+os._exit(0)  # libzmq may crash tearing down sockets whose subscriptions were refused: not the engine's concern
+"""
+
+
 def test_9_stats_subscriptions_are_capped(served: EngineHandle, baseline: list[int], ops: EngineClient) -> None:
     before = rss_mib(served.pid)
-    ctx = zmq.Context.instance()
-    hogs = []
+    hog = subprocess.Popen([sys.executable, "-c", SUBSCRIBER_HOG, served.address + ".stats"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
     try:
-        for i in range(8):
-            s = ctx.socket(zmq.XSUB)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(served.address + ".stats")
-            s.send(b"\x01" + bytes([i]) * (1 << 20))
-            hogs.append(s)
-        for i in range(50):  # many small distinct subscriptions on one peer
-            hogs[0].send(b"\x01" + str(i).encode() * 10)
-        first = ops.stats().seq  # two snapshots later, the loop has read every subscription sent before
-        ops.wait_stats(lambda s: s.seq >= first + 2)
+        assert hog.stdout.readline() == "subscribed\n"
+        first = ops.stats().seq  # some snapshots later, the loop has read what the hog could send
+        ops.wait_stats(lambda s: s.seq >= first + 5)
+        assert rss_mib(served.pid) - before < 64  # was +385 MiB
     finally:
-        for s in hogs:
-            s.close()
-    assert rss_mib(served.pid) - before < 64  # was +385 MiB
+        hog.kill()
+        hog.wait()
     healthy(served, baseline)
 
 

@@ -164,6 +164,9 @@ class Sockets:
                 except zmq.ZMQError as e:
                     self.close(linger=0)
                     raise AddressError(f"cannot listen on {addr}: {e.strerror}") from e
+                scheme, path = split(addr)
+                if scheme == "ipc":
+                    os.chmod(path, 0o600)  # bind made it 0700 under this umask; it is no program
         finally:
             os.umask(old_umask)
         log.info("accepting up to %d connections (open-file limit %d)", self.cap.cap, fd_limit)
