@@ -228,7 +228,10 @@ def test_8_a_client_that_never_reads_is_cut_off(served: EngineHandle, baseline: 
                             "params": {"max_tokens": 8000, "ignore_eos": True}}))
         snap = ops.wait_stats(lambda s: s.counters.aborted >= aborted + 4 and idle(s), timeout=60)
         assert snap.counters.aborted == aborted + 4
-        assert "fell 64 messages behind" in served.log_path.read_text()
+        # Whichever comes first: its queue fills (64 replies beyond a 128 KiB socket buffer), or it stops
+        # answering the transport heartbeat because its receive side is full.
+        log = served.log_path.read_text()
+        assert "fell 64 messages behind" in log or "stopped reading and missed its heartbeats" in log
     finally:
         slow.close()
     healthy(served, baseline)

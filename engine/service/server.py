@@ -387,7 +387,9 @@ class EngineServer:
                                         f"(it does not read its replies)")
             return False
         except zmq.ZMQError as e:
-            self._drop_client(identity, e.strerror)
+            unreachable = e.errno == zmq.EHOSTUNREACH
+            why = "it disconnected, or stopped reading and missed its heartbeats" if unreachable else e.strerror
+            self._drop_client(identity, why)
             return False
         self._last_sent[identity] = time.monotonic()
         return True
