@@ -35,18 +35,19 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One next token per row of float32 `logits` [N, vocab].
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One next token per row of float32 `logits` [N, vocab], as an int64 tensor on the logits' device
+    (the caller decides when to copy it to the host).
 
-    A row that cannot be sampled (non-finite logits from a broken checkpoint, say) falls back to its
-    argmax and is logged, so one request's failure never takes down the batch."""
-    out = logits.argmax(dim=-1).tolist()
+    A row that cannot be sampled (non-finite logits from a broken checkpoint, say) keeps its argmax
+    and is logged, so one request's failure never takes down the batch."""
+    out = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.greedy:
             continue
         try:
             probs = torch.softmax(filter_logits(logits[i], p), dim=-1)
-            out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+            out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
         except RuntimeError as e:
             log.error("sampling row %d failed (%s); using its most likely token instead", i, e)
     return out

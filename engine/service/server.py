@@ -217,12 +217,13 @@ class EngineServer:
                  os.getpid())
         try:
             while not self._stop:
+                self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
                 busy = self.llm.has_unfinished()
                 self._receive(0 if busy else self._ms_until_publish() if not self.encoding else 5)
                 self._admit_encoded()
                 self._read_subscriptions()
                 if self.llm.has_unfinished():
-                    self._deliver(self.llm.step())
+                    self._deliver(self.llm.step(self.llm.config.overlap))
                 self._sweep_clients()
                 self._publish()
         except Exception as e:  # the engine is going down: say so to everyone waiting, not just the log
@@ -299,7 +300,7 @@ class EngineServer:
             raise Refused("invalid_request", f"rid must be a non-empty string of at most {MAX_RID_LEN} characters")
         if rid in self.owners or rid in self.encoding or self.llm.request(rid) is not None:
             raise Refused("duplicate_request", f"request id {rid!r} is already in use; choose another")
-        waiting = len(self.llm.scheduler.prefill_manager.waiting) + len(self.encoding)
+        waiting = self.llm.num_waiting + len(self.encoding)
         if waiting >= self.options.max_waiting_requests:
             raise Refused("overloaded", f"the waiting queue is full ({waiting} requests); retry later")
         given = [p for p in (msg.prompt, msg.messages, msg.token_ids) if p is not None]
@@ -357,15 +358,16 @@ class EngineServer:
         self._send(identity, protocol.Aborted(rid=rid))
 
     def _abort_request(self, rid: str) -> None:
-        """Abort now (slot and pages are freed at once; the Final goes out after the next step) and count
-        it now, so no snapshot shows the resources freed but the abort not yet counted."""
+        """Abort now: the scheduler counts it at once and frees the slot and pages as soon as no step in
+        flight uses them (at once, or after the step running now); the Final goes out after the next step.
+        A request still being tokenized holds nothing: its Final goes out at once."""
         enc = self.encoding.pop(rid, None)
-        if enc is not None:  # still tokenizing: nothing holds resources, its owner's Final goes out now
+        if enc is not None:
             enc.ids.cancel()
+            self.stats.unscheduled_aborts += 1
             self._send(enc.identity, _final_unstarted(rid, enc.arrival))
         else:
             self.llm.abort(rid)
-        self.stats.aborted += 1
         self._dirty = True
 
     def _info(self) -> protocol.Info:
@@ -405,7 +407,7 @@ class EngineServer:
     def _drop_client(self, identity: bytes, why: str) -> None:
         for rid in [rid for rid, enc in self.encoding.items() if enc.identity == identity]:
             self.encoding.pop(rid).ids.cancel()
-            self.stats.aborted += 1
+            self.stats.unscheduled_aborts += 1
         rids = [rid for rid, owned in self.owners.items() if owned.identity == identity]
         for rid in rids:
             del self.owners[rid]
@@ -514,8 +516,11 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
             llm = load_llm(config)
         except (ValueError, OSError) as e:
             raise StartupError(f"cannot load the model: {e}") from e
-        server = EngineServer(llm, sockets, options)
-        server.run()
+        try:
+            server = EngineServer(llm, sockets, options)
+            server.run()
+        finally:
+            llm.close()
     finally:
         sockets.close(linger=2000)
 
