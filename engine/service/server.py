@@ -122,6 +122,7 @@ class Sockets:
         if running is not None:
             raise AddressError(f"an engine (pid {running.pid}, minichat {running.version}) already answers at "
                                f"{address}; stop it with `minichat stop` or choose another --address")
+        remove_stale_ipc(address)  # also creates the socket's directory, mode 0700
         self.address, self.stats_address = address, stats_address(address)
         self.ctx = zmq.Context()
         self.auth: ThreadAuthenticator | None = None
@@ -157,7 +158,6 @@ class Sockets:
         self.cap.start()
         old_umask = os.umask(0o077)  # the socket files are created by bind: owner-only from the start
         try:
-            remove_stale_ipc(address)
             for sock, addr in ((self.router, self.address), (self.pub, self.stats_address)):
                 try:
                     sock.bind(addr)
@@ -166,7 +166,7 @@ class Sockets:
                     raise AddressError(f"cannot listen on {addr}: {e.strerror}") from e
                 scheme, path = split(addr)
                 if scheme == "ipc":
-                    os.chmod(path, 0o600)  # bind made it 0700 under this umask; it is no program
+                    os.chmod(path, 0o600)  # 0700 from bind under umask 077; nothing executes a socket
         finally:
             os.umask(old_umask)
         log.info("accepting up to %d connections (open-file limit %d)", self.cap.cap, fd_limit)
