@@ -400,7 +400,7 @@ def test_chat_roles_a_template_rejects_are_invalid_requests(long_ckpt: Path) -> 
             apply_chat_template(tok, [{"role": role, "content": "hi"}])
 
 
-def test_duplicate_rid_is_refused_by_the_client_and_a_lost_engine_noticed(served: EngineHandle, baseline: list[int],
+def test_duplicate_rid_is_refused_by_the_client(served: EngineHandle, baseline: list[int],
                                                                           ops: EngineClient) -> None:
     rid = ops.submit(PROBE, max_tokens=3000, ignore_eos=True)
     with pytest.raises(EngineError, match="duplicate_request"):
