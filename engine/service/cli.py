@@ -34,6 +34,7 @@ ENGINE_HELP = {
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
     "max_running_requests": "Request slots: how many requests may hold KV at once.",
     "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
+    "overlap": "Schedule step N+1 while step N runs (model in a worker thread); output is identical either way.",
     "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}

@@ -1,5 +1,5 @@
-"""The engine process: a ROUTER socket for requests and their streams, a PUB socket for live stats,
-and the seed's `normal_loop` in between.
+"""The engine process: a ROUTER socket for requests and their streams, an XPUB socket for live stats,
+and the step loop in between (overlapped or not, see engine/loop.py).
 
 The loop blocks on the socket only when the scheduler has nothing to do; otherwise it drains
 whatever messages arrived and runs the next step. Every message is validated; a bad one (or any
@@ -57,7 +57,7 @@ MAX_DRAIN = 256  # messages handled between two steps, so a flood cannot starve 
 MAX_RID_LEN = 256
 MAX_ECHOED_RID = 1024  # an invalid rid longer than this is not echoed back in the Error
 SEND_BUFFER = 128 << 10  # kernel send buffer per connection (bytes)
-SUBSCRIPTION_BYTES = 64  # largest accepted stats subscription message; every subscriber gets everything
+SUBSCRIPTION_BYTES = 64  # largest accepted stats subscription message (clients subscribe to "")
 HANDSHAKE_MS = 5000  # a connection that has not completed the ZeroMQ handshake by then is closed
 
 
@@ -141,10 +141,8 @@ class Sockets:
         self.router.setsockopt(zmq.SNDBUF, SEND_BUFFER)
         self.router.setsockopt(zmq.HEARTBEAT_IVL, 2000)  # transport-level: notices half-open tcp peers
         self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
-        # XPUB in manual mode: the engine reads each subscription and subscribes that peer to
-        # everything, so no peer can grow the subscription trie (MiB-long prefixes cost hundreds of MiB).
-        self.pub = self.ctx.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        self.pub = self.ctx.socket(zmq.XPUB)  # XPUB: it tells us whether anyone subscribes
+        # A subscription is stored (by libzmq and in _topics): MiB-long ones cost hundreds of MiB.
         self.pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_BYTES)
         self.pub.setsockopt(zmq.SNDHWM, 16)  # a slow dashboard misses snapshots rather than queueing them
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -205,12 +203,19 @@ class EngineServer:
         self._was_idle = True
         self._last_publish = 0.0
         self._last_sweep = time.monotonic()
+        self._topics: set[bytes] = set()  # subscribed stats topics: XPUB reports each one's first subscribe
+        # and last unsubscribe, so this is empty exactly when nobody listens
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._poller.register(self.pub, zmq.POLLIN)
 
     def request_stop(self) -> None:
         self._stop = True
 
     def run(self) -> None:
-        """The seed's normal_loop: receive (blocking only when idle) -> step -> process results."""
+        """Receive (blocking only when idle) -> step -> deliver. With `EngineConfig.overlap` a step returns
+        the previous batch, processed while the next one runs in the model worker, so detokenising,
+        sending and receiving all happen off the model's critical path (the seed's overlap_loop)."""
         log.info("engine ready: model %s, %d KV pages x %d tokens, %d request slots; listening on %s, "
                  "stats on %s (pid %d)", self.llm.model_path, self.llm.num_pages, self.llm.config.page_size,
                  self.llm.config.max_running_requests, self.sockets.address, self.sockets.stats_address,
@@ -221,7 +226,6 @@ class EngineServer:
                 busy = self.llm.has_unfinished()
                 self._receive(0 if busy else self._ms_until_publish() if not self.encoding else 5)
                 self._admit_encoded()
-                self._read_subscriptions()
                 if self.llm.has_unfinished():
                     self._deliver(self.llm.step(self.llm.config.overlap))
                 self._sweep_clients()
@@ -238,7 +242,10 @@ class EngineServer:
         return max(0, int((self._last_publish + STATS_INTERVAL - time.monotonic()) * 1000) + 1)
 
     def _receive(self, timeout_ms: int) -> None:
-        if not self.router.poll(timeout_ms):
+        ready = dict(self._poller.poll(timeout_ms))
+        if self.pub in ready:
+            self._read_subscriptions()
+        if self.router not in ready:
             return
         for _ in range(MAX_DRAIN):
             try:
@@ -250,16 +257,6 @@ class EngineServer:
             except Exception as e:  # whatever one message does, it must not end the engine for everyone
                 log.exception("internal error handling a message")
                 self._error(frames[0], "internal", f"{type(e).__name__}: {e}")
-
-    def _read_subscriptions(self) -> None:
-        """Subscribe each new stats peer to everything (XPUB_MANUAL: what it asked for is ignored)."""
-        for _ in range(MAX_DRAIN):
-            try:
-                sub = self.pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if sub[:1] == b"\x01":
-                self.pub.setsockopt(zmq.SUBSCRIBE, b"")
 
     def _handle(self, frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]
@@ -365,7 +362,7 @@ class EngineServer:
         if enc is not None:
             enc.ids.cancel()
             self.stats.unscheduled_aborts += 1
-            self._send(enc.identity, _final_unstarted(rid, enc.arrival))
+            self._send(enc.identity, protocol.Outputs(items=[_final_unstarted(rid, enc.arrival)]))
         else:
             self.llm.abort(rid)
         self._dirty = True
@@ -417,17 +414,22 @@ class EngineServer:
         log.warning("client %s is gone (%s); aborted its %d request(s)", identity.hex(), why, len(rids))
 
     def _deliver(self, result: StepResult) -> None:
+        """One `Outputs` message per client, carrying the step's Delta or Final of each of its requests."""
         self.stats.record_step(result)
         self._dirty = True
+        per_client: dict[bytes, list[protocol.Delta | protocol.Final]] = {}
         for delta in result.deltas:
             owned = self.owners.get(delta.rid)
             if owned is None:
                 continue  # its client is gone
             if delta.finish_reason is None:
-                self._send(owned.identity, protocol.Delta(rid=delta.rid, text=delta.text, token_ids=delta.token_ids))
+                item = protocol.Delta(rid=delta.rid, text=delta.text, token_ids=delta.token_ids)
             else:
                 del self.owners[delta.rid]
-                self._send(owned.identity, _final(delta, owned.req))
+                item = _final(delta, owned.req)
+            per_client.setdefault(owned.identity, []).append(item)
+        for identity, items in per_client.items():
+            self._send(identity, protocol.Outputs(items=items))
 
     def _sweep_clients(self) -> None:
         """Heartbeat clients that have live requests but heard nothing lately; a failed send drops them."""
@@ -441,8 +443,24 @@ class EngineServer:
             if now - self._last_sent.get(identity, 0.0) >= HEARTBEAT_INTERVAL:
                 self._send(identity, protocol.Heartbeat())
 
+    def _read_subscriptions(self) -> None:
+        """Track whether any stats subscriber is connected; a new one gets a snapshot at once."""
+        while True:
+            try:
+                event = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event[:1] == b"\x01":
+                self._topics.add(event[1:])
+                self._dirty, self._last_publish = True, 0.0
+            else:
+                self._topics.discard(event[1:])
+
     def _publish(self, force: bool = False) -> None:
-        """A complete snapshot ~10x a second, and on changes (rate-limited), at once when busy<->idle flips."""
+        """While someone subscribes: a complete snapshot ~10x a second, and on changes (rate-limited), at
+        once when busy<->idle flips. With no subscriber no snapshot is even built."""
+        if not self._topics:
+            return
         now = time.monotonic()
         since = now - self._last_publish
         idle = not self.llm.has_unfinished()
