@@ -354,8 +354,9 @@ def test_keys_and_commands_manage_sessions_and_panels(tmp_path: Path) -> None:
             await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
             screen = app.screen
             help_text = " ".join(" ".join(row) for row in [*screen.keys, *screen.commands])
-            for key in ("ctrl+n", "ctrl+w", "f2", "ctrl+f", "escape", "f5", "ctrl+j", "ctrl+p", "ctrl+q", "ctrl+o", "pageup",
-                        "pagedown", "ctrl+home", "ctrl+end", "ctrl+pageup", "x / delete", "/fanout", "/clear"):
+            for key in ("ctrl+n", "ctrl+w", "f2", "ctrl+f", "escape", "f5", "ctrl+j", "ctrl+p", "ctrl+q", "ctrl+o",
+                        "pageup", "pagedown", "ctrl+home", "ctrl+end", "ctrl+pageup", "x / delete", "/fanout",
+                        "/clear"):
                 assert key in help_text, key
             keys = [row[0] for row in screen.keys]
             assert not [k for k in keys if "alt+" in k or "shift+enter" in k], keys  # tmux mangles these
@@ -401,7 +402,7 @@ def test_keys_apply_in_the_order_typed(engine: str) -> None:
             await wait_for(pilot, lambda: last_reply(app).state == "done", "the second reply")
             await pilot.press("f2")  # the rename dialog: its text starts selected, and typing replaces it
             await wait_for(pilot, lambda: isinstance(app.screen, AskScreen), "the rename dialog")
-            burst(app, *"poem", "backspace", "s", "enter")
+            burst(app, *"poemx", "backspace", "s", "enter")
             await wait_for(pilot, lambda: app.current.session.name == "poems", "the rename")  # type: ignore[union-attr]
 
     run(scenario)
@@ -468,15 +469,15 @@ def test_abort_in_the_ops_panel_follows_the_selected_request(engine: str) -> Non
 def test_page_keys_in_the_prompt_box_scroll_the_conversation(engine: str) -> None:
     async def scenario() -> None:
         app = MinichatApp(EngineLink(address=engine, autostart=False))
-        async with app.run_test(size=(80, 24)) as pilot:
+        async with app.run_test(size=(50, 18)) as pilot:  # a small terminal: a short reply overflows it
             await connected_app(pilot)
-            await type_and_send(pilot, "/max_tokens 300")
+            await type_and_send(pilot, "/max_tokens 200")
             await type_and_send(pilot, "/ignore_eos on")
             await type_and_send(pilot, "Tell me a long story")
             await wait_for(pilot, lambda: last_reply(app).state == "done", "a long reply")
             log = app.current.query_one(".chat-log")  # type: ignore[union-attr]
-            await wait_for(pilot, lambda: log.max_scroll_y > 2 * log.size.height and log.scroll_y == log.max_scroll_y,
-                           "a conversation taller than two screens, shown at its end")
+            await wait_for(pilot, lambda: log.max_scroll_y > log.size.height and log.scroll_y == log.max_scroll_y,
+                           "a conversation taller than the screen, shown at its end")
             bottom = log.max_scroll_y
             await pilot.press("pageup")
             assert log.scroll_y == bottom - log.scrollable_content_region.height
@@ -591,5 +592,50 @@ def test_a_damaged_database_is_reported_and_the_console_runs_on(tmp_path: Path, 
             await pilot.press("ctrl+q")  # unsaved conversation: asks
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
             assert shown(app.screen.query_one(Label)) == "Quit minichat? 1 conversation is not saved."
+
+    run(scenario)
+
+
+@pytest.fixture(scope="module")
+def small_engine(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An engine whose model holds only 512 tokens, so a conversation outgrows it in a few turns."""
+    address = f"ipc://{tmp_path_factory.mktemp('tui-small')}/engine.sock"
+    with start_engine(llama_ckpt, address):
+        yield address
+
+
+def test_a_conversation_that_outgrows_the_context_is_trimmed(small_engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=small_engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            pane = app.current
+            assert pane is not None
+            gauge = pane.query_one(".chat-gauge", Static)
+            await wait_for(pilot, lambda: shown(gauge).endswith(" 0/512"), "the empty gauge")
+            await type_and_send(pilot, "/max_tokens 600")  # more than the model holds: refused
+            assert pane.session.params.max_tokens == 256
+            await type_and_send(pilot, "/max_tokens 40")
+            await type_and_send(pilot, "/ignore_eos on")
+            await type_and_send(pilot, "/system Keep it short.")
+            words = "to be or not to be that is the question " * 8
+            for i in range(6):
+                await type_and_send(pilot, f"{i}: {words}")
+                await wait_for(pilot, lambda: pane.session.live is None, f"reply {i}")
+                reply = last_reply(app)
+                assert reply.state == "done" and reply.completion_tokens == 40, reply.summary()
+                used = f" {reply.prompt_tokens + 40}/512"  # type: ignore[operator]
+                await wait_for(pilot, lambda: shown(gauge).endswith(used), f"the gauge at {used}")
+            assert pane.session.context_start > 0  # the oldest turns were dropped, not the conversation
+            mark = pane.query_one(".context-mark", Static)
+            start = pane.session.context_start
+            assert shown(mark).startswith(f"▲ the {start} turn{'s' * (start > 1)} above")
+            assert pane.session.messages("x")[0] == {"role": "system", "content": "Keep it short."}
+            await type_and_send(pilot, "/clear")
+            mark = pane.query_one(".context-mark", Static)
+            assert shown(gauge).endswith(" 0/512") and shown(mark).startswith("▲ the 6 turns above are no longer")
+            await type_and_send(pilot, "afresh")
+            await wait_for(pilot, lambda: pane.session.live is None, "the reply after /clear")
+            assert last_reply(app).prompt_tokens < 40  # type: ignore[operator]
 
     run(scenario)

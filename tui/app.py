@@ -175,9 +175,9 @@ class MinichatApp(App[None]):
                 line.append(f"  stale: {age:.0f} s old", "bold yellow")
         if self.store_problem:
             line.append("  │  not saving", "bold red")
-        status = self.query_one("#status", Static)
-        update_text(status, line)
-        status.set_class(not state.connected, "-problem")
+        for status in self.query("#status").results(Static):  # none while the app is closing
+            update_text(status, line)
+            status.set_class(not state.connected, "-problem")
 
     # -- engine -----------------------------------------------------------------------------------
     def on_engine_stats(self, stats: Stats) -> None:
@@ -289,6 +289,7 @@ class MinichatApp(App[None]):
 
     def on_chat_pane_state_changed(self, event: ChatPane.StateChanged) -> None:
         self.label_tab(event.pane)
+        event.pane.session.updated = time.time()
         self.save(event.pane.session)
 
     def label_tab(self, pane: ChatPane) -> None:
@@ -353,6 +354,7 @@ class MinichatApp(App[None]):
         except ValueError as e:
             self.notify(str(e), severity="error")
         pane.show_settings()
+        session.updated = time.time()
         self.save(session)
 
     def export(self, session: Session, path: str = "") -> None:

@@ -216,6 +216,8 @@ class ChatPane(Vertical):
         return self.link.info.max_seq_len if self.link.info is not None else None
 
     def show_settings(self) -> None:
+        if not self.is_attached or self.closing:  # stats arrive at any time, also while the pane goes
+            return
         system = self.session.system_prompt.replace("\n", " ")
         line = f"system: {system}" if system else "no system prompt"
         self.query_one(".chat-settings", Static).update(Text(printable(f"{line}  ·  {self.session.describe()}")))

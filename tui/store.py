@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -136,8 +135,8 @@ class Store:
 
     # -- writing ------------------------------------------------------------------------------------
     def save(self, session: Session, is_open: bool = True) -> None:
-        """Write the session and all its turns, replacing what was stored."""
-        session.updated = time.time()
+        """Write the session and all its turns, replacing what was stored (`updated` is the session's
+        own: when its conversation or settings last changed, not when it was last written)."""
         row = (session.uid, session.name, session.system_prompt, msgspec.json.encode(session.params).decode(),
                session.context_start, session.created, session.updated, int(is_open))
         turns = [(session.uid, i, turn.prompt, json.dumps({k: asdict(turn.reply)[k] for k in REPLY_FIELDS}))
