@@ -16,7 +16,9 @@ class EngineConfig:
     `max_running_requests` is the number of request slots (rows of the request table);
     `max_prefill_tokens` is the per-step prefill token budget (longer prompts are chunked);
     `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
-    `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive".
+    `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
+    `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).
+    `overlap` schedules step N+1 while step N runs (the model in a worker thread); see docs/architecture.md.
     """
 
     model: str | None = None
@@ -31,11 +33,13 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     prefix_cache: str = "radix"
+    tensor_parallel_size: int = 1
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens"):
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:

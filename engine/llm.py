@@ -12,16 +12,21 @@ import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.distributed import TensorParallel
+from engine.distributed.workers import WorkerPool, launch
 from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
-from engine.model.loader import TORCH_DTYPES, load_model, resolve_model_path
+from engine.loop import StepLoop
+from engine.model.llama import ModelSpec
+from engine.model.loader import TORCH_DTYPES, check_shardable, load_hf_config, load_model, resolve_model_path
 from engine.outputs import RequestOutput, StepResult
 from engine.prompt import Prompt
 from engine.request import Req, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
+from engine.scheduler.snapshot import SchedulerSnapshot
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from kernels.attention import make_backend
 
@@ -57,9 +62,29 @@ class LLM:
         cfg = self.config
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {cfg.device!r} requested but CUDA is not available; use device='cpu'")
+        if cfg.device.startswith("cuda") and torch.cuda.device_count() < (torch.device(cfg.device).index or 0) + \
+                cfg.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {cfg.tensor_parallel_size} needs that many GPUs from "
+                             f"{cfg.device}; this machine has {torch.cuda.device_count()}")
         self.device = torch.device(cfg.device)
         self.model_path = resolve_model_path(cfg.model_path)
-        self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device)
+        self.tp = TensorParallel()
+        self.workers: WorkerPool | None = None
+        if cfg.tensor_parallel_size > 1:
+            spec = ModelSpec.from_hf_config(load_hf_config(self.model_path))
+            check_shardable(spec, cfg.tensor_parallel_size)
+            self.tp, self.workers = launch(cfg.tensor_parallel_size, spec, str(self.model_path), cfg.dtype,
+                                           cfg.device, cfg.page_size, cfg.attention_backend)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        """Load this rank's model and size the KV pool (the workers load theirs meanwhile, then get the size)."""
+        cfg = self.config
+        self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device, self.tp)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
         spec = self.model.spec
@@ -69,19 +94,24 @@ class LLM:
             context = min(context, cfg.max_model_len)
         num_pages = cfg.num_pages
         if num_pages is None:
-            per_page = KVPool.bytes_per_page(spec.num_layers, cfg.page_size, spec.num_kv_heads, spec.head_dim,
+            per_page = KVPool.bytes_per_page(spec.num_layers, cfg.page_size, self.model.num_kv_heads, spec.head_dim,
                                              TORCH_DTYPES[cfg.dtype])
             demand = cfg.max_running_requests * pages_for(context, cfg.page_size)
             num_pages = max(1, min(demand, _kv_budget_bytes(cfg) // per_page))
         self.num_pages = num_pages
         self.max_seq_len = min(context, num_pages * cfg.page_size)
-        self.kv = KVPool(spec.num_layers, num_pages, cfg.page_size, spec.num_kv_heads, spec.head_dim,
+        if self.workers is not None:
+            self.workers.expect("loaded")
+            self.workers.send(num_pages)
+            self.workers.expect("ready")
+        self.kv = KVPool(spec.num_layers, num_pages, cfg.page_size, self.model.num_kv_heads, spec.head_dim,
                          TORCH_DTYPES[cfg.dtype], self.device)
         self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
         self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
         backend = make_backend(cfg.attention_backend, cfg.device)
-        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, self.tp, self.workers)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids)
+        self.loop = StepLoop(self.scheduler, self.runner)
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self._uid = 0
         self._live: dict[str, Req] = {}
@@ -136,8 +166,11 @@ class LLM:
         return rid
 
     # -- stepping ---------------------------------------------------------------------------------
-    def step(self) -> StepResult:
-        result = self.scheduler.step()
+    def step(self, overlap: bool = False) -> StepResult:
+        """Schedule, run and process one batch. With `overlap` (what `generate` and the server use when
+        `EngineConfig.overlap` is on) the next batch is scheduled and started before this one is
+        processed; a plain `step()` after overlapped ones first finishes the batch still in flight."""
+        result = self.loop.step(overlap)
         for rid in result.finished:
             self._live.pop(rid, None)
         return result
@@ -153,25 +186,46 @@ class LLM:
         """A live (not yet finished) request, for inspection."""
         return self._live.get(rid)
 
-    def stats(self) -> dict[str, object]:
-        """Scheduler occupancy: queue lengths, who holds each request slot, and KV page counts."""
-        pages = self.cache.counts()
-        pm = self.scheduler.prefill_manager
-        return {
-            "waiting": len(pm.waiting),
-            "running": len(self.scheduler.decode_manager.running) + (pm.chunked is not None),
-            "slots": list(self.table.holder),
-            "pages": {"free": pages.free, "used": pages.used, "cached": pages.cached, "locked": pages.locked,
-                      "total": pages.total},
-        }
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue (what the server's overload limit counts), without a snapshot."""
+        return self.scheduler.num_waiting
+
+    def stats(self) -> SchedulerSnapshot:
+        """A read-only snapshot of the scheduler: waiting queue, running set, slots, pages, counters."""
+        return self.scheduler.snapshot()
 
     def check_integrity(self) -> None:
-        """At idle every page is free or cached and every slot free; raise AssertionError otherwise."""
+        """At idle every page is free or cached and every slot free; raise AssertionError otherwise.
+
+        Worker ranks hold no page state of their own (rank 0's allocator places every rank's K/V, so
+        pages freed here are freed on every rank); for them the check is that each ran exactly the
+        steps rank 0 sent."""
         self.cache.check_integrity()
         if not self.has_unfinished():
             held = [h for h in self.table.holder if h is not None]
             if held or self.cache.allocator.owner:
                 raise AssertionError(f"idle engine still holds slots {held} / pages {self.cache.allocator.owner}")
+            if self.workers is not None:  # only at idle: no batch in flight on the model thread
+                self.workers.check_in_step()
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise WorkerFailed if a tensor-parallel worker rank has died (the server calls this when idle)."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def close(self) -> None:
+        """Stop the worker ranks (if any). With one rank there is nothing to release but memory."""
+        if self.workers is not None:
+            self.workers.close()
+        self.tp.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- offline ----------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt] | Prompt,
@@ -188,9 +242,11 @@ class LLM:
         wanted = set(rids)
         with tqdm(total=len(rids), desc="generate", disable=not use_tqdm) as bar:
             while wanted:
-                done = wanted.intersection(self.step().finished)
+                done = wanted.intersection(self.step(self.config.overlap).finished)
                 wanted -= done
                 bar.update(len(done))
+        if self.loop.has_inflight:  # settle: the batch scheduled ahead may still hold finished requests' pages
+            self.step()
         return [self._output(reqs[rid]) for rid in rids]
 
     @staticmethod

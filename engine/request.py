@@ -61,9 +61,12 @@ class ReqState(enum.Enum):
 class Req:
     """One request's scheduler-visible state.
 
-    `cached_len` counts tokens whose K/V already sit in the paged cache (prefix hits plus
-    everything computed so far); the next forward feeds tokens from there. `pages` lists the KV
-    pages the request reads, in position order; `slot` is its request-table row.
+    `cached_len` counts tokens whose K/V are in the paged cache once every scheduled step has run
+    (prefix hits plus everything scheduled so far); the next forward feeds tokens from there.
+    `sampled` counts output tokens scheduled to be sampled, which may run ahead of `output_ids`
+    (the ones the host has seen) while steps are in flight; `inflight` counts scheduled batches
+    not yet processed, and a finished request keeps its slot and pages until it drops to 0.
+    `pages` lists the KV pages the request reads, in position order; `slot` is its request-table row.
     """
 
     rid: str
@@ -82,6 +85,8 @@ class Req:
     state: ReqState = ReqState.WAITING
     finish_reason: str | None = None
     extend_len: int = 0
+    sampled: int = 0
+    inflight: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     admit_time: float | None = None
     first_token_time: float | None = None
@@ -107,8 +112,8 @@ class Req:
 
     @property
     def can_decode(self) -> bool:
-        """True while the length budget allows another token (EOS is checked separately)."""
-        return len(self.output_ids) < self.max_output
+        """True while the length budget allows scheduling another token (EOS is checked at processing)."""
+        return self.sampled < self.max_output
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output."""

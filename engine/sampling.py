@@ -23,12 +23,13 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One next token per row of float32 `logits` [N, vocab]."""
-    out = logits.argmax(dim=-1).tolist()
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One next token per row of float32 `logits` [N, vocab], as an int64 tensor on the logits' device
+    (the caller decides when to copy it to the host)."""
+    out = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.greedy:
             continue
         probs = torch.softmax(filter_logits(logits[i], p), dim=-1)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
     return out

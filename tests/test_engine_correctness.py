@@ -1,4 +1,5 @@
-"""Greedy output must equal transformers token for token, however the scheduler slices the work."""
+"""Greedy output must equal transformers token for token, however the scheduler slices the work,
+with steps run in sequence or overlapped (step N+1 scheduled while step N runs)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import torch
 from engine import LLM, SamplingParams
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(params=[False, True], ids=["sequential", "overlap"])
+def overlap(request: pytest.FixtureRequest) -> bool:
+    return request.param
 
 
 def mixed_prompts(n: int, seed: int, max_len: int = 70) -> list[list[int]]:
@@ -25,69 +31,70 @@ def assert_matches_hf(llm: LLM, path: Path, hf, prompts: list[list[int]], max_to
         assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
         assert out.finish_reason == ("stop" if expected[-1] in llm.eos_ids else "length")
     llm.check_integrity()
-    pages = llm.stats()["pages"]
-    assert pages["used"] == pages["locked"] == 0 and pages["free"] + pages["cached"] == llm.num_pages
+    pages = llm.stats().pages
+    assert pages.used == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_many_mixed_prompts_at_once(checkpoints, hf, family):
+def test_many_mixed_prompts_at_once(checkpoints, hf, family, overlap):
     path = checkpoints[family]
-    llm = LLM(str(path))
+    llm = LLM(str(path), overlap=overlap)
     assert_matches_hf(llm, path, hf, mixed_prompts(12, seed=1), max_tokens=10)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_prefill_budget_forces_chunking(checkpoints, hf, family):
+def test_prefill_budget_forces_chunking(checkpoints, hf, family, overlap):
     path = checkpoints[family]
-    llm = LLM(str(path), max_prefill_tokens=7)
+    llm = LLM(str(path), max_prefill_tokens=7, overlap=overlap)
     prompts = mixed_prompts(6, seed=2, max_len=60)
     rids = [llm.add_request(p, SamplingParams(max_tokens=8)) for p in prompts]
     chunked_steps = 0
     while llm.has_unfinished():
-        res = llm.step()
+        res = llm.step(overlap)
         if res.kind == "prefill":
             assert res.num_tokens <= 7
-            chunked_steps += llm.scheduler.prefill_manager.chunked is not None
+            chunked_steps += any(r.state == "prefilling" for r in llm.stats().running)
     assert chunked_steps > 0, "no prompt was ever chunked"
     del rids
     assert_matches_hf(llm, path, hf, prompts, max_tokens=8)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
-def test_so_few_pages_that_admission_waits(checkpoints, hf, family):
+def test_so_few_pages_that_admission_waits(checkpoints, hf, family, overlap):
     path = checkpoints[family]
     # Each request below needs up to 5 pages of 4 tokens (prompt < 12, 8 outputs): only two fit at once.
-    llm = LLM(str(path), page_size=4, num_pages=10)
+    llm = LLM(str(path), page_size=4, num_pages=10, overlap=overlap)
     prompts = mixed_prompts(6, seed=3, max_len=12)
     for p in prompts:
         llm.add_request(p, SamplingParams(max_tokens=8))
     saw_waiting_with_free_slot = False
     while llm.has_unfinished():
         st = llm.stats()
-        if st["waiting"] and None in st["slots"] and st["running"]:
+        if st.waiting and None in st.slots and st.running:
             saw_waiting_with_free_slot = True
-        llm.step()
+        llm.step(overlap)
         llm.check_integrity()
     assert saw_waiting_with_free_slot, "KV capacity never held a request back"
     assert_matches_hf(llm, path, hf, prompts, max_tokens=8)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_fewer_slots_than_requests(checkpoints, hf, family):
+def test_fewer_slots_than_requests(checkpoints, hf, family, overlap):
     path = checkpoints[family]
-    llm = LLM(str(path), max_running_requests=3)
+    llm = LLM(str(path), max_running_requests=3, overlap=overlap)
     prompts = mixed_prompts(8, seed=4)
     for p in prompts:
         llm.add_request(p, SamplingParams(max_tokens=6))
     while llm.has_unfinished():
-        res = llm.step()
+        res = llm.step(overlap)
         assert len(res.rids) <= 3
     assert_matches_hf(llm, path, hf, prompts, max_tokens=6)
 
 
-def test_everything_tight_at_once(llama_ckpt, hf):
+def test_everything_tight_at_once(llama_ckpt, hf, overlap):
     """Small slots, small budget, small pool and pages of 1 token: the scheduler's worst day."""
-    llm = LLM(str(llama_ckpt), page_size=1, num_pages=90, max_running_requests=2, max_prefill_tokens=5)
+    llm = LLM(str(llama_ckpt), page_size=1, num_pages=90, max_running_requests=2, max_prefill_tokens=5,
+              overlap=overlap)
     assert_matches_hf(llm, llama_ckpt, hf, mixed_prompts(5, seed=5, max_len=40), max_tokens=9)
 
 
@@ -97,10 +104,8 @@ def test_bfloat16_logprobs_close_to_transformers(llama_ckpt):
 
     prompt = mixed_prompts(1, seed=6, max_len=30)[0]
     llm = LLM(str(llama_ckpt), dtype="bfloat16")
-    rid = llm.add_request(prompt, SamplingParams(max_tokens=1))
-    req = llm.request(rid)
-    llm.scheduler._allocate_kv(llm.scheduler.prefill_manager.schedule_next_batch(2048, 0))
-    ours = torch.log_softmax(llm.runner.forward([req], [True])[0], -1)
+    llm.add_request(prompt, SamplingParams(max_tokens=1))
+    ours = torch.log_softmax(llm.runner.forward(llm.scheduler.schedule())[0], -1)
     ref_model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         ref = torch.log_softmax(ref_model(torch.tensor([prompt])).logits[0, -1].float(), -1)

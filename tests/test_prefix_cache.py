@@ -41,14 +41,14 @@ def test_matched_pages_are_locked_while_the_request_runs(llama_ckpt):
     llm = LLM(str(llama_ckpt))
     prefix = ids(48, 4)
     llm.generate([prefix + [1]], greedy(2))
-    assert llm.stats()["pages"]["cached"] == 3 and llm.stats()["pages"]["locked"] == 0
+    assert llm.stats().pages.cached == 3 and llm.stats().pages.locked == 0
     rid = llm.add_request(prefix + [2, 3], greedy(20))
     llm.step()
-    assert llm.stats()["pages"]["locked"] == 3
+    assert llm.stats().pages.locked == 3
     assert llm.cache.evict(3) == 0  # locked pages cannot be evicted
     llm.abort(rid)
     llm.step()
-    assert llm.stats()["pages"]["locked"] == 0
+    assert llm.stats().pages.locked == 0
     llm.check_integrity()
 
 
@@ -64,8 +64,8 @@ def test_eviction_makes_room_lru_first(llama_ckpt, hf):
     # recently used leaf (the oldest prompt's second page) could give. Its first page stays.
     cached = [len(llm.cache.match_prefix(p).pages) for p in prompts]
     assert cached == [1, 2, 2, 2, 2, 2]
-    pages = llm.stats()["pages"]
-    assert pages["free"] + pages["cached"] == 12 and pages["used"] == 0
+    pages = llm.stats().pages
+    assert pages.free + pages.cached == 12 and pages.used == 0
 
 
 def test_many_requests_sharing_a_prefix_at_once(checkpoints, hf):
@@ -86,4 +86,4 @@ def test_naive_policy_caches_nothing(llama_ckpt):
     prompt = ids(40, 6)
     llm.generate([prompt], greedy(3))
     assert llm.generate([prompt], greedy(3))[0].cached_tokens == 0
-    assert llm.stats()["pages"]["free"] == llm.num_pages
+    assert llm.stats().pages.free == llm.num_pages

@@ -109,8 +109,8 @@ def test_abort_in_every_state_frees_slot_and_pages(llama_ckpt, state):
     while llm.has_unfinished():
         llm.step()
     llm.check_integrity()
-    pages = llm.stats()["pages"]
-    assert pages["used"] == pages["locked"] == 0 and pages["free"] + pages["cached"] == llm.num_pages
+    pages = llm.stats().pages
+    assert pages.used == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
     with pytest.raises(ValueError, match="unknown request id"):
         llm.abort(target)
 
@@ -194,7 +194,7 @@ def test_invalid_requests_raise_and_leak_nothing(llama_ckpt):
     while llm.has_unfinished():
         llm.step()
     llm.check_integrity()
-    assert llm.stats()["waiting"] == 0 and all(s is None for s in llm.stats()["slots"])
+    assert not llm.stats().waiting and all(s is None for s in llm.stats().slots)
 
 
 def test_output_budget_is_clamped_to_the_context(llama_ckpt):

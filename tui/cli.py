@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 import engine
-from engine.service.cli import ADDRESS_HELP, engine_options_given, engine_parameters, option, serve
+from engine.service.cli import ADDRESS_HELP, api, engine_options_given, engine_parameters, option, serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="minichat: a small LLM serving engine and console.")
 
@@ -21,6 +21,7 @@ def _version(value: bool) -> None:
 
 
 app.command("serve")(serve)
+app.command("api")(api)
 
 
 def root(ctx: typer.Context, version: bool, address: str | None, **engine_options: typing.Any) -> None:
@@ -99,11 +100,15 @@ def stop(
 
 def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,
           request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
-          timeout: float, baseline: str | None, json_path: Path | None, **engine_options: typing.Any) -> None:
-    """Serving benchmark over the engine's protocol: throughput and TTFT / TPOT / ITL / E2E latency.
+          timeout: float, baseline: str | None, json_path: Path | None, backend: str, base_url: str | None,
+          tokenizer: str | None, api_key: str | None, **engine_options: typing.Any) -> None:
+    """Serving benchmark: throughput and TTFT / TPOT / ITL / E2E latency.
 
-    Attaches to the engine at --address; if none answers and an engine option (such as --model) is
-    given, or no --address is, starts one with those options and stops it afterwards.
+    --backend minichat (default) speaks the engine's protocol: it attaches to the engine at --address;
+    if none answers and an engine option (such as --model) is given, or no --address is, it starts one
+    with those options and stops it afterwards. --backend openai runs the same workload against any
+    OpenAI-compatible server at --base-url (minichat's HTTP API, vLLM, SGLang, llama.cpp), where --model
+    names the served model.
     """
     from tui.bench.command import BenchError, run_bench
 
@@ -112,7 +117,8 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
                            output_len=output_len, range_ratio=range_ratio, request_rate=request_rate, seed=seed,
                            warmup=warmup, ignore_eos=ignore_eos, temperature=temperature, address=address,
                            timeout=timeout, baseline=baseline, json_path=json_path,
-                           engine_options=engine_options_given(engine_options))
+                           engine_options=engine_options_given(engine_options), backend=backend, base_url=base_url,
+                           tokenizer=tokenizer, api_key=api_key)
     except (BenchError, ValueError) as e:
         typer.echo(f"minichat bench: error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -135,6 +141,14 @@ bench.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
     option("timeout", float, 600.0, "Seconds before one request counts as failed."),
     option("baseline", str | None, None, "'hf': also run transformers generate in static batches."),
     option("json_path", Path | None, None, "Write the figures and per-request records here.", "--json"),
+    option("backend", str, "minichat", "minichat (the engine's protocol) or openai (any OpenAI-compatible server).",
+           "--backend"),
+    option("base_url", str | None, None, "openai backend: the API's base URL, e.g. http://127.0.0.1:8000/v1.",
+           "--base-url"),
+    option("tokenizer", str | None, None, "openai backend: checkpoint whose vocabulary the prompts use (default: "
+           "the `root` the server reports for the model, else --model).", "--tokenizer"),
+    inspect.Parameter("api_key", inspect.Parameter.KEYWORD_ONLY, annotation=str | None, default=typer.Option(
+        None, "--api-key", envvar="OPENAI_API_KEY", help="openai backend: bearer key for the server.")),
     # bench's --seed seeds the workload and every sampled request, so the engine's default seed is moot
     *[p for p in engine_parameters() if p.name != "seed"],
 ])

@@ -22,15 +22,6 @@ class PrefixMatch:
     pages: list[int] = field(default_factory=list)
 
 
-@dataclass
-class PageCounts:
-    free: int
-    used: int
-    cached: int
-    locked: int
-    total: int
-
-
 class CacheManager(ABC):
     """Owns the page allocator; subclasses decide what survives a finished request."""
 
@@ -79,11 +70,6 @@ class CacheManager(ABC):
         if short > 0:
             self.evict(short)
         return self.allocator.allocate(n, owner)
-
-    def counts(self) -> PageCounts:
-        cached = self.cached_pages()
-        return PageCounts(free=self.allocator.num_free, used=len(self.allocator.owner), cached=len(cached),
-                          locked=sum(cached.values()), total=self.allocator.num_pages)
 
     def check_integrity(self) -> None:
         """Every page is exactly one of free, held by a request, or cached; raise if not."""

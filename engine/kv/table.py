@@ -8,13 +8,17 @@ import torch
 class RequestTable:
     """`table[slot, pos]` is the KV-pool token slot holding position `pos` of the request in `slot`.
 
-    Kernels read this map directly, so they never need to know the page size.
+    Kernels read this map directly, so they never need to know the page size. `token_ids[slot, pos]`
+    is the token at that position: admission writes the prompt, the sampler writes each new token,
+    and a step reads its input ids from here, so it can be scheduled before the host has seen the
+    previous step's tokens.
     """
 
     def __init__(self, num_slots: int, max_len: int, device: torch.device) -> None:
         self.num_slots = num_slots
         self.max_len = max_len
         self.table = torch.zeros((num_slots, max_len), dtype=torch.int64, device=device)
+        self.token_ids = torch.zeros((num_slots, max_len), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self.holder: list[str | None] = [None] * num_slots
 
@@ -41,3 +45,7 @@ class RequestTable:
         slots = (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
         slots = slots[: max(0, self.max_len - start)]
         self.table[slot, start : start + slots.numel()] = slots.to(self.table.device)
+
+    def write_tokens(self, slot: int, ids: list[int]) -> None:
+        """Put a request's prompt at positions 0.. of its row."""
+        self.token_ids[slot, : len(ids)] = torch.tensor(ids, dtype=torch.int64).to(self.token_ids.device)

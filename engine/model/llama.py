@@ -9,14 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
+from engine.distributed import TensorParallel
 from engine.kv.pool import KVPool
+from engine.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Split,
+    TensorSlice,
+    VocabParallelEmbedding,
+    WeightTarget,
+    load_into,
+)
 from kernels.attention.base import AttentionBackend
+
+if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
+    from transformers import PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -122,19 +136,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """One block; under tensor parallelism it holds this rank's heads and intermediate rows only."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.spec = spec
-        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.q_size, self.kv_size = q, kv
+        heads = Split(spec.num_heads, spec.head_dim, "attention heads")
+        kv_heads = Split(spec.num_kv_heads, spec.head_dim, "KV heads", replicate=True)
+        inter = Split(spec.intermediate_size, 1, "intermediate size")
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.qkv_proj = nn.Linear(spec.hidden_size, q + 2 * kv, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(q, spec.hidden_size, bias=spec.attention_bias)
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [heads, kv_heads, kv_heads], spec.qkv_bias, tp)
+        self.q_size, self.kv_size = self.qkv_proj.sizes[:2]
+        self.num_heads, self.num_kv_heads = self.q_size // spec.head_dim, self.kv_size // spec.head_dim
+        self.o_proj = RowParallelLinear(heads, spec.hidden_size, spec.attention_bias, tp)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [inter, inter], spec.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, tp)
         self.scale = spec.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, kv: KVPool,
@@ -143,9 +162,9 @@ class DecoderLayer(nn.Module):
         residual = x
         h = self.input_layernorm(x)
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, spec.num_heads, spec.head_dim)
-        k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
-        v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
+        q = q.view(tokens, self.num_heads, spec.head_dim)
+        k = k.view(tokens, self.num_kv_heads, spec.head_dim)
+        v = v.view(tokens, self.num_kv_heads, spec.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
@@ -158,62 +177,65 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """The model, or under tensor parallelism (`tp`) this rank's shard of it; `spec` stays the whole model's."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp if tp is not None else TensorParallel()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         self.cos_sin: torch.Tensor | None = None
 
-    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """HF tensor name -> (our parameter, first row it fills). Fused projections take several."""
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank stores (its share of the KV pool's width)."""
+        return self.layers[0].num_kv_heads
+
+    def _weight_targets(self) -> dict[str, WeightTarget]:
+        """HF tensor name -> where this rank's slice of it goes. Fused projections take several."""
         s = self.spec
-        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        targets: dict[str, tuple[torch.Tensor, int]] = {
-            "model.embed_tokens.weight": (self.embed_tokens.weight, 0),
-            "model.norm.weight": (self.norm.weight, 0),
+        targets: dict[str, WeightTarget] = {
+            "model.embed_tokens.weight": self.embed_tokens.target(),
+            "model.norm.weight": WeightTarget(self.norm.weight),
         }
         if not s.tie_word_embeddings:
-            targets["lm_head.weight"] = (self.lm_head.weight, 0)
+            targets["lm_head.weight"] = self.lm_head.target()
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            targets[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0)
-            targets[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0)
-            for name, row in (("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)):
-                targets[p + f"self_attn.{name}.weight"] = (layer.qkv_proj.weight, row)
+            targets[p + "input_layernorm.weight"] = WeightTarget(layer.input_layernorm.weight)
+            targets[p + "post_attention_layernorm.weight"] = WeightTarget(layer.post_attention_layernorm.weight)
+            for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                targets[p + f"self_attn.{name}.weight"] = layer.qkv_proj.target(part)
                 if s.qkv_bias:
-                    targets[p + f"self_attn.{name}.bias"] = (layer.qkv_proj.bias, row)
-            targets[p + "self_attn.o_proj.weight"] = (layer.o_proj.weight, 0)
+                    targets[p + f"self_attn.{name}.bias"] = layer.qkv_proj.target(part, bias=True)
+            targets[p + "self_attn.o_proj.weight"] = layer.o_proj.target()
             if s.attention_bias:
-                targets[p + "self_attn.o_proj.bias"] = (layer.o_proj.bias, 0)
+                targets[p + "self_attn.o_proj.bias"] = layer.o_proj.target(bias=True)
             if s.qk_norm:
-                targets[p + "self_attn.q_norm.weight"] = (layer.q_norm.weight, 0)
-                targets[p + "self_attn.k_norm.weight"] = (layer.k_norm.weight, 0)
-            for name, row in (("gate_proj", 0), ("up_proj", inter)):
-                targets[p + f"mlp.{name}.weight"] = (layer.gate_up_proj.weight, row)
+                targets[p + "self_attn.q_norm.weight"] = WeightTarget(layer.q_norm.weight)
+                targets[p + "self_attn.k_norm.weight"] = WeightTarget(layer.k_norm.weight)
+            for part, name in enumerate(("gate_proj", "up_proj")):
+                targets[p + f"mlp.{name}.weight"] = layer.gate_up_proj.target(part)
                 if s.mlp_bias:
-                    targets[p + f"mlp.{name}.bias"] = (layer.gate_up_proj.bias, row)
-            targets[p + "mlp.down_proj.weight"] = (layer.down_proj.weight, 0)
+                    targets[p + f"mlp.{name}.bias"] = layer.gate_up_proj.target(part, bias=True)
+            targets[p + "mlp.down_proj.weight"] = layer.down_proj.target()
             if s.mlp_bias:
-                targets[p + "mlp.down_proj.bias"] = (layer.down_proj.bias, 0)
+                targets[p + "mlp.down_proj.bias"] = layer.down_proj.target(bias=True)
         return targets
 
     @torch.no_grad()
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into place (ignoring ones we do not use); raise naming any missing."""
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | TensorSlice]]) -> None:
+        """Copy this rank's slice of each checkpoint tensor into place (ignoring ones we do not use);
+        raise naming any missing. Lazy slices are read only where this rank's slice lies."""
         targets = self._weight_targets()
         loaded: set[str] = set()
         for name, tensor in tensors:
-            if name not in targets:
-                continue
-            param, row = targets[name]
-            rows = tensor.shape[0]
-            if param.dim() != tensor.dim() or param.shape[1:] != tensor.shape[1:] or row + rows > param.shape[0]:
-                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, which does not fit the config")
-            param[row : row + rows].copy_(tensor)
-            loaded.add(name)
+            if name in targets:
+                load_into(targets[name], name, tensor)
+                loaded.add(name)
         missing = set(targets) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:8])}")
@@ -231,11 +253,13 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
-                kv: KVPool, backend: AttentionBackend, meta: object) -> torch.Tensor:
-        """Run the flat batch; returns float32 logits only for the rows in `logits_index`."""
+                kv: KVPool, backend: AttentionBackend, meta: object) -> torch.Tensor | None:
+        """Run the flat batch; returns float32 logits only for the rows in `logits_index`
+        (under tensor parallelism on rank 0 only; other ranks get None)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.cos_sin[:, positions, None, :].to(x.dtype)
         cos, sin = cos_sin[0], cos_sin[1]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, kv, backend, meta)
-        return self.lm_head(self.norm(x[logits_index])).float()
+        logits = self.lm_head(self.norm(x[logits_index]))
+        return None if logits is None else logits.float()

@@ -7,13 +7,18 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
 
 from engine.config import DTYPES
+from engine.distributed import TensorParallel
 from engine.model.llama import CausalLM, ModelSpec
+from engine.model.parallel import TensorSlice
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:
+    from transformers import AutoConfig  # here, so that workers (which get a ModelSpec) never import it
+
     return AutoConfig.from_pretrained(path)
 
 
@@ -63,24 +70,37 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(path: Path) -> Iterator[tuple[str, TensorSlice]]:
+    """Every checkpoint tensor as a lazy slice: a tensor-parallel rank reads only its own part."""
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
-def load_model(path: Path, dtype: str, device: str) -> tuple[CausalLM, PretrainedConfig]:
-    """Build the model for `path`'s architecture and fill it from the checkpoint's tensors."""
+def check_shardable(spec: ModelSpec, size: int) -> None:
+    """Raise ValueError if the model's heads, intermediate size or vocabulary do not split over `size`
+    ranks (before any process is started for them)."""
+    with torch.device("meta"):
+        CausalLM(spec, TensorParallel(rank=0, size=size))
+
+
+def load_model(path: Path, dtype: str, device: str,
+               tp: TensorParallel | None = None) -> tuple[CausalLM, PretrainedConfig]:
+    """Build the model for `path`'s architecture (this rank's shard of it, under tensor parallelism)
+    and fill it from the checkpoint's tensors."""
     hf_config = load_hf_config(path)
-    spec = ModelSpec.from_hf_config(hf_config)
-    torch_dtype = TORCH_DTYPES[dtype]
+    return build_model(ModelSpec.from_hf_config(hf_config), path, dtype, device, tp), hf_config
+
+
+def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: TensorParallel | None = None) -> CausalLM:
+    """The model `spec` describes (this rank's shard), filled from the safetensors in `path`."""
     with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
-        model = CausalLM(spec).to(torch_dtype)
+        model = CausalLM(spec, tp).to(TORCH_DTYPES[dtype])
     model = model.to_empty(device=device)
     try:
         model.load_weights(_read_tensors(path))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     model.eval()
-    return model, hf_config
+    return model

@@ -16,11 +16,17 @@ class DecodeManager:
         return bool(self.running)
 
     def filter_reqs(self, reqs: list[Req]) -> None:
-        """Keep the batch's requests that still have output budget (EOS is handled at processing)."""
+        """After scheduling: the batch's requests that may sample another token join (or stay in) the
+        running set; those whose length budget is now spent leave it, so no later step is scheduled
+        past their reserved pages (EOS and stop strings are only known at processing)."""
         for req in reqs:
-            if req.state is not ReqState.FINISHED and req.can_decode:
-                req.state = ReqState.RUNNING
+            if req.state is ReqState.FINISHED:
+                continue
+            req.state = ReqState.RUNNING
+            if req.can_decode:
                 self.running[req.rid] = req
+            else:
+                self.running.pop(req.rid, None)
 
     def remove_req(self, req: Req) -> None:
         self.running.pop(req.rid, None)

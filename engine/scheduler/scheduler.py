@@ -1,23 +1,30 @@
-"""Scheduler.step(): schedule (prefill first, else decode) -> forward -> process results -> cleanup.
+"""The scheduler's three phases: `schedule()` -> ForwardBatch, (the runner's `run`), `process()` -> StepResult.
 
-The loop body of the seed's `normal_loop`, minus message receiving (the server does that between
-steps). Every way a request can end -- EOS, length, stop string, abort -- goes through
-`_finish`, the one cleanup path that returns the request slot and hands KV pages to the cache.
+`step()` is the body of the seed's `normal_loop`, the three in sequence, minus message receiving
+(the server does that between steps). The overlap loop (engine/loop.py) calls `schedule()` for step
+N+1 before `process()` of step N, so scheduling works only from what it decided itself (`cached_len`,
+`sampled`), never from tokens the host has not seen yet. Every way a request can end -- EOS, length,
+stop string, abort -- goes through `_finish`; its slot and pages are released by `_release` once no
+scheduled batch still uses them.
 """
 
 from __future__ import annotations
 
 import time
 
+import torch
+
+from engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
 from engine.kv.cache import CacheManager
 from engine.kv.table import RequestTable
 from engine.outputs import Delta, StepResult
 from engine.request import Req, ReqState
 from engine.runner import ModelRunner
-from engine.sampling import sample
 from engine.scheduler.budget import pages_for
 from engine.scheduler.decode import DecodeManager
 from engine.scheduler.prefill import PrefillManager
+from engine.scheduler.snapshot import SchedulerSnapshot, take_snapshot
+from kernels.attention.base import build_metadata
 
 
 class Scheduler:
@@ -33,7 +40,9 @@ class Scheduler:
         self.decode_manager = DecodeManager(self.page_size)
         self.reqs: dict[str, Req] = {}
         self._pending: list[Delta] = []
-        self.step_count = 0
+        self._unreleased: set[Req] = set()  # finished, but a batch in flight still uses their slot/pages
+        self.inflight_batches = 0
+        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0}
 
     # -- public -----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -44,8 +53,13 @@ class Scheduler:
     def runnable(self) -> bool:
         return self.prefill_manager.runnable or self.decode_manager.runnable
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.prefill_manager.waiting)
+
     def has_unfinished(self) -> bool:
-        return bool(self.reqs) or bool(self._pending)
+        """Live requests, undelivered deltas, or batches in flight (whose frees are still to come)."""
+        return bool(self.reqs) or bool(self._pending) or self.inflight_batches > 0
 
     def abort(self, rid: str) -> bool:
         """Abort in any state; False if the request is unknown or already finished."""
@@ -55,8 +69,25 @@ class Scheduler:
         self._finish(req, "abort")
         return True
 
+    def snapshot(self) -> SchedulerSnapshot:
+        """A read-only picture of queues, slots, pages and counters (see engine/scheduler/snapshot.py)."""
+        return take_snapshot(self)
+
     def step(self) -> StepResult:
-        """One scheduler step: a prefill batch if one can be formed, else a decode batch."""
+        """One step in sequence: schedule, run, process."""
+        batch = self.schedule()
+        if batch is None:
+            return self.idle()
+        return self.process(batch, self.runner.run(batch))
+
+    def idle(self) -> StepResult:
+        """The result of a step with nothing to run (it still carries aborts' final deltas)."""
+        return self._result("idle", [], 0, 0.0)
+
+    # -- schedule ---------------------------------------------------------------------------------
+    def schedule(self) -> ForwardBatch | None:
+        """Pick the next batch (a prefill batch if one can be formed, else decode), claim its KV pages
+        and build its tensors and attention metadata; None when there is nothing to run."""
         start = time.perf_counter()
         kind, reqs = "prefill", None
         if self.prefill_manager.runnable:  # the reservation sum is only needed to admit someone
@@ -64,24 +95,46 @@ class Scheduler:
         if reqs is None:
             kind, reqs = "decode", self.decode_manager.schedule_next_batch()
         if reqs is None:
-            return self._result("idle", [], 0, start)
+            return None
         self._allocate_kv(reqs)
-        # A request samples when this step reaches the end of its known tokens; mid-chunk ones do not.
-        wants = [r.cached_len + r.extend_len == r.total_len for r in reqs]
-        logits = self.runner.forward(reqs, wants)
-        sampled = [r for r, w in zip(reqs, wants, strict=True) if w]
-        next_tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
-        num_tokens = 0
+        width = self.table.max_len
+        input_index: list[int] = []
+        positions: list[int] = []
+        q_lens, kv_lens, logits_at, out_index, sample_rows = [], [], [], [], []
+        for i, req in enumerate(reqs):
+            start_pos, end = req.cached_len, req.cached_len + req.extend_len
+            base = req.slot * width
+            input_index += range(base + start_pos, base + end)
+            positions += range(start_pos, end)
+            q_lens.append(req.extend_len)
+            kv_lens.append(end)
+            # A request samples when this step reaches the end of its tokens; mid-chunk ones do not.
+            if end == req.input_len + req.sampled:
+                sample_rows.append(i)
+                logits_at.append(len(positions) - 1)
+                out_index.append(base + end)
+        dev = self.table.table.device
+        rows = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=dev)
+        sampled = [reqs[i] for i in sample_rows]
+        batch = ForwardBatch(
+            kind=kind, reqs=reqs, sample_rows=sample_rows,
+            input_index=torch.tensor(input_index, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            logits_index=torch.tensor(logits_at, dtype=torch.int64, device=dev),
+            out_index=torch.tensor(out_index, dtype=torch.int64, device=dev),
+            attn=build_metadata(q_lens, kv_lens, rows, self.table.table),
+            sampling=SamplingBatch([r.params for r in sampled], [r.generator for r in sampled]),
+            num_tokens=len(positions))
         for req in reqs:
             req.cached_len += req.extend_len
-            num_tokens += req.extend_len
+            req.inflight += 1
+        for req in sampled:
+            req.sampled += 1
         self.decode_manager.filter_reqs(sampled)
-        for req, token in zip(sampled, next_tokens, strict=True):
-            self._append_token(req, token)
-        self.step_count += 1
-        return self._result(kind, [r.rid for r in reqs], num_tokens, start)
+        self.inflight_batches += 1
+        batch.schedule_time = time.perf_counter() - start
+        return batch
 
-    # -- internals --------------------------------------------------------------------------------
     def _allocate_kv(self, reqs: list[Req]) -> None:
         """Claim pages for the positions this step writes (reserved at admission, so this cannot fail)."""
         ps = self.page_size
@@ -92,6 +145,29 @@ class Scheduler:
             new = self.cache.allocate(need, req.rid)
             self.table.write_pages(req.slot, len(req.pages), new, ps)
             req.pages += new
+
+    # -- process ----------------------------------------------------------------------------------
+    def process(self, batch: ForwardBatch, output: ForwardOutput) -> StepResult:
+        """Append each sampled token, detokenise, finish (EOS, stop string, length) and free.
+
+        A request that finished after this batch was scheduled (EOS seen in the previous step, or an
+        abort) drops its token here; its slot and pages are released once no batch uses them."""
+        start = time.perf_counter()
+        tokens = output.next_tokens.tolist()
+        self.inflight_batches -= 1
+        for req in batch.reqs:
+            req.inflight -= 1
+        for row, token in zip(batch.sample_rows, tokens, strict=True):
+            req = batch.reqs[row]
+            if req.state is not ReqState.FINISHED:
+                self._append_token(req, token)
+        for req in batch.reqs:
+            if req in self._unreleased and req.inflight == 0:
+                self._release(req)
+        self.counters["steps"] += 1
+        self.counters[f"{batch.kind}_tokens"] += batch.num_tokens
+        duration = batch.schedule_time + output.run_time + time.perf_counter() - start
+        return self._result(batch.kind, [r.rid for r in batch.reqs], batch.num_tokens, duration)
 
     def _append_token(self, req: Req, token: int) -> None:
         now = time.monotonic()
@@ -106,7 +182,7 @@ class Scheduler:
                 req.detokenizer.add(token)
             if req.detokenizer is not None and req.detokenizer.stopped:
                 reason = "stop"
-            elif not req.can_decode:
+            elif len(req.output_ids) >= req.max_output:
                 reason = "length"
         if reason is None:
             text = req.detokenizer.take(final=False) if req.detokenizer else ""
@@ -115,23 +191,31 @@ class Scheduler:
             self._finish(req, reason, last_token=token)
 
     def _finish(self, req: Req, reason: str, last_token: int | None = None) -> None:
-        """The one cleanup path: leave every queue, free the slot, hand KV to the cache manager."""
+        """The one way out: leave every queue, emit the final delta, release now or after the batches in flight."""
         self.prefill_manager.remove_req(req)
         self.decode_manager.remove_req(req)
-        if req.slot is not None:
-            self.table.free(req.slot)
-            req.slot = None
-        if req.state is not ReqState.WAITING:
-            self.cache.release(req.tokens(0, req.cached_len), req.pages, req.prefix)
-        req.pages = []
         req.state = ReqState.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         del self.reqs[req.rid]
+        self.counters["aborted" if reason == "abort" else "finished"] += 1
+        self._unreleased.add(req)
+        if req.inflight == 0:
+            self._release(req)
         text = req.detokenizer.take(final=True) if req.detokenizer else ""
         self._pending.append(Delta(req.rid, [] if last_token is None else [last_token], text, reason))
 
-    def _result(self, kind: str, rids: list[str], num_tokens: int, start: float) -> StepResult:
+    def _release(self, req: Req) -> None:
+        """Free the request slot and hand the KV pages to the cache manager (only whole, known tokens are cached)."""
+        self._unreleased.discard(req)
+        if req.slot is None:  # never admitted: it held nothing
+            return
+        self.table.free(req.slot)
+        req.slot = None
+        self.cache.release(req.tokens(0, min(req.cached_len, req.total_len)), req.pages, req.prefix)
+        req.pages = []
+
+    def _result(self, kind: str, rids: list[str], num_tokens: int, duration: float) -> StepResult:
         deltas, self._pending = self._pending, []
         return StepResult(kind=kind, rids=rids, finished=[d.rid for d in deltas if d.finished], deltas=deltas,
-                          num_tokens=num_tokens, duration=time.perf_counter() - start)
+                          num_tokens=num_tokens, duration=duration)

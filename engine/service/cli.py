@@ -30,7 +30,9 @@ ENGINE_HELP = {
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
     "max_running_requests": "Request slots: how many requests may hold KV at once.",
     "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
+    "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
 }
+ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
 
 def option(name: str, annotation: object, default: object, help_text: str, *flags: str) -> inspect.Parameter:
@@ -48,7 +50,7 @@ def engine_parameters() -> list[inspect.Parameter]:
         if hints[f.name] is bool:
             flag += "/--no-" + f.name.replace("_", "-")
         params.append(option(f.name, hints[f.name], f.default, ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}"),
-                             flag))
+                             flag, *ENGINE_ALIASES.get(f.name, ())))
     return params
 
 
@@ -58,28 +60,117 @@ def engine_options_given(options: dict[str, typing.Any]) -> dict[str, typing.Any
     return {k: v for k, v in options.items() if v != defaults[k]}
 
 
+def http_parameters() -> list[inspect.Parameter]:
+    """Options the HTTP front end takes in both `serve --http` and `api`."""
+    return [
+        inspect.Parameter("api_key", inspect.Parameter.KEYWORD_ONLY, annotation=str | None, default=typer.Option(
+            None, "--api-key", envvar="MINICHAT_API_KEY",
+            help="Require `Authorization: Bearer KEY` on every HTTP request.")),
+        option("served_model_name", str | None, None, "Model id the API answers to (default: the checkpoint "
+               "directory's name).", "--served-model-name"),
+    ]
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """'HOST:PORT' (or '[v6]:PORT') -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise typer.BadParameter(f"expected HOST:PORT such as 127.0.0.1:8000; got {value!r}", param_hint="--http")
+    return host.strip("[]"), int(port)
+
+
 def serve(address: str | None, allow_remote: bool, max_waiting_requests: int, max_message_bytes: int,
-          log_level: str, **engine_options: typing.Any) -> None:
-    """Run the engine in the foreground (logs to stderr) until Ctrl-C or SIGTERM."""
+          log_level: str, http: str | None, api_key: str | None, served_model_name: str | None,
+          **engine_options: typing.Any) -> None:
+    """Run the engine in the foreground (logs to stderr) until Ctrl-C or SIGTERM.
+
+    With --http HOST:PORT, run the engine as a child process instead and the OpenAI-compatible HTTP
+    API in the foreground; stopping the API stops that engine.
+    """
+    from engine.distributed.workers import WorkerFailed
     from engine.service.server import ServerOptions, StartupError, run_server
 
+    if http is not None:
+        server_options = {"allow_remote": allow_remote, "max_waiting_requests": max_waiting_requests,
+                          "max_message_bytes": max_message_bytes, "log_level": log_level}
+        _serve_http(http, address, api_key, served_model_name, server_options, engine_options)
+        return
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run_server(EngineConfig(**engine_options), ServerOptions(address, allow_remote, max_waiting_requests,
                                                                  max_message_bytes))
-    except StartupError as e:
+    except (StartupError, WorkerFailed) as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
 
 
 serve.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
     option("address", str | None, None, ADDRESS_HELP, "--address"),
-    option("allow_remote", bool, False, "Allow a non-loopback tcp address (the protocol has no auth).",
+    option("allow_remote", bool, False, "Allow a non-loopback tcp address (the protocol has no auth) or --http host.",
            "--allow-remote/--no-allow-remote"),
     option("max_waiting_requests", int, 1024, "Refuse new requests ('overloaded') beyond this queue."),
     option("max_message_bytes", int, 1 << 20, "Largest accepted message; bigger ones drop the peer."),
     option("log_level", str, "info", "debug, info, warning or error."),
+    option("http", str | None, None, "Also serve the OpenAI-compatible HTTP API at HOST:PORT (e.g. 127.0.0.1:8000), "
+           "with the engine in a child process.", "--http"),
+    *http_parameters(),
     *engine_parameters(),
+])
+
+
+def _serve_http(http: str, address: str | None, api_key: str | None, served_model_name: str | None,
+                server_options: dict[str, typing.Any], engine_options: dict[str, typing.Any]) -> None:
+    """The engine as a child process (own interpreter, so generation never competes with the HTTP event loop
+    for the GIL; its log goes to a file) and the API in the foreground; the engine stops with the API."""
+    from engine.service.addresses import AddressError, default_address
+    from engine.service.http import ApiOptions, check_host, run_api
+    from engine.service.launcher import EngineStartError, start
+
+    host, port = split_host_port(http)
+    address = address or default_address()
+    model = engine_options.pop("model")
+    try:
+        check_host(host, server_options["allow_remote"])
+        typer.echo(f"minichat serve: starting the engine at {address} ...", err=True)
+        handle = start(address, model=model, **server_options, **engine_options_given(engine_options))
+    except (AddressError, EngineStartError) as e:
+        typer.echo(f"minichat serve: error: {e}", err=True)
+        raise typer.Exit(1) from e
+    try:
+        where = f"pid {handle.pid}, log {handle.log_path}" if handle.started else f"already running, pid {handle.pid}"
+        typer.echo(f"minichat serve: engine ready at {address} ({where})", err=True)
+        run_api(ApiOptions(address, api_key, served_model_name), host, port, server_options["log_level"])
+    finally:
+        handle.stop()
+
+
+def api(address: str | None, host: str, port: int, allow_remote: bool, log_level: str, api_key: str | None,
+        served_model_name: str | None) -> None:
+    """Serve the OpenAI-compatible HTTP API for the engine running at --address."""
+    from engine.service.addresses import AddressError, default_address
+    from engine.service.client import probe
+    from engine.service.http import ApiOptions, check_host, run_api
+
+    address = address or default_address()
+    try:
+        check_host(host, allow_remote)
+    except AddressError as e:
+        typer.echo(f"minichat api: error: {e}", err=True)
+        raise typer.Exit(2) from e
+    if probe(address, timeout=2.0) is None:
+        typer.echo(f"minichat api: error: no engine answers at {address}; start one with "
+                   f"`minichat serve --address {address}`", err=True)
+        raise typer.Exit(1)
+    run_api(ApiOptions(address, api_key, served_model_name), host, port, log_level)
+
+
+api.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    option("address", str | None, None, ADDRESS_HELP, "--address"),
+    option("host", str, "127.0.0.1", "Interface to listen on.", "--host"),
+    option("port", int, 8000, "TCP port to listen on.", "--port"),
+    option("allow_remote", bool, False, "Allow a non-loopback --host.", "--allow-remote/--no-allow-remote"),
+    option("log_level", str, "info", "debug, info, warning or error."),
+    *http_parameters(),
 ])
 
 

@@ -150,10 +150,11 @@ class EngineServer:
                  os.getpid())
         try:
             while not self._stop:
+                self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
                 busy = self.llm.has_unfinished()
                 self._receive(0 if busy else self._ms_until_publish())
                 if self.llm.has_unfinished():
-                    self._deliver(self.llm.step())
+                    self._deliver(self.llm.step(self.llm.config.overlap))
                 self._sweep_clients()
                 self._publish()
         except Exception as e:  # the engine is going down: say so to everyone waiting, not just the log
@@ -212,7 +213,7 @@ class EngineServer:
             raise Refused("invalid_request", f"rid must be a non-empty string of at most {MAX_RID_LEN} characters")
         if rid in self.owners or self.llm.request(rid) is not None:
             raise Refused("duplicate_request", f"request id {rid!r} is already in use; choose another")
-        waiting = len(self.llm.scheduler.prefill_manager.waiting)
+        waiting = self.llm.num_waiting
         if waiting >= self.options.max_waiting_requests:
             raise Refused("overloaded", f"the waiting queue is full ({waiting} requests); retry later")
         given = [p for p in (msg.prompt, msg.messages, msg.token_ids) if p is not None]
@@ -241,10 +242,9 @@ class EngineServer:
         self._send(identity, protocol.Aborted(rid=rid))
 
     def _abort_request(self, rid: str) -> None:
-        """Abort now (slot and pages are freed at once; the Final goes out after the next step) and count
-        it now, so no snapshot shows the resources freed but the abort not yet counted."""
+        """Abort now: the scheduler counts it at once and frees the slot and pages as soon as no step in
+        flight uses them (at once, or after the step running now); the Final goes out after the next step."""
         self.llm.abort(rid)
-        self.stats.aborted += 1
         self._dirty = True
 
     def _info(self) -> protocol.Info:
@@ -374,8 +374,11 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
             llm = load_llm(config)
         except (ValueError, OSError) as e:
             raise StartupError(f"cannot load the model: {e}") from e
-        server = EngineServer(llm, sockets, options)
-        server.run()
+        try:
+            server = EngineServer(llm, sockets, options)
+            server.run()
+        finally:
+            llm.close()
     finally:
         sockets.close(linger=2000)
 

@@ -17,83 +17,66 @@ from engine.service.protocol import Counters, Info, Pages, RunningReq, Stats, St
 if TYPE_CHECKING:  # only the engine process builds snapshots; `minichat status` just formats them
     from engine.llm import LLM
     from engine.outputs import StepResult
-    from engine.request import Req
+    from engine.scheduler.snapshot import PageSnapshot, SchedulerCounters
 
 RATE_WINDOW = 2.0  # seconds of recent steps that token and step rates average over
 
 
 class StatsRecorder:
-    """Counts what the engine did and remembers the last `history` steps; `snapshot()` adds live state."""
+    """Counts what the server did (submissions, refusals), remembers the last `history` steps, and turns
+    the scheduler's read-only snapshot into a complete `Stats` message."""
 
     def __init__(self, llm: LLM, history: int = 32) -> None:
         self.llm = llm
         self.start = time.monotonic()
         self.seq = 0
-        self.submitted = self.finished = self.aborted = self.errors = 0
-        self.steps = self.prefill_tokens = self.decode_tokens = 0
+        self.submitted = self.errors = self.steps = 0
         self.recent: deque[StepRecord] = deque(maxlen=history)
         self._window: deque[tuple[float, str, int]] = deque()  # (end time, kind, tokens)
 
     def record_step(self, result: StepResult) -> None:
-        # Aborts are counted by the server when it aborts (see EngineServer._abort_request).
-        self.finished += sum(d.finish_reason not in (None, "abort") for d in result.deltas)
         if result.kind == "idle":
             return
         now = time.monotonic()
         self.steps += 1
-        if result.kind == "prefill":
-            self.prefill_tokens += result.num_tokens
-        else:
-            self.decode_tokens += result.num_tokens
         self.recent.append(StepRecord(index=self.steps, kind=result.kind, rids=result.rids,
                                       num_tokens=result.num_tokens, duration=result.duration,
                                       at=now - self.start))
         self._window.append((now, result.kind, result.num_tokens))
 
-    def _counters(self, now: float) -> Counters:
+    def _counters(self, now: float, counts: SchedulerCounters) -> Counters:
         while self._window and self._window[0][0] < now - RATE_WINDOW:
             self._window.popleft()
         span = max(min(RATE_WINDOW, now - self.start), 1e-3)
         prefill = sum(n for _, kind, n in self._window if kind == "prefill")
         decode = sum(n for _, kind, n in self._window if kind == "decode")
-        return Counters(submitted=self.submitted, finished=self.finished, aborted=self.aborted, errors=self.errors,
-                        steps=self.steps, prefill_tokens=self.prefill_tokens, decode_tokens=self.decode_tokens,
-                        prefill_tokens_per_s=prefill / span, decode_tokens_per_s=decode / span,
-                        steps_per_s=len(self._window) / span)
+        return Counters(submitted=self.submitted, finished=counts.finished, aborted=counts.aborted,
+                        errors=self.errors, steps=counts.steps, prefill_tokens=counts.prefill_tokens,
+                        decode_tokens=counts.decode_tokens, prefill_tokens_per_s=prefill / span,
+                        decode_tokens_per_s=decode / span, steps_per_s=len(self._window) / span)
 
     def snapshot(self) -> Stats:
         now = time.monotonic()
-        llm = self.llm
-        pm = llm.scheduler.prefill_manager
-        holders = [pm.chunked] if pm.chunked is not None else []
-        holders += sorted(llm.scheduler.decode_manager.running.values(), key=lambda r: r.uid)
+        snap = self.llm.stats()
         self.seq += 1
-        return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=Path(llm.model_path).name,
-                     waiting=[WaitingReq(rid=r.rid, prompt_tokens=r.input_len, waited=now - r.arrival_time)
-                              for r in pm.waiting],
-                     running=[_running(r) for r in holders], slots=list(llm.table.holder), pages=_pages(llm),
-                     counters=self._counters(now), steps=list(self.recent))
+        return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=Path(self.llm.model_path).name,
+                     waiting=[WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens, waited=now - w.arrival_time)
+                              for w in snap.waiting],
+                     running=[RunningReq(rid=r.rid, slot=r.slot, state=r.state, prompt_tokens=r.prompt_tokens,
+                                         prefilled=r.prefilled, generated=r.generated, max_tokens=r.max_tokens,
+                                         pages=r.pages) for r in snap.running],
+                     slots=list(snap.slots), pages=_pages(snap.pages), counters=self._counters(now, snap.counters),
+                     steps=list(self.recent))
 
 
-def _running(req: Req) -> RunningReq:
-    return RunningReq(rid=req.rid, slot=-1 if req.slot is None else req.slot,
-                      state="prefilling" if req.state.value == "prefilling" else "running",
-                      prompt_tokens=req.input_len, prefilled=min(req.cached_len, req.input_len),
-                      generated=len(req.output_ids), max_tokens=req.max_output, pages=len(req.pages))
-
-
-def _pages(llm: LLM) -> Pages:
-    owner = llm.cache.allocator.owner
-    cached = llm.cache.cached_pages()
-    states = ["."] * llm.num_pages
-    for page in owner:
+def _pages(pages: PageSnapshot) -> Pages:
+    states = ["."] * pages.total
+    for page in pages.owners:
         states[page] = "R"
-    for page, locked in cached.items():
+    for page, locked in pages.cached_pages.items():
         states[page] = "L" if locked else "c"
-    locked_count = sum(cached.values())
-    return Pages(page_size=llm.config.page_size, states="".join(states), owners=dict(owner),
-                 free=llm.cache.allocator.num_free, held=len(owner), cached=len(cached) - locked_count,
-                 locked=locked_count, total=llm.num_pages)
+    return Pages(page_size=pages.page_size, states="".join(states), owners=dict(pages.owners), free=pages.free,
+                 held=pages.used, cached=pages.cached - pages.locked, locked=pages.locked, total=pages.total)
 
 
 def format_stats(stats: Stats, info: Info | None = None, max_rows: int = 20) -> str:

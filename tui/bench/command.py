@@ -1,11 +1,13 @@
-"""`minichat bench`: build the workload, run it against the engine (and optionally transformers), report."""
+"""`minichat bench`: build the workload, run it against the engine or any OpenAI-compatible server (and
+optionally transformers), report."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-from dataclasses import asdict
+from collections.abc import Awaitable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -15,7 +17,8 @@ from engine.service.addresses import default_address
 from engine.service.client import EngineClient, probe
 from engine.service.launcher import EngineHandle, find_or_start
 from tui.bench.engine_run import run_engine_bench
-from tui.bench.metrics import Summary, summarize
+from tui.bench.metrics import RequestRecord, Summary, summarize
+from tui.bench.openai_run import run_openai_bench
 from tui.bench.workload import BenchRequest, make_workload
 
 console = Console(stderr=True)
@@ -70,41 +73,99 @@ def render(title: str, s: Summary) -> Table:
     return table
 
 
+@dataclass
+class Target:
+    """What the workload runs against, as far as the report needs to know."""
+
+    title: str
+    tokenizer: str  # checkpoint path or hub id whose vocabulary the prompts are drawn from
+    max_seq_len: int | None
+    config: dict
+
+
+def openai_target(base_url: str, model: str | None, tokenizer: str | None, api_key: str | None) -> tuple[Target, str]:
+    """Ask the server's `/v1/models` for the model (the first one if --model is not given), its checkpoint
+    (`root`, as minichat and vLLM report it) and context; returns the target and the model id to send."""
+    import httpx
+
+    from tui.bench.openai_run import error_message
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=10.0)
+    except httpx.HTTPError as e:
+        raise BenchError(f"no OpenAI-compatible server answers at {base_url} ({e})") from e
+    if response.status_code != 200:
+        raise BenchError(f"{base_url}/models: {error_message(response)}")
+    cards = response.json().get("data") or []
+    card = next((c for c in cards if model in (None, c.get("id"))), None)
+    if card is None:
+        raise BenchError(f"{base_url} serves {[c.get('id') for c in cards]}, not {model!r}")
+    tokenizer = tokenizer or card.get("root") or card["id"]
+    config = {"backend": "openai", "base_url": base_url, "served_model": card["id"]}
+    return Target(f"{base_url} ({card['id']})", tokenizer, card.get("max_model_len"), config), card["id"]
+
+
 def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,
               request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
-              timeout: float, baseline: str | None, json_path: Path | None, engine_options: dict[str, object]) -> dict:
+              timeout: float, baseline: str | None, json_path: Path | None, engine_options: dict[str, object],
+              backend: str = "minichat", base_url: str | None = None, tokenizer: str | None = None,
+              api_key: str | None = None) -> dict:
     if concurrency < 1:
         raise BenchError("--concurrency must be at least 1")
     if baseline not in (None, "hf"):
         raise BenchError(f"--baseline must be 'hf'; got {baseline!r}")
-    handle = connect(address, engine_options)
+    if backend not in ("minichat", "openai"):
+        raise BenchError(f"--backend must be 'minichat' or 'openai'; got {backend!r}")
+    shape = dict(concurrency=concurrency, request_rate=request_rate, seed=seed, ignore_eos=ignore_eos,
+                 temperature=temperature, timeout=timeout)
+    handle: EngineHandle | None = None
     try:
-        with EngineClient(handle.address, timeout=10.0) as client:
-            info = client.info()
-        workload = make_workload(ordinary_vocab(info.model), num_requests + warmup, input_len, output_len,
+        if backend == "openai":
+            model = engine_options.pop("model", None)
+            if base_url is None or engine_options or address is not None or baseline is not None:
+                raise BenchError("--backend openai takes --base-url (and --model, --tokenizer, --api-key), not "
+                                 "--address, engine options or --baseline")
+            target, served = openai_target(base_url, model, tokenizer, api_key)  # type: ignore[arg-type]
+
+            def launch(workload: list[BenchRequest], warm: int) -> Awaitable[tuple[list[RequestRecord], float, int]]:
+                return run_openai_bench(base_url, served, api_key, workload, warmup=warm, **shape)
+        else:
+            handle = connect(address, engine_options)
+            with EngineClient(handle.address, timeout=10.0) as client:
+                info = client.info()
+            target = Target(f"minichat engine ({Path(info.model).name})", info.model, info.max_seq_len,
+                            {"backend": "minichat", "engine_config": info.config})
+            engine_address = handle.address
+
+            def launch(workload: list[BenchRequest], warm: int) -> Awaitable[tuple[list[RequestRecord], float, int]]:
+                return run_engine_bench(engine_address, workload, warmup=warm, **shape)
+
+        workload = make_workload(ordinary_vocab(target.tokenizer), num_requests + warmup, input_len, output_len,
                                  range_ratio, seed)
-        too_long = [r for r in workload if len(r.prompt_ids) + r.output_len > info.max_seq_len]
+        too_long = [r for r in workload
+                    if target.max_seq_len is not None and len(r.prompt_ids) + r.output_len > target.max_seq_len]
         if too_long:
-            raise BenchError(f"{len(too_long)} requests exceed the engine's max_seq_len {info.max_seq_len}; "
+            raise BenchError(f"{len(too_long)} requests exceed the server's max_seq_len {target.max_seq_len}; "
                              f"lower --input-len/--output-len")
         warm, measured = workload[:warmup], workload[warmup:]
-        records, duration, peak = asyncio.run(run_engine_bench(
-            handle.address, warm + measured, concurrency, request_rate, seed, ignore_eos, temperature, timeout,
-            warmup=len(warm)))
+        records, duration, peak = asyncio.run(launch(warm + measured, len(warm)))  # type: ignore[arg-type]
         records = records[len(warm):] if warm else records
+        summary = summarize(records, duration, peak)
         result: dict = {
             "config": {"concurrency": concurrency, "num_requests": num_requests, "input_len": input_len,
                        "output_len": output_len, "range_ratio": range_ratio, "request_rate": request_rate,
-                       "seed": seed, "ignore_eos": ignore_eos, "temperature": temperature, "model": info.model,
-                       "engine_config": info.config},
-            "engine": summarize(records, duration, peak).to_dict(),
+                       "seed": seed, "ignore_eos": ignore_eos, "temperature": temperature, "model": target.tokenizer,
+                       **target.config},
+            "engine": summary.to_dict(),
             "records": [asdict(r) | {"tpot": r.tpot} for r in records],
         }
-        console.print(render(f"minichat engine ({Path(info.model).name})", summarize(records, duration, peak)))
+        console.print(render(target.title, summary))
         if baseline == "hf":
             result |= _baseline(info, measured, concurrency, ignore_eos, temperature, seed, result["engine"])
     finally:
-        handle.stop()
+        if handle is not None:
+            handle.stop()
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2, allow_nan=True))
         console.print(f"wrote {json_path}")

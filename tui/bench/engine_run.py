@@ -1,29 +1,13 @@
-"""Drive a running engine with a workload over the ZeroMQ protocol and time every streamed token."""
+"""The minichat backend of `minichat bench`: the engine's ZeroMQ protocol, timing every streamed output."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-
-from tqdm import tqdm
 
 from engine.service.client import AsyncEngineClient
 from tui.bench.metrics import RequestRecord
-from tui.bench.workload import BenchRequest, arrival_gaps
-
-
-class _Gauge:
-    """In-flight request counter that remembers its peak."""
-
-    def __init__(self) -> None:
-        self.now = self.peak = 0
-
-    def __enter__(self) -> None:
-        self.now += 1
-        self.peak = max(self.peak, self.now)
-
-    def __exit__(self, *exc: object) -> None:
-        self.now -= 1
+from tui.bench.runner import run_workload
+from tui.bench.workload import BenchRequest
 
 
 async def _one(client: AsyncEngineClient, req: BenchRequest, ignore_eos: bool, temperature: float,
@@ -50,36 +34,5 @@ async def run_engine_bench(address: str, workload: list[BenchRequest], concurren
     """Returns per-request records, the measured duration and the peak number of requests in flight."""
     async with AsyncEngineClient(address, timeout=timeout) as client:
         await client.ping(timeout=5.0)
-        sem = asyncio.Semaphore(concurrency)
-        gauge = _Gauge()
-        bar = tqdm(total=len(workload), desc="bench", unit="req")
-
-        async def guarded(req: BenchRequest, delay: float, i: int) -> RequestRecord:
-            await asyncio.sleep(delay)  # Poisson arrival schedule, not synchronisation
-            async with sem:
-                with gauge:
-                    sample_seed = None if temperature == 0 else seed + i
-                    try:
-                        return await asyncio.wait_for(_one(client, req, ignore_eos, temperature, sample_seed), timeout)
-                    except Exception as e:  # counted and reported, never fatal to the run
-                        reason = "timed out" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
-                        return RequestRecord(prompt_len=len(req.prompt_ids), error=reason)
-                    finally:
-                        bar.update(1)
-
-        if warmup:
-            bar.set_description("warmup")
-            await asyncio.gather(*(guarded(r, 0.0, i) for i, r in enumerate(workload[:warmup])))
-            bar.reset()
-            bar.set_description("bench")
-            gauge.peak = 0
-        offsets, t = [], 0.0
-        for gap in arrival_gaps(len(workload), request_rate, seed):
-            t += gap
-            offsets.append(t)
-        start = time.perf_counter()
-        records = await asyncio.gather(*(guarded(r, d, i) for i, (r, d) in enumerate(zip(workload, offsets,
-                                                                                          strict=True))))
-        duration = time.perf_counter() - start
-        bar.close()
-        return list(records), duration, gauge.peak
+        return await run_workload(lambda req, s: _one(client, req, ignore_eos, temperature, s), workload,
+                                  concurrency, request_rate, seed, temperature, timeout, warmup)

@@ -1,0 +1,92 @@
+"""Tensor-parallel communication: one group of ranks, held by an object the engine passes around.
+
+torch.distributed's default process group is process-wide state, and a process (a test, a
+notebook) may build several engines one after another. So, like vLLM's stateless groups, each
+engine builds its own group from torch.distributed's parts: a TCPStore on loopback for the
+rendezvous (rank 0 hosts it on a free port) and a gloo (CPU) or NCCL (CUDA) backend for the
+collectives. With one rank there is no group and every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in a tensor-parallel group: `rank` of `size`, and the backend that links them."""
+
+    rank: int = 0
+    size: int = 1
+    backend: dist.Backend | None = None
+    store: dist.Store | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; every rank ends with the same values."""
+        if self.backend is not None:
+            self.backend.allreduce([x]).wait()
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` (same shape and dtype everywhere) takes rank 0's values, in place."""
+        if self.backend is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.backend.broadcast([x], opts).wait()
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0 gets every rank's `x` concatenated along the last dimension (in rank order); others None."""
+        if self.backend is None:
+            return x
+        x = x.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.backend.gather([parts], [x], opts).wait()
+            return torch.cat(parts, dim=-1)
+        self.backend.gather([], [x], opts).wait()
+        return None
+
+    def close(self) -> None:
+        """Drop the backend and the store (the store's listening socket closes with it on rank 0)."""
+        self.backend = None
+        self.store = None
+
+
+def host_store(size: int, timeout: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (read it from `.port`)."""
+    return dist.TCPStore(LOOPBACK, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
+def join_group(rank: int, size: int, store: dist.Store, device: torch.device, timeout: float) -> TensorParallel:
+    """Build this rank's backend over `store` (blocks until all `size` ranks have joined).
+
+    `timeout` bounds every collective, so a rank that hangs surfaces as an error rather than a hang.
+    A rank that dies closes its sockets and its peers' collectives fail at once.
+    """
+    limit = datetime.timedelta(seconds=timeout)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = limit
+        backend = dist.ProcessGroupNCCL(store, rank, size, options)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = limit
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # nothing beyond loopback
+        backend = dist.ProcessGroupGloo(store, rank, size, options)
+    return TensorParallel(rank=rank, size=size, backend=backend, store=store)
+
+
+def connect_store(port: int, size: int, timeout: float) -> dist.TCPStore:
+    """A worker rank's client connection to rank 0's store."""
+    return dist.TCPStore(LOOPBACK, port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout))

@@ -1,0 +1,86 @@
+"""What a worker rank (1..N-1) runs: its shard of the model and its share of the KV pool, one step at a time.
+
+A worker has no scheduler, request table or sampler. Rank 0 sends each step's header down the pipe
+("step", header) and broadcasts the tensors (engine/distributed/step.py); the worker runs the same forward as rank 0,
+joining its all-reduces and the final gather of the logits. The pipe is also how it knows rank 0 is
+gone: the read ends (EOF) and the worker exits, so no worker outlives its engine. ("sync",) asks
+how many steps it has run, for rank 0's integrity check; None tells it to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from engine.distributed.group import connect_store, join_group
+from engine.distributed.step import StepInputs
+from engine.kv.pool import KVPool
+from engine.model.llama import ModelSpec
+from engine.model.loader import TORCH_DTYPES, build_model
+from kernels.attention import make_backend
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker rank needs to start (the first message down its pipe)."""
+
+    rank: int
+    size: int
+    port: int
+    model: ModelSpec
+    model_path: str
+    dtype: str
+    device: str
+    page_size: int
+    attention_backend: str
+    threads: int
+    timeout: float
+
+
+def main(conn: Connection) -> None:
+    """A worker process's life: read its spec, serve steps, exit when told or when rank 0's end closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; rank 0 decides
+    try:
+        _serve(pickle.loads(conn.recv_bytes()), conn)
+    except EOFError:
+        pass  # rank 0 is gone: nothing left to serve
+    except Exception:
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+        os._exit(1)
+    os._exit(0)  # nothing to flush or save; skipping interpreter teardown makes the engine's close quick
+
+
+def _serve(spec: WorkerSpec, conn: Connection) -> None:
+    torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    conn.send(("hello",))
+    tp = join_group(spec.rank, spec.size, connect_store(spec.port, spec.size, spec.timeout), device, spec.timeout)
+    model = build_model(spec.model, Path(spec.model_path), spec.dtype, spec.device, tp)
+    conn.send(("loaded",))
+    num_pages = conn.recv()
+    kv = KVPool(model.spec.num_layers, num_pages, spec.page_size, model.num_kv_heads, model.spec.head_dim,
+                TORCH_DTYPES[spec.dtype], device)
+    backend = make_backend(spec.attention_backend, spec.device)
+    conn.send(("ready",))
+    steps = 0
+    while (message := conn.recv()) is not None:
+        if message[0] == "sync":
+            conn.send(("sync", steps))
+            continue
+        step = StepInputs.receive(message[1], tp, device)
+        model(step.input_ids, step.positions, step.logits_index, kv, backend, backend.prepare(step.metadata()))
+        steps += 1
+
+
+if __name__ == "__main__":  # python -m engine.distributed.worker FD, started by engine/distributed/workers.py
+    main(Connection(int(sys.argv[1])))

@@ -1,0 +1,220 @@
+"""Rank 0's handle on the worker ranks: start them with the engine, feed them each step, watch them, stop them.
+
+Each worker is a `python -m engine.distributed.worker` process with a socket pair to rank 0 (a
+subprocess rather than multiprocessing's spawn, which would re-run the caller's main script). The
+pipe carries start-up messages and each step's small header; the step's tensors and every collective
+go over the tensor-parallel group (gloo or NCCL). A worker that dies closes its sockets, so rank 0's
+next collective fails at once, and `guard` turns that failure into a `WorkerFailed` naming the rank;
+while the engine is idle, `check` (called by the server loop) notices a dead worker through its
+process handle (a Linux pidfd). Either way the engine stops rather than hangs: collectives also
+carry a timeout, for a rank that hangs alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import torch
+
+from engine.distributed.group import TensorParallel, host_store, join_group
+from engine.distributed.step import StepInputs
+from engine.distributed.worker import WorkerSpec
+from engine.model.llama import ModelSpec
+
+TIMEOUT = 120.0
+"""Seconds for the rendezvous, for a worker's start-up stages, and for any one collective."""
+DEATH_GRACE = 2.0
+"""After a collective fails, how long to wait for the worker whose death caused it to be reaped."""
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker rank died or failed; the engine cannot go on without it."""
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: the CPU for everyone, or the r-th GPU counting from the one asked for."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return str(dev)
+    first = dev.index or 0
+    return f"cuda:{first + rank}"
+
+
+class WorkerPool:
+    """Ranks 1..N-1 as processes, started from `specs` (one per rank)."""
+
+    def __init__(self, specs: list[WorkerSpec]) -> None:
+        self.ranks = [s.rank for s in specs]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.conns: list[Connection] = []
+        self.sentinels: list[int] = []  # pidfds: readable once the process has exited
+        self.failed: WorkerFailed | None = None
+        self.steps = 0
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.sentinels)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(Path(__file__).parents[2]),
+                                                                        os.environ.get("PYTHONPATH"))))}
+        for spec in specs:
+            ours, theirs = socket.socketpair()
+            with theirs:
+                proc = subprocess.Popen([sys.executable, "-m", "engine.distributed.worker", str(theirs.fileno())],
+                                        pass_fds=(theirs.fileno(),), env=env)
+            self.procs.append(proc)
+            self.sentinels.append(os.pidfd_open(proc.pid))
+            self.conns.append(Connection(ours.detach()))
+            self.conns[-1].send_bytes(pickle.dumps(spec))  # plain pickle: tensors by value, not shared memory
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def expect(self, what: str, timeout: float = TIMEOUT) -> None:
+        """Wait until every worker has reported `what`; raise WorkerFailed for the first that fails instead."""
+        waiting = dict(enumerate(self.conns))
+        deadline = time.monotonic() + timeout
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = ", ".join(str(self.ranks[i]) for i in waiting)
+                raise self._fail(f"tensor-parallel rank(s) {ranks} did not report {what!r} within {timeout:.0f} s")
+            ready = wait([*waiting.values(), *(self.sentinels[i] for i in waiting)], left)
+            for i, conn in list(waiting.items()):
+                if conn in ready or self.sentinels[i] in ready:
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        raise self._fail(self._describe(i)) from None
+                    if message[0] == "error":
+                        raise self._fail(f"tensor-parallel rank {self.ranks[i]} failed:\n{message[1]}")
+                    if message[0] != what:
+                        raise self._fail(f"tensor-parallel rank {self.ranks[i]} said {message[0]!r}, "
+                                         f"expected {what!r}")
+                    del waiting[i]
+
+    def send(self, message: object) -> None:
+        """The same message to every worker."""
+        self.raise_if_failed()
+        with self.guard():
+            for conn in self.conns:
+                conn.send(message)
+
+    def start_step(self, step: StepInputs, tp: TensorParallel) -> None:
+        """Rank 0, before its own forward: every worker gets the step (header by pipe, tensors by broadcast)."""
+        self.send(("step", step.header))
+        with self.guard():
+            step.send(tp)
+        self.steps += 1
+
+    def check_in_step(self) -> None:
+        """Every worker must have run exactly the steps rank 0 sent (none lost or repeated); raise if not."""
+        self.send(("sync",))
+        for rank, conn in zip(self.ranks, self.conns, strict=True):
+            with self.guard():
+                if not conn.poll(TIMEOUT):
+                    raise self._fail(f"tensor-parallel rank {rank} did not answer within {TIMEOUT:.0f} s")
+                tag, steps = conn.recv()
+            if tag != "sync" or steps != self.steps:
+                raise AssertionError(f"tensor-parallel rank {rank} ran {steps} steps, rank 0 sent {self.steps}")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Turn a failed collective or pipe write into WorkerFailed naming the rank that died, if one did."""
+        self.raise_if_failed()
+        try:
+            yield
+        except (RuntimeError, OSError, EOFError) as e:
+            if isinstance(e, WorkerFailed):
+                raise
+            dead = self._first_dead(DEATH_GRACE)
+            if dead is None:
+                raise
+            raise self._fail(self._describe(dead)) from e
+
+    def check(self) -> None:
+        """Raise WorkerFailed if a worker has exited (cheap: no waiting, no communication)."""
+        self.raise_if_failed()
+        dead = self._first_dead(0.0)
+        if dead is not None:
+            raise self._fail(self._describe(dead))
+
+    def raise_if_failed(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+
+    def close(self) -> None:
+        """Tell every worker to stop and wait for them (terminating any that do not)."""
+        self._finalizer()
+
+    def _first_dead(self, timeout: float) -> int | None:
+        ready = wait(self.sentinels, timeout)
+        return next((i for i, fd in enumerate(self.sentinels) if fd in ready), None)
+
+    def _describe(self, i: int) -> str:
+        proc, conn = self.procs[i], self.conns[i]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(DEATH_GRACE)
+        code = proc.returncode
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        detail = ""
+        with contextlib.suppress(EOFError, OSError):
+            if conn.poll(0):
+                message = conn.recv()
+                if message[0] == "error":
+                    detail = f":\n{message[1]}"
+        return f"tensor-parallel rank {self.ranks[i]} (pid {proc.pid}) {how}{detail}"
+
+    def _fail(self, message: str) -> WorkerFailed:
+        """Remember the failure (every later call raises it too) and stop the remaining workers."""
+        self.failed = WorkerFailed(f"{message}; the engine cannot continue without it")
+        self.close()
+        return self.failed
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], sentinels: list[int]) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(None)
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for conn in conns:
+        conn.close()
+    for fd in sentinels:
+        os.close(fd)
+    sentinels.clear()
+
+
+def launch(size: int, spec: ModelSpec, model_path: str, dtype: str, device: str, page_size: int, attention_backend: str,
+           timeout: float = TIMEOUT) -> tuple[TensorParallel, WorkerPool]:
+    """Start ranks 1..size-1 and join them as rank 0; they load their shards while rank 0 loads its own."""
+    store = host_store(size, timeout)
+    threads = max(1, torch.get_num_threads() // size)
+    specs = [WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path, dtype=dtype,
+                        device=rank_device(device, r), page_size=page_size, attention_backend=attention_backend,
+                        threads=threads, timeout=timeout) for r in range(1, size)]
+    pool = WorkerPool(specs)
+    try:
+        pool.expect("hello", timeout)
+        return join_group(0, size, store, torch.device(rank_device(device, 0)), timeout), pool
+    except BaseException:
+        pool.close()
+        raise

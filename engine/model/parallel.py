@@ -1,0 +1,167 @@
+"""Tensor-parallel layers: each rank holds a slice of every weight, and collectives make the slices add up.
+
+Megatron's split, as vLLM and SGLang use it: the projections into attention heads and into the MLP
+are column-parallel (each rank computes its own heads / its own intermediate rows, no communication),
+the projections back to the hidden size are row-parallel (each rank's partial product, all-reduced),
+the embedding and the output head are split over the vocabulary. A fused projection (q/k/v, gate/up)
+is sharded part by part and then fused per rank, so a rank's qkv rows are its q heads, then its KV
+heads. Each layer also says which slice of each checkpoint tensor it needs (`WeightTarget`), so the
+loader reads only that slice and stays generic. With one rank, every layer is its plain counterpart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import TensorParallel
+
+
+@dataclass(frozen=True)
+class Split:
+    """A dimension of `units` equal units of `unit_size` (heads x head_dim, or single rows), split over ranks.
+
+    Each rank takes `units / size` consecutive units. With `replicate` (KV heads), fewer units than
+    ranks are copied instead, `size / units` ranks sharing each, as vLLM does.
+    """
+
+    units: int
+    unit_size: int
+    what: str
+    replicate: bool = False
+
+    @property
+    def full(self) -> int:
+        return self.units * self.unit_size
+
+    def local(self, tp: TensorParallel) -> tuple[int, int]:
+        """(first row, number of rows) this rank owns."""
+        n = tp.size
+        if self.units % n == 0:
+            per = self.units // n
+            return tp.rank * per * self.unit_size, per * self.unit_size
+        if self.replicate and n % self.units == 0:
+            return tp.rank // (n // self.units) * self.unit_size, self.unit_size
+        hint = f", nor is {n} a multiple of it" if self.replicate else ""
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's {self.what} ({self.units}{hint}); "
+                         f"choose a tensor-parallel size that does")
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes on this rank.
+
+    The checkpoint tensor (whose dimension `dim` must be `full` long, when given) is cut to
+    `[start, start + size)` along `dim` (None: kept whole), and the cut fills rows `[row, ...)` of `param`.
+    """
+
+    param: torch.Tensor
+    row: int = 0
+    dim: int = 0
+    start: int = 0
+    size: int | None = None
+    full: int | None = None
+
+
+class TensorSlice(Protocol):
+    """What the loader hands over: a torch tensor, or a lazy safetensors slice read only where indexed."""
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+def shape_of(source: torch.Tensor | TensorSlice) -> tuple[int, ...]:
+    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())  # type: ignore[attr-defined]
+
+
+@torch.no_grad()
+def load_into(target: WeightTarget, name: str, source: torch.Tensor | TensorSlice) -> None:
+    """Copy this rank's slice of checkpoint tensor `name` into place, or raise saying why it does not fit."""
+    shape, param = shape_of(source), target.param
+    cut = list(shape)
+    index: tuple[slice, ...] = (slice(None),)
+    if target.size is not None and len(shape) > target.dim:
+        cut[target.dim] = target.size
+        index = (slice(None),) * target.dim + (slice(target.start, target.start + target.size),)
+    fits = (len(shape) == param.dim() and (target.full is None or shape[target.dim] == target.full)
+            and cut[1:] == list(param.shape[1:]) and target.row + cut[0] <= param.shape[0])
+    if not fits:
+        raise ValueError(f"weight {name} has shape {shape}, which does not fit the config")
+    param[target.row : target.row + cut[0]].copy_(source[index])
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b for this rank's output rows; `parts` are fused checkpoint tensors, each split on its own."""
+
+    def __init__(self, in_features: int, parts: Sequence[Split], bias: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        self.parts = list(parts)
+        self.shards = [p.local(tp) for p in parts]
+        self.sizes = [size for _, size in self.shards]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(parts))]
+        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
+        self.bias = nn.Parameter(torch.empty(sum(self.sizes))) if bias else None
+
+    def target(self, part: int, bias: bool = False) -> WeightTarget:
+        start, size = self.shards[part]
+        param = self.bias if bias else self.weight
+        return WeightTarget(param, row=self.offsets[part], start=start, size=size, full=self.parts[part].full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_rank W_rank^T, then + b (added once): input columns split by `split`."""
+
+    def __init__(self, split: Split, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.split = split
+        self.start, size = split.local(tp)
+        self.weight = nn.Parameter(torch.empty(out_features, size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def target(self, bias: bool = False) -> WeightTarget:
+        if bias:
+            return WeightTarget(self.bias)  # type: ignore[arg-type]
+        return WeightTarget(self.weight, dim=1, start=self.start, size=self.weight.shape[1], full=self.split.full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a range of the vocabulary; a token outside it looks up zeros, and the all-reduce
+    leaves every rank with the one rank's row (adding zeros is exact)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.split = Split(vocab_size, 1, "vocabulary size")
+        self.start, size = self.split.local(tp)
+        self.weight = nn.Parameter(torch.empty(size, hidden_size))
+
+    def target(self) -> WeightTarget:
+        return WeightTarget(self.weight, start=self.start, size=self.weight.shape[0], full=self.split.full)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.start + self.weight.shape[0])
+        x = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocabulary range, gathered on rank 0 (other ranks get None)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        return self.tp.gather_last_dim(F.linear(x, self.weight))

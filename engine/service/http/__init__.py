@@ -1,0 +1,40 @@
+"""The OpenAI-compatible HTTP front end: FastAPI routes (app), request bodies (schemas), Prometheus
+metrics (metrics). It is one more client of the engine, like the console: it reaches the engine over
+the ZeroMQ protocol through `AsyncEngineClient`, so the engine loop knows nothing about HTTP.
+
+    minichat serve --http 127.0.0.1:8000          # an engine and this front end
+    minichat api --address ipc:///... --port 8000  # this front end for a running engine
+"""
+
+from __future__ import annotations
+
+import signal
+
+from engine.service.addresses import AddressError, is_loopback
+from engine.service.http.app import ApiOptions, create_app
+
+__all__ = ["ApiOptions", "check_host", "create_app", "run_api"]
+
+
+def check_host(host: str, allow_remote: bool) -> None:
+    """Refuse to listen beyond loopback unless the operator asked for it."""
+    if not allow_remote and not is_loopback(host):
+        raise AddressError(f"{host} is not a loopback address; pass --allow-remote to listen on it "
+                           f"(and --api-key to require a key)")
+
+
+def run_api(options: ApiOptions, host: str, port: int, log_level: str = "info") -> None:
+    """Serve the API with uvicorn in the foreground; returns after Ctrl-C or SIGTERM, once in-flight
+    requests are done, so the caller can still clean up (stop the engine it started)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(create_app(options), host=host, port=port, log_level=log_level,
+                                           access_log=log_level == "debug"))
+    # uvicorn shuts down gracefully on the signal, then re-raises it into the handlers it found: make those
+    # no-ops for the duration, or SIGTERM would kill this process before its caller's cleanup.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

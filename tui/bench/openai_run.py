@@ -1,0 +1,78 @@
+"""The openai backend of `minichat bench`: any OpenAI-compatible server (minichat's own HTTP API, vLLM,
+SGLang, llama.cpp), streamed `/v1/completions` with the prompt as token ids, so every backend gets
+exactly the same tokens. Times are taken per SSE chunk that carries text, as `vllm bench serve` does;
+token counts come from the final usage chunk (`stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from tui.bench.metrics import RequestRecord
+from tui.bench.runner import run_workload
+from tui.bench.workload import BenchRequest
+
+
+class OpenAIError(RuntimeError):
+    """The server answered with an error status; the message is its error body's."""
+
+
+def error_message(response: httpx.Response) -> str:
+    try:
+        return f"HTTP {response.status_code}: {response.json()['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}: {response.text[:200]}"
+
+
+def client(base_url: str, api_key: str | None, timeout: float, connections: int = 100) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", headers=headers, timeout=timeout,
+                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+
+
+async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eos: bool, temperature: float,
+               seed: int | None) -> RequestRecord:
+    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    if seed is not None:
+        body["seed"] = seed
+    record = RequestRecord(prompt_len=len(req.prompt_ids))
+    chunks = 0
+    start = last = time.perf_counter()
+    async with http.stream("POST", "completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise OpenAIError(error_message(response))
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            now = time.perf_counter()
+            if any(c.get("text") for c in event.get("choices") or ()):
+                if record.ttft is None:
+                    record.ttft = now - start
+                else:
+                    record.itl.append(now - last)
+                last = now
+                chunks += 1
+            if event.get("usage"):
+                record.prompt_len = event["usage"]["prompt_tokens"]
+                record.output_len = event["usage"]["completion_tokens"]
+    record.e2e = time.perf_counter() - start
+    record.output_len = record.output_len or chunks  # a server without usage in streams: one token a chunk
+    return record
+
+
+async def run_openai_bench(base_url: str, model: str, api_key: str | None, workload: list[BenchRequest],
+                           concurrency: int, request_rate: float, seed: int, ignore_eos: bool, temperature: float,
+                           timeout: float, warmup: int = 0) -> tuple[list[RequestRecord], float, int]:
+    """Returns per-request records, the measured duration and the peak number of requests in flight."""
+    async with client(base_url, api_key, timeout, concurrency) as http:
+        return await run_workload(lambda req, s: _one(http, model, req, ignore_eos, temperature, s), workload,
+                                  concurrency, request_rate, seed, temperature, timeout, warmup)
