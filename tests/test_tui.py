@@ -200,6 +200,8 @@ def test_abort_another_clients_request_from_the_ops_panel(engine: str) -> None:
             table.focus()
             table.move_cursor(row=table.get_row_index("bench-load-1"))
             await pilot.press("x")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirmation")
+            await pilot.press("y")
             rest = [out async for out in stream]
             assert rest[-1].finish_reason == "abort"  # type: ignore[union-attr]
             await wait_for(pilot, lambda: "bench-load-1" not in running_rids(app) | table_rids(app, "running"),
@@ -437,12 +439,15 @@ def test_abort_in_the_ops_panel_follows_the_selected_request(engine: str) -> Non
         app = MinichatApp(EngineLink(address=engine, autostart=False))
         async with app.run_test(size=SIZE) as pilot, AsyncEngineClient(engine) as other:
             await connected_app(pilot)
-            rids = ["load-a", "load-b", "load-c"]
+            rids = ["load-a", "load-b", "load-c", "load-d", "load-e"]  # four slots: load-e waits for one
             streams = [other.generate("benchmark load", max_tokens=16000, ignore_eos=True, rid=rid) for rid in rids]
-            firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+            firsts = [asyncio.ensure_future(anext(stream)) for stream in streams[:4]]
             table = app.query_one("#running", RequestTable)
-            await wait_for(pilot, lambda: set(rids) <= table_rids(app, "running"), "three requests running")
+            await wait_for(pilot, lambda: set(rids[:4]) <= table_rids(app, "running"), "four requests running")
             await asyncio.gather(*firsts)
+            waiting = app.query_one("#waiting", RequestTable)
+            await wait_for(pilot, lambda: "load-e" in table_rids(app, "waiting"), "load-e waiting")
+            assert str(waiting.get_cell("load-e", waiting.ordered_columns[3].key)) == "no free slot"
             table.focus()
             await wait_for(pilot, lambda: table.selected_rid is not None, "a selection")
             await pilot.press(*["down"] * table.get_row_index("load-b"))  # a person moves to load-b
@@ -459,8 +464,9 @@ def test_abort_in_the_ops_panel_follows_the_selected_request(engine: str) -> Non
             assert rest_b[-1].finish_reason == "abort"  # type: ignore[union-attr]
             assert "load-c" in running_rids(app)  # the neighbour is untouched
             assert await app.link.abort("load-b") == "finished"  # gone meanwhile: not an engine error
-            await other.abort("load-c")
-            for stream in (streams[0], streams[2]):
+            for rid in ("load-c", "load-d", "load-e"):
+                await other.abort(rid)
+            for stream in (streams[0], *streams[2:]):
                 assert [out async for out in stream][-1].finish_reason == "abort"  # type: ignore[union-attr]
 
     run(scenario)
@@ -625,7 +631,7 @@ def test_a_conversation_that_outgrows_the_context_is_trimmed(small_engine: str) 
                 reply = last_reply(app)
                 assert reply.state == "done" and reply.completion_tokens == 40, reply.summary()
                 used = f" {reply.prompt_tokens + 40}/512"  # type: ignore[operator]
-                await wait_for(pilot, lambda: shown(gauge).endswith(used), f"the gauge at {used}")
+                await wait_for(pilot, lambda used=used: shown(gauge).endswith(used), f"the gauge at {used}")
             assert pane.session.context_start > 0  # the oldest turns were dropped, not the conversation
             mark = pane.query_one(".context-mark", Static)
             start = pane.session.context_start
@@ -640,3 +646,41 @@ def test_a_conversation_that_outgrows_the_context_is_trimmed(small_engine: str) 
             assert last_reply(app).prompt_tokens < pane.session.turns[0].reply.prompt_tokens  # type: ignore[operator]
 
     run(scenario)
+
+
+def test_a_failed_start_shows_its_cause(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        link = EngineLink(address=f"ipc://{tmp_path}/bad.sock", model=str(tmp_path / "no-such-model"))
+        app = MinichatApp(link)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: link.state.kind == "failed", "the failed start")
+            assert status(app).startswith(" failed  the engine did not start: cannot load the model")
+            assert "no-such-model" in status(app) and status(app).endswith("then /reconnect")
+
+    run(scenario)
+
+
+def test_an_engine_the_console_did_not_start_is_not_replaced_silently(long_ckpt: Path, tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/theirs.sock"
+    theirs = start_engine(long_ckpt, address)
+
+    async def scenario() -> None:
+        link = EngineLink(address=address, model=None)  # would start the demo model in its place
+        app = MinichatApp(link)
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            theirs.stop()
+            await wait_for(pilot, lambda: link.state.kind == "lost", "the lost state")
+            assert "it was not started by this console" in status(app) and link.handle is None
+            assert link.lost_options == (str(long_ckpt), {**link.lost_options[1]})  # type: ignore[index]
+            assert link.lost_options[1]["max_running_requests"] == 4  # type: ignore[index]
+            await type_and_send(pilot, "/reconnect")  # starts it again, as it was
+            await wait_for(pilot, lambda: link.state.kind == "connected", "the restarted engine", timeout=120)
+            assert link.handle is not None and link.info is not None and link.info.model == str(long_ckpt)
+            assert link.info.config["max_running_requests"] == 4
+        link.stop_engine()
+
+    try:
+        run(scenario)
+    finally:
+        theirs.stop()

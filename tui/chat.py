@@ -52,11 +52,11 @@ class PromptInput(InOrderKeys, TextArea):
 
     BINDINGS = [
         Binding("enter", "send", "Send"),
-        Binding("ctrl+j", "newline", "New line"),
-        Binding("pageup", "scroll_log('page_up')", "Scroll the conversation up"),
-        Binding("pagedown", "scroll_log('page_down')", "Scroll the conversation down"),
-        Binding("ctrl+home", "scroll_log('home')", "Scroll to the first message"),
-        Binding("ctrl+end", "scroll_log('end')", "Scroll to the last message"),
+        Binding("ctrl+j", "newline", "New line", show=False),
+        Binding("pageup", "scroll_log('page_up')", "Scroll the conversation up", show=False),
+        Binding("pagedown", "scroll_log('page_down')", "Scroll the conversation down", show=False),
+        Binding("ctrl+home", "scroll_log('home')", "Scroll to the first message", show=False),
+        Binding("ctrl+end", "scroll_log('end')", "Scroll to the last message", show=False),
     ]
 
     class Submitted(Message):

@@ -163,9 +163,14 @@ EngineMessage = Delta | Final | Error | Aborted | Pong | Info | Heartbeat
 
 # -- stats (PUB socket) -------------------------------------------------------------------------
 class WaitingReq(msgspec.Struct, kw_only=True):
+    """A queued request; `reason` says what holds it back: "slot" (none free), "kv_pages" (its prompt and
+    output budget do not fit), "token_budget" (fits: admitted at the next prefill step) or "queue"
+    (admission goes in arrival order, and an earlier request waits)."""
+
     rid: str
     prompt_tokens: int
     waited: float
+    reason: str = ""
 
 
 class RunningReq(msgspec.Struct, kw_only=True):
@@ -193,6 +198,7 @@ class Pages(msgspec.Struct, kw_only=True):
     cached: int
     locked: int
     total: int
+    reserved: int = 0  # pages admitted requests may still claim for their output budget (kept free)
 
 
 class Counters(msgspec.Struct, kw_only=True):

@@ -26,6 +26,16 @@ def bar(done: int, total: int, width: int = 10) -> Text:
     return Text.assemble(("█" * filled, "green"), ("░" * (width - filled), "grey39"), f" {done}/{total}")
 
 
+REASONS = {"slot": ("no free slot", "bold red"), "kv_pages": ("KV pages", "bold yellow"),
+           "token_budget": ("token budget", "green"), "queue": ("its turn", "grey62")}
+
+
+def reason(code: str) -> Text:
+    """Why a request waits, in words (an older engine sends no reason)."""
+    text, style = REASONS.get(code, (code or "?", ""))
+    return Text(text, style)
+
+
 class RequestTable(DataTable):
     """A table of live requests; `x` or delete asks the app to abort the selected request (it confirms)."""
 
@@ -96,10 +106,11 @@ class WaitingTable(RequestTable):
     """The waiting queue in arrival order: admission takes from the top and stops at the first misfit."""
 
     TITLE = "Waiting queue"
-    COLUMNS = ("request", "prompt", "waited")
+    COLUMNS = ("request", "prompt", "waited", "waiting for")
 
     def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
-        return {w.rid: (names.styled(w.rid), str(w.prompt_tokens), f"{w.waited:.1f}s") for w in stats.waiting}
+        return {w.rid: (names.styled(w.rid), str(w.prompt_tokens), f"{w.waited:.1f}s", reason(w.reason))
+                for w in stats.waiting}
 
 
 class RunningTable(RequestTable):
