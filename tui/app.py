@@ -256,6 +256,7 @@ class MinichatApp(App[None]):
             return 0
         try:
             sessions = [self.store.load(uid) for uid in self.store.open_uids()]
+            self._opened = len(self.store.sessions())  # new chats go on numbering after the saved ones
         except StoreError as e:
             self.store_failed(e)
             return 0
