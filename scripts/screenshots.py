@@ -133,6 +133,7 @@ async def session_list(address: str, out: Path) -> None:
     app = MinichatApp(EngineLink(address=address, autostart=False))
     async with app.run_test(size=(100, 30)) as pilot:
         await connect(pilot)
+        await pilot.press("ctrl+n")  # the tabs of the shots before came back: start a new one
         await send(pilot, "/max_tokens 30")
         for name, prompt in (("sonnets", "Shall I compare thee to a summer's day?"),
                              ("the tempest", "Full fathom five thy father lies"), ("kings", "Speak of the king.")):
