@@ -33,14 +33,17 @@ class SamplingBatch:
 class ForwardBatch:
     """One step's flat token axis (all requests' new tokens concatenated) and where its outputs go.
 
-    Input ids are not here: `run` reads them from the request table's token ids at `input_index`
-    (flat `slot * max_len + position`), where admission put the prompt and the sampler puts every
-    sampled token. So a step can be scheduled before the host has seen the previous step's tokens.
+    A prefill step feeds prompt tokens, which the host knows: they travel in `input_ids`. A decode
+    step feeds the tokens the previous step sampled, which the host may not have seen yet (overlap):
+    `input_ids` is None and `run` reads them from the token table at `input_index` (flat
+    `slot * max_len + position`), where that step's sampler wrote them. Either way the batch carries
+    all a runner needs besides the token table its own `run` fills.
     """
 
     kind: str  # "prefill" or "decode"
     reqs: list[Req] = field(repr=False)  # host side, read by `process` only
     sample_rows: list[int]  # indices into `reqs` of the requests that sample this step
+    input_ids: torch.Tensor | None  # int64 [T] for prefill; None for decode (read at `input_index`)
     input_index: torch.Tensor  # int64 [T]: flat token-table index of each input token
     positions: torch.Tensor  # int64 [T]
     logits_index: torch.Tensor  # int64 [S]: flat token rows whose logits are sampled
@@ -53,7 +56,17 @@ class ForwardBatch:
 
 @dataclass
 class ForwardOutput:
-    """Sampled next-token ids, one per sampled row (on the model's device; `process` copies them)."""
+    """Sampled next-token ids, one per sampled row.
+
+    On CUDA the step runs on the runner's stream and `next_tokens` is a pinned host copy still in
+    flight until `ready` fires; `tokens()` waits for it, so only `process` ever waits for the GPU.
+    """
 
     next_tokens: torch.Tensor  # int64 [S]
-    run_time: float = 0.0
+    run_time: float = 0.0  # host seconds to launch (CUDA) or run (CPU) the step
+    ready: torch.cuda.Event | None = None
+
+    def tokens(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.next_tokens.tolist()

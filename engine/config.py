@@ -18,7 +18,9 @@ class EngineConfig:
     `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
     `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
     `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).
-    `overlap` schedules step N+1 while step N runs (the model in a worker thread); see docs/architecture.md.
+    `overlap` schedules step N+1 while step N runs (the model in a worker thread); see docs/architecture.md;
+    `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
+    (when the attention backend supports them and there is one rank; see engine/cuda_graph.py).
     """
 
     model: str | None = None
@@ -35,11 +37,14 @@ class EngineConfig:
     prefix_cache: str = "radix"
     tensor_parallel_size: int = 1
     overlap: bool = True
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tensor_parallel_size"):
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tensor_parallel_size",
+                     "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:

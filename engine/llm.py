@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.cuda_graph import DecodeGraphs
 from engine.distributed import TensorParallel
 from engine.distributed.workers import WorkerPool, launch
 from engine.kv import make_cache_manager
@@ -19,7 +20,14 @@ from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.loop import StepLoop
 from engine.model.llama import ModelSpec
-from engine.model.loader import TORCH_DTYPES, check_shardable, load_hf_config, load_model, resolve_model_path
+from engine.model.loader import (
+    TORCH_DTYPES,
+    attention_shape,
+    check_shardable,
+    load_hf_config,
+    load_model,
+    resolve_model_path,
+)
 from engine.outputs import RequestOutput, StepResult
 from engine.prompt import Prompt
 from engine.request import Req, SamplingParams
@@ -104,12 +112,23 @@ class LLM:
             self.workers.expect("loaded")
             self.workers.send(num_pages)
             self.workers.expect("ready")
-        self.kv = KVPool(spec.num_layers, num_pages, cfg.page_size, self.model.num_kv_heads, spec.head_dim,
-                         TORCH_DTYPES[cfg.dtype], self.device)
+        backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype)
+        backend.setup(attention_shape(self.model, cfg.dtype), self.device)
+        # Worker ranks run every step eagerly, so under tensor parallelism decode is never graphed.
+        use_graphs = cfg.cuda_graph and backend.supports_cuda_graph and self.workers is None
+        # CUDA graphs pad decode batches with dummy requests writing to a scratch page no request owns.
+        self.kv = KVPool(spec.num_layers, num_pages + int(use_graphs), cfg.page_size, self.model.num_kv_heads,
+                         spec.head_dim, TORCH_DTYPES[cfg.dtype], self.device)
         self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
         self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
-        backend = make_backend(cfg.attention_backend, cfg.device)
-        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, self.tp, self.workers)
+        graphs = None
+        if use_graphs:
+            # Off CUDA (Triton under its interpreter) the same padded path runs without capture.
+            graphs = DecodeGraphs(self.model, self.kv, backend, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
+                                  self.max_seq_len, num_pages * cfg.page_size, self.device,
+                                  capture=self.device.type == "cuda")
+        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, self.tp, self.workers,
+                                  graphs)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids)
         self.loop = StepLoop(self.scheduler, self.runner)
         self._rng = torch.Generator().manual_seed(cfg.seed)

@@ -8,6 +8,7 @@ import time
 import torch
 
 from engine.batch import ForwardBatch, ForwardOutput
+from engine.cuda_graph import DecodeGraphs
 from engine.distributed import TensorParallel
 from engine.distributed.step import StepInputs
 from engine.distributed.workers import WorkerPool
@@ -27,18 +28,26 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, kv: KVPool, table: RequestTable, backend: AttentionBackend,
-                 device: torch.device, tp: TensorParallel | None = None, workers: WorkerPool | None = None) -> None:
+                 device: torch.device, tp: TensorParallel | None = None, workers: WorkerPool | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs
         self.kv = kv
         self.table = table
         self.backend = backend
         self.device = device
         self.tp = tp if tp is not None else TensorParallel()
         self.workers = workers
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [S, vocab] for the batch's sampled rows (intermediate prefill chunks get none)."""
-        input_ids = self.table.token_ids.view(-1)[batch.input_index]
+        input_ids = batch.input_ids
+        if input_ids is None:  # decode: the tokens the previous step's sampler wrote
+            input_ids = self.table.token_ids.view(-1)[batch.input_index]
+        graphs = self.graphs  # never set under tensor parallelism
+        if graphs is not None and batch.kind == "decode" and graphs.bucket(len(batch.attn.q_lens)) is not None:
+            return graphs.run(input_ids, batch.positions, batch.attn)
         with self.workers.guard() if self.workers else contextlib.nullcontext():
             if self.workers:
                 step = StepInputs.from_metadata(input_ids, batch.positions, batch.logits_index, batch.attn)
@@ -47,9 +56,25 @@ class ModelRunner:
             return self.model(input_ids, batch.positions, batch.logits_index, self.kv, self.backend, state)
 
     def run(self, batch: ForwardBatch) -> ForwardOutput:
-        """Forward, sample, and write each sampled token into the token table where the next step reads it."""
+        """Forward, sample, and write each sampled token into the token table where the next step reads it.
+
+        On CUDA this only launches: the work is queued on the runner's stream behind the previous step,
+        the next step reads its input ids from the token table on the device, and the host copy of the
+        sampled ids is waited for by `ForwardOutput.tokens()` alone, so the host never blocks here.
+        """
         start = time.perf_counter()
+        if self.stream is None:
+            next_tokens = self._forward_and_sample(batch)
+            return ForwardOutput(next_tokens=next_tokens, run_time=time.perf_counter() - start)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the batch was built on the default stream
+        with torch.cuda.stream(self.stream):
+            host = self._forward_and_sample(batch).to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return ForwardOutput(next_tokens=host, run_time=time.perf_counter() - start, ready=ready)
+
+    def _forward_and_sample(self, batch: ForwardBatch) -> torch.Tensor:
         logits = self.forward(batch)
         next_tokens = sample(logits, batch.sampling.params, batch.sampling.generators)
         self.table.token_ids.view(-1)[batch.out_index] = next_tokens
-        return ForwardOutput(next_tokens=next_tokens, run_time=time.perf_counter() - start)
+        return next_tokens

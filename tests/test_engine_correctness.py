@@ -3,12 +3,14 @@ with steps run in sequence or overlapped (step N+1 scheduled while step N runs).
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestOutput, SamplingParams
+from tests.checkpoints import with_eos
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -24,7 +26,7 @@ def mixed_prompts(n: int, seed: int, max_len: int = 70) -> list[list[int]]:
     return [torch.randint(0, 384, (k,), generator=g).tolist() for k in lengths]
 
 
-def assert_matches_hf(llm: LLM, path: Path, hf, prompts: list[list[int]], max_tokens: int) -> None:
+def assert_matches_hf(llm: LLM, path: Path, hf, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
     for prompt, out in zip(prompts, outs, strict=True):
         expected = hf.greedy(path, prompt, max_tokens, eos=sorted(llm.eos_ids))
@@ -33,6 +35,7 @@ def assert_matches_hf(llm: LLM, path: Path, hf, prompts: list[list[int]], max_to
     llm.check_integrity()
     pages = llm.stats().pages
     assert pages.used == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
+    return outs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -96,6 +99,16 @@ def test_everything_tight_at_once(llama_ckpt, hf, overlap):
     llm = LLM(str(llama_ckpt), page_size=1, num_pages=90, max_running_requests=2, max_prefill_tokens=5,
               overlap=overlap)
     assert_matches_hf(llm, llama_ckpt, hf, mixed_prompts(5, seed=5, max_len=40), max_tokens=9)
+
+
+def test_eos_mid_batch(llama_ckpt, hf, tmp_path, overlap):
+    """EOS hits requests at different steps; overlapped, each was already scheduled one step past it."""
+    prompts = mixed_prompts(8, seed=7)
+    free = LLM(str(llama_ckpt)).generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    eos = Counter(t for out in free for t in out.token_ids[1:-1]).most_common(1)[0][0]
+    path = with_eos(llama_ckpt, tmp_path / "eos", [eos])
+    outs = assert_matches_hf(LLM(str(path), overlap=overlap), path, hf, prompts, max_tokens=10)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 2
 
 
 def test_bfloat16_logprobs_close_to_transformers(llama_ckpt):

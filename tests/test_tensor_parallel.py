@@ -122,6 +122,14 @@ def test_serve_tp2_serves_and_exits_naming_a_killed_rank(llama_ckpt, hf, tmp_pat
             engine.wait()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL); scripts/gpu_check.sh runs it")
+def test_two_gpus_over_nccl_match_transformers(llama_ckpt, hf):
+    batch = prompts(4, seed=12, max_len=40)
+    with LLM(str(llama_ckpt), device="cuda", tensor_parallel_size=2, max_prefill_tokens=16) as llm:
+        assert tokens(llm, batch, 5) == [hf.greedy(llama_ckpt, p, 5) for p in batch]
+        assert_idle_everywhere(llm)
+
+
 def children(pid: int) -> list[int]:
     tasks = Path(f"/proc/{pid}/task")
     return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]

@@ -25,7 +25,7 @@ from engine.distributed.group import connect_store, join_group
 from engine.distributed.step import StepInputs
 from engine.kv.pool import KVPool
 from engine.model.llama import ModelSpec
-from engine.model.loader import TORCH_DTYPES, build_model
+from engine.model.loader import TORCH_DTYPES, attention_shape, build_model
 from kernels.attention import make_backend
 
 
@@ -70,7 +70,8 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     num_pages = conn.recv()
     kv = KVPool(model.spec.num_layers, num_pages, spec.page_size, model.num_kv_heads, model.spec.head_dim,
                 TORCH_DTYPES[spec.dtype], device)
-    backend = make_backend(spec.attention_backend, spec.device)
+    backend = make_backend(spec.attention_backend, spec.device, spec.dtype)
+    backend.setup(attention_shape(model, spec.dtype), device)
     conn.send(("ready",))
     steps = 0
     while (message := conn.recv()) is not None:

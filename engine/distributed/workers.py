@@ -59,7 +59,7 @@ class WorkerPool:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
         self.sentinels: list[int] = []  # pidfds: readable once the process has exited
-        self.failed: WorkerFailed | None = None
+        self.failed: WorkerFailed | None = None  # why the workers are gone, once they are
         self.steps = 0
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.sentinels)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(Path(__file__).parents[2]),
@@ -103,7 +103,6 @@ class WorkerPool:
 
     def send(self, message: object) -> None:
         """The same message to every worker."""
-        self.raise_if_failed()
         with self.guard():
             for conn in self.conns:
                 conn.send(message)
@@ -152,7 +151,9 @@ class WorkerPool:
             raise self.failed
 
     def close(self) -> None:
-        """Tell every worker to stop and wait for them (terminating any that do not)."""
+        """Tell every worker to stop and wait for them (killing any that do not); later use raises."""
+        if self.failed is None:
+            self.failed = WorkerFailed("the tensor-parallel workers were stopped (the engine was closed)")
         self._finalizer()
 
     def _first_dead(self, timeout: float) -> int | None:

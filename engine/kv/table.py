@@ -9,9 +9,8 @@ class RequestTable:
     """`table[slot, pos]` is the KV-pool token slot holding position `pos` of the request in `slot`.
 
     Kernels read this map directly, so they never need to know the page size. `token_ids[slot, pos]`
-    is the token at that position: admission writes the prompt, the sampler writes each new token,
-    and a step reads its input ids from here, so it can be scheduled before the host has seen the
-    previous step's tokens.
+    is the sampled token at output position `pos`: the sampler writes it and the next decode step
+    reads its input ids from here, so it can be scheduled before the host has seen them.
     """
 
     def __init__(self, num_slots: int, max_len: int, device: torch.device) -> None:
@@ -45,7 +44,3 @@ class RequestTable:
         slots = (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
         slots = slots[: max(0, self.max_len - start)]
         self.table[slot, start : start + slots.numel()] = slots.to(self.table.device)
-
-    def write_tokens(self, slot: int, ids: list[int]) -> None:
-        """Put a request's prompt at positions 0.. of its row."""
-        self.token_ids[slot, : len(ids)] = torch.tensor(ids, dtype=torch.int64).to(self.token_ids.device)

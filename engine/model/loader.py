@@ -16,6 +16,7 @@ from engine.config import DTYPES
 from engine.distributed import TensorParallel
 from engine.model.llama import CausalLM, ModelSpec
 from engine.model.parallel import TensorSlice
+from kernels.attention.base import AttentionShape
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -104,3 +105,10 @@ def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: Tensor
         raise ValueError(f"{path}: {e}") from e
     model.eval()
     return model
+
+
+def attention_shape(model: CausalLM, dtype: str) -> AttentionShape:
+    """What an attention backend must know of a loaded model (this rank's heads under tensor parallelism)."""
+    spec = model.spec
+    return AttentionShape(model.layers[0].num_heads, model.num_kv_heads, spec.head_dim, TORCH_DTYPES[dtype],
+                          spec.head_dim**-0.5)

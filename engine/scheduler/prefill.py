@@ -52,7 +52,6 @@ class PrefillAdder:
         req.cached_len = req.prefix_len = len(match.pages) * self.page_size
         req.slot = self.table.allocate(req.rid)
         self.table.write_pages(req.slot, 0, req.pages, self.page_size)
-        self.table.write_tokens(req.slot, req.input_ids)
         req.admit_time = time.monotonic()
         self.reserved += need
         self._take_chunk(req)

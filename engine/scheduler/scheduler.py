@@ -99,12 +99,15 @@ class Scheduler:
         self._allocate_kv(reqs)
         width = self.table.max_len
         input_index: list[int] = []
+        input_ids: list[int] = []
         positions: list[int] = []
         q_lens, kv_lens, logits_at, out_index, sample_rows = [], [], [], [], []
         for i, req in enumerate(reqs):
             start_pos, end = req.cached_len, req.cached_len + req.extend_len
             base = req.slot * width
             input_index += range(base + start_pos, base + end)
+            if kind == "prefill":
+                input_ids += req.tokens(start_pos, end)
             positions += range(start_pos, end)
             q_lens.append(req.extend_len)
             kv_lens.append(end)
@@ -118,6 +121,7 @@ class Scheduler:
         sampled = [reqs[i] for i in sample_rows]
         batch = ForwardBatch(
             kind=kind, reqs=reqs, sample_rows=sample_rows,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev) if kind == "prefill" else None,
             input_index=torch.tensor(input_index, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             logits_index=torch.tensor(logits_at, dtype=torch.int64, device=dev),
@@ -153,7 +157,7 @@ class Scheduler:
         A request that finished after this batch was scheduled (EOS seen in the previous step, or an
         abort) drops its token here; its slot and pages are released once no batch uses them."""
         start = time.perf_counter()
-        tokens = output.next_tokens.tolist()
+        tokens = output.tokens()
         self.inflight_batches -= 1
         for req in batch.reqs:
             req.inflight -= 1

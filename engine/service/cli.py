@@ -27,9 +27,12 @@ ENGINE_HELP = {
     "seed": "Seed for requests that sample without their own seed.",
     "attention_backend": "Attention kernels: torch, triton, flashinfer, or auto (the best available).",
     "prefix_cache": "radix (reuse cached prompt prefixes) or naive.",
+    "cuda_graph": "Replay decode steps from CUDA graphs (triton and flashinfer backends on CUDA).",
+    "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph; bigger ones run eagerly.",
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
     "max_running_requests": "Request slots: how many requests may hold KV at once.",
     "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
+    "overlap": "Schedule step N+1 while step N runs (model in a worker thread); output is identical either way.",
     "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}

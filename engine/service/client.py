@@ -79,7 +79,7 @@ def submit_message(prompt: Prompt, params: Params | None, rid: str | None,
     return protocol.Submit(rid=rid, token_ids=list(prompt), params=params)  # type: ignore[arg-type]
 
 
-def _route(msg: protocol.EngineMessage) -> _Key | None:
+def _route(msg: protocol.EngineMessage | Delta | Final) -> _Key | None:
     """Which waiter a reply belongs to: a request's stream, an abort, a ping, an info (None: nobody)."""
     if isinstance(msg, (Delta, Final)):
         return ("req", msg.rid)
@@ -94,12 +94,14 @@ def _route(msg: protocol.EngineMessage) -> _Key | None:
     return None  # Heartbeat: its arrival alone is the point
 
 
-def _decode(data: bytes) -> protocol.EngineMessage | None:
-    """A reply, or None for bytes that are not one (skipped: only the engine should be talking)."""
+def _decode(data: bytes) -> list[protocol.EngineMessage | Delta | Final]:
+    """The replies in one message: a step's `Outputs` unpacked into its Deltas and Finals, any other
+    reply alone, nothing for bytes that are not a reply (skipped: only the engine should be talking)."""
     try:
-        return protocol.decode_engine(data)
+        msg = protocol.decode_engine(data)
     except protocol.DecodeError:
-        return None
+        return []
+    return list(msg.items) if isinstance(msg, protocol.Outputs) else [msg]
 
 
 def _raise_if_error(msg: protocol.EngineMessage) -> None:
@@ -178,10 +180,10 @@ class EngineClient:
         while not box:
             if not self._sock.poll(int(timeout * 1000)):
                 raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s")
-            msg = _decode(self._sock.recv())
-            dest = _route(msg) if msg is not None else None
-            if dest in self._boxes:
-                self._boxes[dest].append(msg)  # type: ignore[arg-type]
+            for msg in _decode(self._sock.recv()):
+                dest = _route(msg)
+                if dest in self._boxes:
+                    self._boxes[dest].append(msg)
         return box.popleft()
 
     def _call(self, key: _Key, msg: msgspec.Struct, timeout: float | None) -> protocol.EngineMessage:
@@ -305,10 +307,10 @@ class AsyncEngineClient:
     # -- plumbing ---------------------------------------------------------------------------------
     async def _read_forever(self) -> None:
         while True:
-            msg = _decode(await self._sock.recv())
-            queue = self._queues.get(_route(msg)) if msg is not None else None  # type: ignore[arg-type]
-            if queue is not None:
-                queue.put_nowait(msg)
+            for msg in _decode(await self._sock.recv()):
+                queue = self._queues.get(_route(msg))  # type: ignore[arg-type]
+                if queue is not None:
+                    queue.put_nowait(msg)
 
     def _open(self, key: _Key) -> asyncio.Queue[protocol.EngineMessage]:
         """The queue replies for `key` land in. Tasks waiting on the same key (two `info()` calls) share

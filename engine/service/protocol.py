@@ -114,6 +114,14 @@ class Final(_EngineMsg, tag="final"):
         return True
 
 
+class Outputs(_EngineMsg, tag="outputs"):
+    """What one engine step produced for this client: a `Delta` or the `Final` of each of its requests
+    that advanced, in step order. One message per client per step, however many requests it runs;
+    across messages each request's items arrive in order, and nothing follows its Final."""
+
+    items: list[Delta | Final]
+
+
 class Error(_EngineMsg, tag="error"):
     """A refused or malformed message. `rid` names the request it concerns, when known.
 
@@ -158,7 +166,7 @@ class Heartbeat(_EngineMsg, tag="heartbeat"):
     client is still connected (a failed send aborts its requests) and the engine still alive."""
 
 
-EngineMessage = Delta | Final | Error | Aborted | Pong | Info | Heartbeat
+EngineMessage = Outputs | Error | Aborted | Pong | Info | Heartbeat
 
 
 # -- stats (PUB socket) -------------------------------------------------------------------------
@@ -259,7 +267,7 @@ def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo:
     return _client_decoder.decode(data)
 
 
-def decode_engine(data: bytes) -> Delta | Final | Error | Aborted | Pong | Info | Heartbeat:
+def decode_engine(data: bytes) -> Outputs | Error | Aborted | Pong | Info | Heartbeat:
     return _engine_decoder.decode(data)
 
 

@@ -1,5 +1,5 @@
-"""The engine process: a ROUTER socket for requests and their streams, a PUB socket for live stats,
-and the seed's `normal_loop` in between.
+"""The engine process: a ROUTER socket for requests and their streams, an XPUB socket for live stats,
+and the step loop in between (overlapped or not, see engine/loop.py).
 
 The loop blocks on the socket only when the scheduler has nothing to do; otherwise it drains
 whatever messages arrived and runs the next step. Every message is validated; a bad one gets an
@@ -100,7 +100,7 @@ class Sockets:
         self.router.setsockopt(zmq.SNDHWM, SEND_HWM)
         self.router.setsockopt(zmq.HEARTBEAT_IVL, 2000)  # transport-level: notices half-open tcp peers
         self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)  # XPUB: it tells us whether anyone subscribes
         self.pub.setsockopt(zmq.SNDHWM, 16)  # a slow dashboard misses snapshots rather than queueing them
         self.pub.setsockopt(zmq.LINGER, 0)
         for sock, addr in ((self.router, self.address), (self.pub, self.stats_address)):
@@ -138,12 +138,19 @@ class EngineServer:
         self._was_idle = True
         self._last_publish = 0.0
         self._last_sweep = time.monotonic()
+        self._topics: set[bytes] = set()  # subscribed stats topics: XPUB reports each one's first subscribe
+        # and last unsubscribe, so this is empty exactly when nobody listens
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._poller.register(self.pub, zmq.POLLIN)
 
     def request_stop(self) -> None:
         self._stop = True
 
     def run(self) -> None:
-        """The seed's normal_loop: receive (blocking only when idle) -> step -> process results."""
+        """Receive (blocking only when idle) -> step -> deliver. With `EngineConfig.overlap` a step returns
+        the previous batch, processed while the next one runs in the model worker, so detokenising,
+        sending and receiving all happen off the model's critical path (the seed's overlap_loop)."""
         log.info("engine ready: model %s, %d KV pages x %d tokens, %d request slots; listening on %s, "
                  "stats on %s (pid %d)", self.llm.model_path, self.llm.num_pages, self.llm.config.page_size,
                  self.llm.config.max_running_requests, self.sockets.address, self.sockets.stats_address,
@@ -169,7 +176,10 @@ class EngineServer:
         return max(0, int((self._last_publish + STATS_INTERVAL - time.monotonic()) * 1000) + 1)
 
     def _receive(self, timeout_ms: int) -> None:
-        if not self.router.poll(timeout_ms):
+        ready = dict(self._poller.poll(timeout_ms))
+        if self.pub in ready:
+            self._read_subscriptions()
+        if self.router not in ready:
             return
         for _ in range(MAX_DRAIN):
             try:
@@ -283,17 +293,22 @@ class EngineServer:
         log.warning("client %s is gone (%s); aborted its %d request(s)", identity.hex(), why, len(rids))
 
     def _deliver(self, result: StepResult) -> None:
+        """One `Outputs` message per client, carrying the step's Delta or Final of each of its requests."""
         self.stats.record_step(result)
         self._dirty = True
+        per_client: dict[bytes, list[protocol.Delta | protocol.Final]] = {}
         for delta in result.deltas:
             owned = self.owners.get(delta.rid)
             if owned is None:
                 continue  # its client is gone
             if delta.finish_reason is None:
-                self._send(owned.identity, protocol.Delta(rid=delta.rid, text=delta.text, token_ids=delta.token_ids))
+                item = protocol.Delta(rid=delta.rid, text=delta.text, token_ids=delta.token_ids)
             else:
                 del self.owners[delta.rid]
-                self._send(owned.identity, _final(delta, owned.req))
+                item = _final(delta, owned.req)
+            per_client.setdefault(owned.identity, []).append(item)
+        for identity, items in per_client.items():
+            self._send(identity, protocol.Outputs(items=items))
 
     def _sweep_clients(self) -> None:
         """Heartbeat clients that have live requests but heard nothing lately; a failed send drops them."""
@@ -307,8 +322,24 @@ class EngineServer:
             if now - self._last_sent.get(identity, 0.0) >= HEARTBEAT_INTERVAL:
                 self._send(identity, protocol.Heartbeat())
 
+    def _read_subscriptions(self) -> None:
+        """Track whether any stats subscriber is connected; a new one gets a snapshot at once."""
+        while True:
+            try:
+                event = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event[:1] == b"\x01":
+                self._topics.add(event[1:])
+                self._dirty, self._last_publish = True, 0.0
+            else:
+                self._topics.discard(event[1:])
+
     def _publish(self, force: bool = False) -> None:
-        """A complete snapshot ~10x a second, and on changes (rate-limited), at once when busy<->idle flips."""
+        """While someone subscribes: a complete snapshot ~10x a second, and on changes (rate-limited), at
+        once when busy<->idle flips. With no subscriber no snapshot is even built."""
+        if not self._topics:
+            return
         now = time.monotonic()
         since = now - self._last_publish
         idle = not self.llm.has_unfinished()

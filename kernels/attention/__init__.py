@@ -3,27 +3,60 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 
-from kernels.attention.base import AttentionBackend, AttentionMetadata, build_metadata
+from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape, build_metadata
 
-BACKENDS = {"torch": "kernels.attention.torch_ref:TorchRefBackend"}
+BACKENDS = {
+    "torch": "kernels.attention.torch_ref:TorchRefBackend",
+    "triton": "kernels.attention.triton:TritonBackend",
+    "flashinfer": "kernels.attention.flashinfer:FlashInferBackend",
+}
 """name -> "module:class"; a backend module is imported only when its name is asked for."""
 
 
-def resolve_backend_name(name: str, device: str) -> str:
-    """`auto` is the best backend the device can run; other names pass through after a check."""
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16") -> str:
+    """`auto` is the best backend the device can run (FlashInfer, then Triton on CUDA; torch elsewhere);
+    other names pass through after checking that this device, dtype and environment can run them."""
+    on_cuda = device.startswith("cuda")
+    half = dtype != "float32"  # FlashInfer's kernels take bf16/fp16 only
     if name == "auto":
+        if on_cuda:
+            if half and _installed("flashinfer"):
+                return "flashinfer"
+            return "triton" if _installed("triton") else "torch"
         return "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
+    if name == "flashinfer":
+        if not on_cuda:
+            raise ValueError("the flashinfer attention backend runs only on CUDA; use device='cuda' or "
+                             "attention_backend='torch'")
+        if not _installed("flashinfer"):
+            raise ValueError("the flashinfer attention backend needs flashinfer-python "
+                             "(pip install 'minichat[gpu]'); or use attention_backend='triton'")
+        if not half:
+            raise ValueError("the flashinfer attention backend needs dtype bfloat16 or float16; "
+                             "use attention_backend='triton' for float32")
+    if name == "triton":
+        if not _installed("triton"):
+            raise ValueError("the triton attention backend needs triton (pip install 'minichat[gpu]')")
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton attention backend needs a CUDA device (got {device!r}); on a CPU it "
+                             "runs only under the Triton interpreter: set TRITON_INTERPRET=1 before starting")
     return name
 
 
-def make_backend(name: str, device: str) -> AttentionBackend:
-    """Instantiate the backend registered under `name` (or picked by `auto`) for `device`."""
-    module, cls = BACKENDS[resolve_backend_name(name, device)].split(":")
+def make_backend(name: str, device: str, dtype: str = "bfloat16") -> AttentionBackend:
+    """Instantiate the backend registered under `name` (or picked by `auto`) for `device` and `dtype`."""
+    module, cls = BACKENDS[resolve_backend_name(name, device, dtype)].split(":")
     return getattr(importlib.import_module(module), cls)()
 
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "build_metadata", "make_backend",
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "AttentionShape", "build_metadata", "make_backend",
            "resolve_backend_name"]

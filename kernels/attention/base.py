@@ -57,8 +57,33 @@ def build_metadata(q_lens: list[int], kv_lens: list[int], rows: torch.Tensor, ta
                              table=table)
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend that plans ahead (FlashInfer) must know about the model before the first step."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scale: float
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged pool and attends over each request's cached tokens."""
+
+    def setup(self, shape: AttentionShape, device: torch.device) -> None:  # noqa: B027 - optional hook
+        """Called once with the model's attention shape before the first step; most backends need nothing."""
+
+    supports_cuda_graph = False
+    """Whether `capture_state` / `replay_prepare` are implemented (decode steps may then be graphed)."""
+
+    def capture_state(self, meta: AttentionMetadata) -> object:
+        """Capture hook: the state a CUDA graph of decode steps will bake in, for `meta`, whose tensors are
+        the graph's static buffers (their contents change before each replay, their addresses never)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def replay_prepare(self, state: object, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Replay hook: the static buffers now hold this step's (padded) batch; redo any host-side planning."""
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> object:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -18,7 +19,7 @@ from engine.service.client import EngineClient, probe
 from engine.service.launcher import EngineHandle, find_or_start
 from tui.bench.engine_run import run_engine_bench
 from tui.bench.metrics import RequestRecord, Summary, summarize
-from tui.bench.openai_run import run_openai_bench
+from tui.bench.openai_run import error_message, run_openai_bench
 from tui.bench.workload import BenchRequest, make_workload
 
 console = Console(stderr=True)
@@ -86,10 +87,6 @@ class Target:
 def openai_target(base_url: str, model: str | None, tokenizer: str | None, api_key: str | None) -> tuple[Target, str]:
     """Ask the server's `/v1/models` for the model (the first one if --model is not given), its checkpoint
     (`root`, as minichat and vLLM report it) and context; returns the target and the model id to send."""
-    import httpx
-
-    from tui.bench.openai_run import error_message
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=10.0)

@@ -124,12 +124,13 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(gone())
     try:
         await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    finally:  # also when this handler itself is cancelled (server shutdown): never leave `work` running
         watcher.cancel()
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            raise ClientGone
+    if work.cancelled():
+        raise ClientGone
     return work.result()
 
 
