@@ -123,11 +123,12 @@ def start(address: str | None = None, *, model: str | None = None, timeout: floa
         env[AUTH_ENV] = token
     # Append: never truncate a log that a running engine may still be writing to.
     with open(log, "ab") as out:
+        began = out.seek(0, os.SEEK_END)  # this start's lines begin here: older runs' errors are not its cause
         out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {shlex.join(cmd)}\n".encode())
         out.flush()
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True, env=env)
-    pid = _wait_ready(process, address, timeout, log, token)
+    pid = _wait_ready(process, address, timeout, log, began, token)
     if pid != process.pid:  # another launcher won the race for this address: use its engine
         return EngineHandle(address, pid, auth_token=token)
     return EngineHandle(address, pid, process, log, token)
@@ -141,28 +142,31 @@ def find_or_start(address: str | None = None, *, model: str | None = None, timeo
                                                     **options)
 
 
-def _wait_ready(process: subprocess.Popen[bytes], address: str, timeout: float, log: Path, token: str | None) -> int:
+def _wait_ready(process: subprocess.Popen[bytes], address: str, timeout: float, log: Path, began: int,
+                token: str | None) -> int:
     end = time.monotonic() + timeout
     with EngineClient(address, auth_token=token) as client:
         while True:
             if process.poll() is not None:
                 raise EngineStartError(f"the engine exited with code {process.returncode} before it was ready; "
-                                       f"the end of {log}:\n{tail(log)}")
+                                       f"the end of {log}:\n{tail(log, began=began)}")
             if time.monotonic() > end:
                 process.kill()
                 process.wait()
                 raise EngineStartError(f"the engine did not answer at {address} within {timeout:g}s; "
-                                       f"the end of {log}:\n{tail(log)}")
+                                       f"the end of {log}:\n{tail(log, began=began)}")
             try:
                 return client.ping(0.2).pid
             except EngineUnavailable:
                 continue
 
 
-def tail(path: Path, lines: int = 20) -> str:
-    """The last lines of a log file ('' if it is missing)."""
+def tail(path: Path, lines: int = 20, began: int = 0) -> str:
+    """The last lines of a log file written from byte `began` on ('' if it is missing)."""
     try:
-        text = path.read_text(errors="replace")
+        with open(path, "rb") as f:
+            f.seek(began)
+            text = f.read().decode(errors="replace")
     except FileNotFoundError:
         return ""
     return "\n".join(text.splitlines()[-lines:])

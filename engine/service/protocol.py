@@ -182,9 +182,14 @@ EngineMessage = Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbe
 
 # -- stats (PUB socket) -------------------------------------------------------------------------
 class WaitingReq(msgspec.Struct, kw_only=True):
+    """A queued request; `reason` says what holds it back: "slot" (none free), "kv_pages" (its prompt and
+    output budget do not fit), "token_budget" (fits: admitted at the next prefill step) or "queue"
+    (admission goes in arrival order, and an earlier request waits)."""
+
     rid: str
     prompt_tokens: int
     waited: float
+    reason: str = ""
 
 
 class RunningReq(msgspec.Struct, kw_only=True):
@@ -212,6 +217,7 @@ class Pages(msgspec.Struct, kw_only=True):
     cached: int
     locked: int
     total: int
+    reserved: int = 0  # pages admitted requests may still claim for their output budget (kept free)
 
 
 class Counters(msgspec.Struct, kw_only=True):
