@@ -82,7 +82,7 @@ class LLM:
             spec = ModelSpec.from_hf_config(load_hf_config(self.model_path))
             check_shardable(spec, cfg.tensor_parallel_size)
             self.tp, self.workers = launch(cfg.tensor_parallel_size, spec, str(self.model_path), cfg.dtype,
-                                           cfg.device, cfg.page_size, cfg.attention_backend)
+                                           cfg.device, cfg.page_size, cfg.attention_backend, cfg.linear_dtype)
         try:
             self._build()
         except BaseException:
