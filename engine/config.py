@@ -7,6 +7,7 @@ from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 DTYPES = ("float32", "bfloat16", "float16")
+LINEAR_DTYPES = ("auto", "model", "float32")
 
 
 @dataclass
@@ -17,6 +18,8 @@ class EngineConfig:
     `max_prefill_tokens` is the per-step prefill token budget (longer prompts are chunked);
     `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
     `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
+    `linear_dtype` is where the GEMMs run: "model", "float32", or "auto" (float32 for a bf16/fp16 model on
+    a CPU without native half-precision GEMM, where it is several times faster; see engine/model/ops.py).
     `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).
     `overlap` schedules step N+1 while step N runs (the model in a worker thread); see docs/architecture.md;
     `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
@@ -35,6 +38,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     prefix_cache: str = "radix"
+    linear_dtype: str = "auto"
     tensor_parallel_size: int = 1
     overlap: bool = True
     cuda_graph: bool = True
@@ -43,6 +47,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.linear_dtype not in LINEAR_DTYPES:
+            raise ValueError(f"linear_dtype must be one of {', '.join(LINEAR_DTYPES)}; got {self.linear_dtype!r}")
         for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tensor_parallel_size",
                      "cuda_graph_max_bs"):
             if getattr(self, name) < 1:

@@ -92,7 +92,7 @@ class LLM:
     def _build(self) -> None:
         """Load this rank's model and size the KV pool (the workers load theirs meanwhile, then get the size)."""
         cfg = self.config
-        self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device, self.tp)
+        self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device, self.tp, cfg.linear_dtype)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
         spec = self.model.spec

@@ -49,9 +49,79 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: lis
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError("each chat message must be {'role': str, 'content': str}")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # a template may raise anything (jinja's TemplateError, KeyError) for roles it rejects
+        raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from e
     ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
     return list(ids)
+
+
+def max_prompt_chars(tokenizer: PreTrainedTokenizerBase | None, max_tokens: int) -> int:
+    """A character count beyond which a text prompt surely tokenizes to more than `max_tokens` tokens:
+    no token spells more characters than the vocabulary's longest entry (doubled, for normalizers that
+    drop characters). Checked before tokenizing, so an oversized prompt is refused at no cost."""
+    if tokenizer is None:
+        return 0
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 2 * max(longest, 1) * max_tokens
+
+
+class StopMatcher:
+    """Aho-Corasick automaton over the stop strings: text is fed once, so the cost per step is
+    proportional to the new text, not to the number or length of the stop strings.
+
+    `held` is the length of the longest tail of the text so far that could still grow into a stop
+    string (the automaton's depth), which the detokenizer holds back from the stream."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._goto: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        self._match = [0]  # length of the longest stop string ending at this node (0: none)
+        for s in stops:
+            node = 0
+            for ch in s:
+                nxt = self._goto[node].get(ch)
+                if nxt is None:
+                    nxt = len(self._goto)
+                    self._goto[node][ch] = nxt
+                    self._goto.append({})
+                    self._depth.append(self._depth[node] + 1)
+                    self._match.append(0)
+                node = nxt
+            self._match[node] = max(self._match[node], len(s))
+        self._fail = [0] * len(self._goto)
+        queue = list(self._goto[0].values())
+        for node in queue:  # breadth first: a node's failure link is settled before its children's
+            for ch, child in self._goto[node].items():
+                f = self._fail[node]
+                while f and ch not in self._goto[f]:
+                    f = self._fail[f]
+                link = self._goto[f].get(ch, 0)
+                self._fail[child] = link if link != child else 0
+                self._match[child] = max(self._match[child], self._match[self._fail[child]])
+                queue.append(child)
+        self._state = 0
+
+    @property
+    def held(self) -> int:
+        return self._depth[self._state]
+
+    def feed(self, text: str, offset: int) -> int | None:
+        """Advance over `text` (which starts at `offset` in the whole text); the earliest start of a stop
+        string that ends inside it, or None."""
+        earliest = None
+        goto, fail, match = self._goto, self._fail, self._match
+        state = self._state
+        for i, ch in enumerate(text):
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            if match[state]:
+                start = offset + i + 1 - match[state]  # the longest one ending here starts earliest
+                earliest = start if earliest is None else min(earliest, start)
+        self._state = state
+        return earliest
 
 
 class IncrementalDetokenizer:
@@ -66,6 +136,7 @@ class IncrementalDetokenizer:
         self._backend = tokenizer.backend_tokenizer if tokenizer is not None else None
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
         self.stop = stop or []
+        self._matcher = StopMatcher(self.stop) if self.stop else None
         self.text = ""
         self.emitted = 0
         self.stopped = False
@@ -77,22 +148,18 @@ class IncrementalDetokenizer:
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        offset = len(self.text)
         self.text += piece
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+        hit = self._matcher.feed(piece, offset) if self._matcher is not None else None
+        if hit is not None:
+            self.text = self.text[:hit]
             self.stopped = True
 
     def take(self, final: bool) -> str:
         """Text not yet emitted; unless final, keeps back a tail that may be the start of a stop string."""
         end = len(self.text)
-        if not final and not self.stopped:
-            for s in self.stop:
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        end = min(end, len(self.text) - k)
-                        break
+        if not final and not self.stopped and self._matcher is not None:
+            end -= self._matcher.held
         piece = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return piece

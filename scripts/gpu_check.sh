@@ -57,6 +57,16 @@ if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     run timeout 300 "$PY" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider || status=1
 fi
 
+GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+if [ "$GPUS" -ge 2 ]; then
+    if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
+        step "tensor parallelism over NCCL: TP=2 greedy vs transformers, pages freed on every rank"
+        run timeout 300 "$PY" -m pytest tests/test_tensor_parallel.py -k gpus -q -rs -p no:cacheprovider || status=1
+    fi
+else
+    echo "tensor parallelism: $GPUS GPU(s) here, so no TP=2 test or benchmark row (they need two)"
+fi
+
 step "benchmark: Qwen2.5-0.5B-shaped random checkpoint, bf16, ${BENCH_ARGS[*]}"
 CKPT="$WORK/qwen2.5-0.5b-random"
 run "$PY" scripts/make_random_checkpoint.py "$CKPT" --shape qwen2.5-0.5b --dtype bfloat16 || exit 1
@@ -66,6 +76,7 @@ if "$PY" -c "import flashinfer" 2>/dev/null; then
 else
     echo "FlashInfer: not installed on this machine, so no FlashInfer rows (pip install 'minichat[gpu]' to add them)"
 fi
+[ "$GPUS" -lt 2 ] || configs+=("triton --no-cuda-graph --tp 2")  # graphs are off under TP anyway
 for cfg in "${configs[@]}"; do
     read -r backend rest <<<"$cfg"
     tag="$(echo "$cfg" | tr -c 'a-z0-9\n' '_')"
@@ -85,11 +96,11 @@ rows = []
 for path in sorted(Path(sys.argv[1]).glob("*.json"), key=lambda p: p.stat().st_mtime):
     r = json.loads(path.read_text())
     cfg, e = r["config"]["engine_config"], r["engine"]
-    rows.append((cfg["attention_backend"], "on" if cfg.get("cuda_graph") else "off",
+    rows.append((cfg["attention_backend"], str(cfg.get("tensor_parallel_size", 1)), "on" if cfg.get("cuda_graph") else "off",
                  "on" if cfg.get("overlap", True) else "off", f"{e['output_throughput']:.0f}",
                  f"{e['ttft_ms']['median']:.1f}", f"{e['tpot_ms']['median']:.2f}", f"{e['itl_ms']['median']:.2f}",
                  f"{e['completed']}/{e['failed']}"))
-head = ("backend", "cuda graph", "overlap", "output tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", "ok/failed")
+head = ("backend", "tp", "cuda graph", "overlap", "output tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", "ok/failed")
 widths = [max(len(x) for x in col) for col in zip(head, *rows)]
 for row in (head, *rows):
     print("  ".join(x.rjust(w) for x, w in zip(row, widths)))

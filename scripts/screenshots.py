@@ -5,12 +5,14 @@ real engine process started for the occasion (and stopped afterwards).
     .venv/bin/python scripts/screenshots.py --model PATH      # any HF checkpoint directory
 
 Writes SVG files into screenshots/ (or --out). Replies are sampled, so each run's text differs.
+Conversations are saved in a temporary data directory, never the user's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -64,7 +66,7 @@ async def chat_sessions(address: str, out: Path) -> None:
         await send(pilot, "/max_tokens 300")
         await send(pilot, "/ignore_eos on")  # long replies, so the shot catches them all streaming
         await send(pilot, FAN_OUT)
-        await pilot.press("alt+right")
+        await pilot.press("ctrl+pagedown")
         await until(pilot, lambda: app.current.session.turns[-1].reply.completion_tokens >= 40)  # type: ignore[union-attr]
         app.save_screenshot("chat-sessions.svg", str(out))
 
@@ -101,6 +103,51 @@ async def small_terminal(address: str, out: Path) -> None:
         app.save_screenshot("ops-80x24.svg", str(out))
 
 
+async def context_gauge(address: str, out: Path) -> None:
+    """A conversation longer than the demo model's 1,024-token context: the oldest turns are trimmed
+    (the rule says so) and the gauge shows how full the context is."""
+    app = MinichatApp(EngineLink(address=address, autostart=False))
+    async with app.run_test(size=(100, 34)) as pilot:
+        await connect(pilot)
+        await send(pilot, "/rename long talk")
+        await send(pilot, "/system You are a player in a Shakespeare comedy.")
+        await send(pilot, "/max_tokens 150")
+        await send(pilot, "/ignore_eos on")
+        pane = app.current
+        assert pane is not None
+        for prompt in ("Speak of the king.", "What news from the court?", "And of the queen?", "Who comes here?",
+                       "Tell me of the war.", "What say you, good sir?", "Farewell, then."):
+            await send(pilot, prompt)
+            await until(pilot, lambda: pane.session.live is None)
+            if pane.session.context_start:
+                break
+        await pilot.press("ctrl+home")
+        await until(pilot, lambda: pane.query(".context-mark"))
+        pane.query_one(".context-mark").scroll_visible(animate=False, top=True)
+        await pilot.pause(0.3)
+        app.save_screenshot("chat-context.svg", str(out))
+
+
+async def session_list(address: str, out: Path) -> None:
+    """The saved conversations (those of the shots before, and a few more), searchable."""
+    app = MinichatApp(EngineLink(address=address, autostart=False))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await connect(pilot)
+        await pilot.press("ctrl+n")  # the tabs of the shots before came back: start a new one
+        await send(pilot, "/max_tokens 30")
+        for name, prompt in (("sonnets", "Shall I compare thee to a summer's day?"),
+                             ("the tempest", "Full fathom five thy father lies"), ("kings", "Speak of the king.")):
+            await send(pilot, f"/rename {name}")
+            await send(pilot, prompt)
+            await until(pilot, lambda: app.current.session.live is None)  # type: ignore[union-attr]
+            await pilot.press("ctrl+n")
+            await send(pilot, "/max_tokens 30")
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: app.screen.query("#sessions-table"))
+        await pilot.pause(0.3)
+        app.save_screenshot("session-list.svg", str(out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="HF checkpoint directory (default: the embedded demo model)")
@@ -110,9 +157,10 @@ def main() -> None:
         parser.error(f"the demo model is not built ({DEMO_MODEL_DIR}); pass --model PATH")
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="minichat-shots-") as tmp:
+        os.environ["MINICHAT_DATA_DIR"] = tmp  # the shots' conversations are not the user's
         address = f"ipc://{tmp}/engine.sock"
         with start(address, model=args.model, **ENGINE_OPTIONS):
-            for shoot in (chat_sessions, ops_under_load, small_terminal):
+            for shoot in (chat_sessions, ops_under_load, small_terminal, context_gauge, session_list):
                 asyncio.run(shoot(address, args.out))
                 print(f"{shoot.__name__}: done")
     print(f"screenshots in {args.out}")

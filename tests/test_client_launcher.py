@@ -22,6 +22,7 @@ from engine.service.addresses import (
     AddressError,
     check_bindable,
     default_address,
+    log_path,
     remove_stale_ipc,
     runtime_dir,
     stats_address,
@@ -142,10 +143,13 @@ def test_async_stream_cancelled_as_a_message_arrives_stops(tmp_path: Path) -> No
 
 
 def test_bad_model_path_fails_fast_with_the_log_tail(runtime: Path) -> None:
+    log = log_path(default_address())
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("an old run's failure: not this start's cause\n" * 50)  # the log is appended to
     began = time.monotonic()
     with pytest.raises(EngineStartError) as err:
         start(model=str(runtime / "no-such-model"), timeout=60)
-    assert "exited with code 1" in str(err.value)
+    assert "exited with code 1" in str(err.value) and "old run" not in str(err.value)
     assert "cannot load the model" in str(err.value) and "no-such-model" in str(err.value)
     assert time.monotonic() - began < 30
     assert not os.path.exists(runtime / "minichat" / "engine.sock")
@@ -191,14 +195,16 @@ def test_serve_without_model_or_demo_model_says_so(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize("address", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://192.168.1.7:5555",
                                      "tcp://example.com:5555"])
-def test_non_loopback_needs_allow_remote(address: str) -> None:
+def test_non_loopback_needs_allow_remote_and_a_token(address: str) -> None:
     with pytest.raises(AddressError, match="--allow-remote"):
         check_bindable(address)
-    check_bindable(address, allow_remote=True)
+    with pytest.raises(AddressError, match="--auth-token"):
+        check_bindable(address, allow_remote=True)
+    check_bindable(address, allow_remote=True, has_token=True)
 
 
 @pytest.mark.parametrize("address", ["http://127.0.0.1:80", "tcp://127.0.0.1", "tcp://127.0.0.1:65535",
-                                     "ipc://", "ipc:///" + "x" * 120])
+                                     "ipc://", "ipc:///" + "x" * 120, "tcp://::1:5555"])
 def test_malformed_addresses_are_refused(address: str) -> None:
     with pytest.raises(AddressError):
         check_bindable(address)

@@ -101,6 +101,17 @@ def test_everything_tight_at_once(llama_ckpt, hf, overlap):
     assert_matches_hf(llm, llama_ckpt, hf, mixed_prompts(5, seed=5, max_len=40), max_tokens=9)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_equal_length_fresh_prompts(checkpoints, hf, family, overlap):
+    """Fresh prompts of one length take the fast prefill (SDPA's causal mask over the step's own K/V,
+    no pool gather, no mask built), then decode steps where every request sees all its keys (no mask)."""
+    path = checkpoints[family]
+    g = torch.Generator().manual_seed(7)
+    prompts = torch.randint(0, 384, (5, 9), generator=g).tolist()
+    llm = LLM(str(path), prefix_cache="naive", overlap=overlap)
+    assert_matches_hf(llm, path, hf, prompts, max_tokens=6)
+
+
 def test_eos_mid_batch(llama_ckpt, hf, tmp_path, overlap):
     """EOS hits requests at different steps; overlapped, each was already scheduled one step past it."""
     prompts = mixed_prompts(8, seed=7)
@@ -111,15 +122,24 @@ def test_eos_mid_batch(llama_ckpt, hf, tmp_path, overlap):
     assert sum(o.finish_reason == "stop" for o in outs) >= 2
 
 
-def test_bfloat16_logprobs_close_to_transformers(llama_ckpt):
-    """bf16 rounds differently from transformers, so compare log-probabilities with a tolerance."""
+@pytest.mark.parametrize("linear_dtype", ["model", "float32"])
+def test_bfloat16_logprobs_close_to_transformers(llama_ckpt, linear_dtype):
+    """bf16 rounds differently from transformers, so compare log-probabilities with a tolerance; with
+    either GEMM dtype (float32 is what `auto` picks on a CPU without native bf16)."""
     from transformers import AutoModelForCausalLM
 
     prompt = mixed_prompts(1, seed=6, max_len=30)[0]
-    llm = LLM(str(llama_ckpt), dtype="bfloat16")
+    llm = LLM(str(llama_ckpt), dtype="bfloat16", linear_dtype=linear_dtype)
+    weight_dtype = llm.model.layers[0].qkv_proj.weight.dtype
+    assert weight_dtype == (torch.bfloat16 if linear_dtype == "model" else torch.float32)
     llm.add_request(prompt, SamplingParams(max_tokens=1))
     ours = torch.log_softmax(llm.runner.forward(llm.scheduler.schedule())[0], -1)
     ref_model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         ref = torch.log_softmax(ref_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
     assert (ours - ref).abs().max().item() < 0.1
+
+
+def test_unknown_linear_dtype_is_refused():
+    with pytest.raises(ValueError, match="linear_dtype must be one of"):
+        LLM(linear_dtype="int8")

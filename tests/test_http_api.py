@@ -346,3 +346,9 @@ def test_api_refuses_a_remote_host_without_allow_remote():
     run = subprocess.run(minichat("api", "--host", "0.0.0.0", "--port", str(free_port())), capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 2 and "--allow-remote" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_bench_openai_backend_names_what_the_server_serves(server):
+    run = subprocess.run(minichat("bench", "--backend", "openai", "--base-url", server.url, "--model", "nope",
+                                  "--api-key", KEY, "--num-requests", "1"), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "serves ['tiny'], not 'nope'" in run.stderr and "Traceback" not in run.stderr

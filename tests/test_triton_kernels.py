@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM
+from engine.cuda_graph import graph_buckets
 from kernels.attention import build_metadata, make_backend, resolve_backend_name
 from kernels.attention.triton import TritonBackend
 from kernels.triton.decode import decode_attention
@@ -168,3 +169,11 @@ def test_engine_with_triton_backend_matches_transformers(llama_ckpt, hf):
     assert isinstance(llm.runner.backend, TritonBackend)
     assert llm.runner.graphs is not None and llm.runner.graphs.buckets == [1, 2, 4]
     assert_matches_hf(llm, llama_ckpt, hf, mixed_prompts(7, seed=5, max_len=20), max_tokens=5)
+
+
+def test_graph_buckets():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(3) == [1, 2, 3]
+    assert graph_buckets(8) == [1, 2, 4, 8]
+    assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_buckets(64) == [1, 2, 4, *range(8, 65, 8)]

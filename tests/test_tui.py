@@ -1,7 +1,8 @@
 """The Textual app driven by its pilot against a real engine process with a tiny checkpoint.
 
 Every wait is on a condition with a deadline (`wait_for`), never a bare sleep. Requests that must
-stay alive until aborted use ignore_eos and a large max_tokens.
+stay alive until aborted use ignore_eos and a large max_tokens. Conversations are saved in a
+temporary data directory per test (MINICHAT_DATA_DIR).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from textual import events
 from textual.command import CommandPalette
 from textual.pilot import Pilot
-from textual.widgets import Input, Markdown, Static
+from textual.widgets import DataTable, Input, Label, Markdown, Static
 
 from engine.service.client import AsyncEngineClient
 from engine.service.launcher import EngineHandle, start
@@ -31,6 +32,7 @@ from tui.link import EngineLink
 from tui.names import printable
 from tui.panels import RequestTable
 from tui.session import Reply
+from tui.sessions import SessionsScreen
 
 SIZE = (160, 48)  # wide enough that the ops panels open beside the chat
 ENGINE_OPTIONS = {"max_running_requests": 4, "max_prefill_tokens": 256}
@@ -38,6 +40,13 @@ ENGINE_OPTIONS = {"max_running_requests": 4, "max_prefill_tokens": 256}
 
 def start_engine(model: Path, address: str) -> EngineHandle:
     return start(address, model=str(model), timeout=120, **ENGINE_OPTIONS)
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the app keeps conversations: never the user's own data directory."""
+    monkeypatch.setenv("MINICHAT_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +200,8 @@ def test_abort_another_clients_request_from_the_ops_panel(engine: str) -> None:
             table.focus()
             table.move_cursor(row=table.get_row_index("bench-load-1"))
             await pilot.press("x")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirmation")
+            await pilot.press("y")
             rest = [out async for out in stream]
             assert rest[-1].finish_reason == "abort"  # type: ignore[union-attr]
             await wait_for(pilot, lambda: "bench-load-1" not in running_rids(app) | table_rids(app, "running"),
@@ -319,17 +330,23 @@ def test_keys_and_commands_manage_sessions_and_panels(tmp_path: Path) -> None:
             assert session.messages("hi")[0] == {"role": "system", "content": "Answer in verse."}
             await type_and_send(pilot, "/top_p 7")  # out of range: refused, setting unchanged
             assert session.params.top_p == 0.95
-            await pilot.press("alt+left")
+            await pilot.press("ctrl+pageup")
             assert app.current.session.name == "chat 1"  # type: ignore[union-attr]
             await pilot.press("ctrl+w")  # an empty session closes without asking
             await wait_for(pilot, lambda: len(app.query(ChatPane)) == 1, "the close")
             assert app.current.session.name == "poems"  # type: ignore[union-attr]
 
             assert app.ops.display  # wide terminal: open beside the chat
-            await pilot.press("alt+2")
+            await pilot.press("f6")  # the panels' digit keys work where focus is in the panels
+            assert isinstance(app.focused, RequestTable)
+            await pilot.press("2")
             assert not app.query_one("#running").display
-            await pilot.press("alt+2", "f8")
+            await pilot.press("2", "f8")
             assert app.query_one("#running").display and app.ops_width == 60
+            await pilot.press("1", "2")  # both tables hidden: focus stays in the panels, digits still work
+            assert app.focused is app.ops and not app.query_one("#waiting").display
+            await pilot.press("1", "2", "f6")
+            assert isinstance(app.focused, PromptInput)
             await pilot.press("f5")
             assert not app.ops.display and isinstance(app.focused, PromptInput)
             await pilot.press("f5", "f6")
@@ -339,11 +356,334 @@ def test_keys_and_commands_manage_sessions_and_panels(tmp_path: Path) -> None:
             await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
             screen = app.screen
             help_text = " ".join(" ".join(row) for row in [*screen.keys, *screen.commands])
-            for key in ("ctrl+n", "ctrl+w", "f2", "ctrl+f", "escape", "f5", "alt+1", "ctrl+j", "ctrl+p", "ctrl+q",
-                        "x / delete", "/fanout"):
+            for key in ("ctrl+n", "ctrl+w", "f2", "ctrl+f", "escape", "f5", "ctrl+j", "ctrl+p", "ctrl+q", "ctrl+o",
+                        "pageup", "pagedown", "ctrl+home", "ctrl+end", "ctrl+pageup", "x / delete", "/fanout",
+                        "/clear"):
                 assert key in help_text, key
+            keys = [row[0] for row in screen.keys]
+            assert not [k for k in keys if "alt+" in k or "shift+enter" in k], keys  # tmux mangles these
             await pilot.press("escape")
             await pilot.press("ctrl+p")
             await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette), "the command palette")
 
     run(scenario)
+
+
+# -- issue 12: keys in order, context, queued messages, ops selection, scrolling, quitting, saving ------
+
+def burst(app: MinichatApp, *keys: str) -> None:
+    """Keys arriving all at once, as from a fast typist, a macro or tmux send-keys: no pause in between
+    (pilot.press waits for the app to be idle after each key, which hides ordering bugs)."""
+    for key in keys:
+        app.post_message(events.Key(key, key if len(key) == 1 else None))
+
+
+def box(app: MinichatApp) -> PromptInput:
+    assert app.current is not None
+    return app.current.query_one(PromptInput)
+
+
+def shown(widget: Static) -> str:
+    return str(widget.render())
+
+
+def test_keys_apply_in_the_order_typed(engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await type_and_send(pilot, "/max_tokens 2")
+            burst(app, *"hello there friend", "enter")
+            await wait_for(pilot, lambda: app.current.session.turns, "the message")  # type: ignore[union-attr]
+            await wait_for(pilot, lambda: last_reply(app).state == "done", "the reply")
+            assert [t.prompt for t in app.current.session.turns] == ["hello there friend"]  # type: ignore[union-attr]
+            assert box(app).text == ""
+            burst(app, "a", "b", "c", "ctrl+j", "d", "backspace", "e", "enter")
+            await wait_for(pilot, lambda: len(app.current.session.turns) == 2, "the second message")  # type: ignore[union-attr]
+            assert app.current.session.turns[1].prompt == "abc\ne" and box(app).text == ""  # type: ignore[union-attr]
+            await wait_for(pilot, lambda: last_reply(app).state == "done", "the second reply")
+            await pilot.press("f2")  # the rename dialog: its text starts selected, and typing replaces it
+            await wait_for(pilot, lambda: isinstance(app.screen, AskScreen), "the rename dialog")
+            burst(app, *"poemx", "backspace", "s", "enter")
+            await wait_for(pilot, lambda: app.current.session.name == "poems", "the rename")  # type: ignore[union-attr]
+
+    run(scenario)
+
+
+def test_a_message_sent_while_a_reply_streams_waits_its_turn(engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await long_replies(pilot)
+            await type_and_send(pilot, "first")
+            first = last_reply(app)
+            await wait_for(pilot, lambda: first.text, "a streaming reply")
+            await type_and_send(pilot, "second, typed meanwhile")
+            pane = app.current
+            assert pane is not None and box(app).text == "" and len(pane.session.turns) == 1
+            pending = pane.query_one(".chat-pending", Static)
+            assert pending.display and shown(pending).endswith(": second, typed meanwhile")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: len(pane.session.turns) == 2, "the queued message to go out")
+            assert first.state == "aborted" and pane.session.turns[1].prompt == "second, typed meanwhile"
+            assert not pending.display
+            await pane.abort()
+            await wait_for(pilot, lambda: pane.session.live is None, "the second reply to stop")
+
+    run(scenario)
+
+
+def test_abort_in_the_ops_panel_follows_the_selected_request(engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot, AsyncEngineClient(engine) as other:
+            await connected_app(pilot)
+            rids = ["load-a", "load-b", "load-c", "load-d", "load-e"]  # four slots: load-e waits for one
+            streams = [other.generate("benchmark load", max_tokens=16000, ignore_eos=True, rid=rid) for rid in rids]
+            firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]  # submits each
+            table = app.query_one("#running", RequestTable)
+            await wait_for(pilot, lambda: set(rids[:4]) <= table_rids(app, "running"), "four requests running")
+            await asyncio.gather(*firsts[:4])
+            waiting = app.query_one("#waiting", RequestTable)
+            await wait_for(pilot, lambda: "load-e" in table_rids(app, "waiting"), "load-e waiting")
+            assert str(waiting.get_cell("load-e", waiting.ordered_columns[3].key)) == "no free slot"
+            table.focus()
+            await wait_for(pilot, lambda: table.selected_rid is not None, "a selection")
+            await pilot.press(*["down"] * table.get_row_index("load-b"))  # a person moves to load-b
+            assert table.selected_rid == "load-b"
+            await other.abort("load-a")  # the row above goes: load-b moves up a row
+            await wait_for(pilot, lambda: "load-a" not in table_rids(app, "running"), "load-a's row to go")
+            assert table.selected_rid == "load-b"
+            assert table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value == "load-b"
+            await pilot.press("x")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirmation")
+            assert shown(app.screen.query_one(Label)) == "Abort the request load-b?"
+            await pilot.press("y")
+            rest_b = [out async for out in streams[1]]
+            assert rest_b[-1].finish_reason == "abort"  # type: ignore[union-attr]
+            assert "load-c" in running_rids(app)  # the neighbour is untouched
+            assert await app.link.abort("load-b") == "finished"  # gone meanwhile: not an engine error
+            for rid in ("load-c", "load-d", "load-e"):
+                await other.abort(rid)
+            for stream in (streams[0], streams[2], streams[3]):
+                assert [out async for out in stream][-1].finish_reason == "abort"  # type: ignore[union-attr]
+            first_e = await firsts[4]  # load-e took load-b's slot, or was aborted still waiting
+            outs_e = [first_e] if isinstance(first_e, Final) else [first_e, *[out async for out in streams[4]]]
+            assert outs_e[-1].finish_reason == "abort"  # type: ignore[union-attr]
+
+    run(scenario)
+
+
+def test_page_keys_in_the_prompt_box_scroll_the_conversation(engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=(50, 18)) as pilot:  # a small terminal: a short reply overflows it
+            await connected_app(pilot)
+            await type_and_send(pilot, "/max_tokens 200")
+            await type_and_send(pilot, "/ignore_eos on")
+            await type_and_send(pilot, "Tell me a long story")
+            await wait_for(pilot, lambda: last_reply(app).state == "done", "a long reply")
+            log = app.current.query_one(".chat-log")  # type: ignore[union-attr]
+            await wait_for(pilot, lambda: log.max_scroll_y > log.size.height and log.scroll_y == log.max_scroll_y,
+                           "a conversation taller than the screen, shown at its end")
+            bottom = log.max_scroll_y
+            await pilot.press("pageup")
+            assert log.scroll_y == bottom - log.scrollable_content_region.height
+            await pilot.press("ctrl+home")
+            assert log.scroll_y == 0
+            user = app.current.query_one(".user", Static)  # type: ignore[union-attr]
+            assert user.region.y >= log.region.y and shown(user) == "Tell me a long story"
+            await pilot.press("pagedown")
+            assert log.scroll_y == log.scrollable_content_region.height
+            await pilot.press("ctrl+end")
+            assert log.scroll_y == bottom
+            assert isinstance(app.focused, PromptInput)
+
+    run(scenario)
+
+
+def test_quit_asks_while_a_reply_streams(engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await long_replies(pilot)
+            await type_and_send(pilot, "keep going")
+            reply = last_reply(app)
+            await wait_for(pilot, lambda: reply.text, "a streaming reply")
+            await pilot.press("ctrl+q")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            assert shown(app.screen.query_one(Label)) == "Quit minichat? 1 reply is still streaming."
+            await pilot.press("n")
+            assert app.is_running and reply.state == "streaming"
+            await pilot.press("ctrl+q")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question again")
+            await pilot.press("y")
+            await wait_for(pilot, lambda: not app.is_running, "the app to quit")
+        assert reply.state == "interrupted"
+
+    run(scenario)
+
+
+def test_conversations_survive_a_restart_and_are_listed(engine: str, data_dir: Path) -> None:
+    async def first_run() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await type_and_send(pilot, "/rename keeper")
+            await type_and_send(pilot, "/system Be brief.")
+            await type_and_send(pilot, "/max_tokens 5")
+            await type_and_send(pilot, "remember me")
+            await wait_for(pilot, lambda: last_reply(app).state == "done", "the reply")
+            await pilot.press("ctrl+n")
+            await type_and_send(pilot, "/rename other")
+            await type_and_send(pilot, "/max_tokens 3")
+            await type_and_send(pilot, "another thing")
+            await wait_for(pilot, lambda: last_reply(app).state == "done", "the other reply")
+            await pilot.press("ctrl+w")  # closed, not deleted: in the list, not reopened
+            await wait_for(pilot, lambda: len(app.query(ChatPane)) == 1, "the close")
+            texts["keeper"] = app.current.session.turns[0].reply.text  # type: ignore[union-attr]
+            await pilot.press("ctrl+q")  # nothing streaming, everything saved: no question
+            await wait_for(pilot, lambda: not app.is_running, "the app to quit")
+
+    async def second_run() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            assert [p.session.name for p in app.query(ChatPane)] == ["keeper"]
+            session = app.current.session  # type: ignore[union-attr]
+            assert session.system_prompt == "Be brief." and session.params.max_tokens == 5
+            assert shown(app.current.query_one(".user", Static)) == "remember me"  # type: ignore[union-attr]
+            assert app.query_one(ReplyView).query_one(Markdown).source == printable(texts["keeper"])
+            await pilot.press("ctrl+o")
+            await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen), "the conversation list")
+            table = app.screen.query_one(DataTable)
+            assert [table.get_row_at(i)[:2] for i in range(table.row_count)] == [["other", "1"], ["keeper", "1"]]
+            burst(app, *"anoth")  # searches prompts and replies as well as names
+            await wait_for(pilot, lambda: table.row_count == 1 and table.get_row_at(0)[0] == "other", "the search")
+            await pilot.press("enter")  # reopens it in a tab
+            await wait_for(pilot, lambda: app.current.session.name == "other", "the reopened session")  # type: ignore[union-attr]
+            assert shown(app.current.query_one(".user", Static)) == "another thing"  # type: ignore[union-attr]
+            await pilot.press("ctrl+o")
+            await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen), "the list again")
+            await pilot.press("down", "down", "e")  # keeper is second: export it
+            exported = data_dir / "exports" / "keeper.md"
+            await wait_for(pilot, exported.exists, "the export")
+            assert exported.read_text().startswith("# keeper\n") and "## You\n\nremember me\n" in exported.read_text()
+            await pilot.press("ctrl+o")
+            await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen), "the list once more")
+            await pilot.press("down", "d")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the delete question")
+            await pilot.press("y")
+            await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen), "the list after the delete")
+            table = app.screen.query_one(DataTable)
+            assert [table.get_row_at(i)[0] for i in range(table.row_count)] == ["keeper"]
+
+    texts: dict[str, str] = {}
+    run(first_run)
+    run(second_run)
+
+
+def test_a_damaged_database_is_reported_and_the_console_runs_on(tmp_path: Path, data_dir: Path) -> None:
+    data_dir.mkdir(parents=True)
+    (data_dir / "conversations.sqlite3").write_bytes(b"this is not a database" * 100)
+
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=f"ipc://{tmp_path}/nobody.sock", autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            assert app.store is None and "not saving" in status(app)
+            assert "is damaged or not a minichat database" in app.store_problem
+            await type_and_send(pilot, "still works")
+            assert last_reply(app).state == "queued"
+            await pilot.press("escape")
+            await pilot.press("ctrl+q")  # unsaved conversation: asks
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            assert shown(app.screen.query_one(Label)) == "Quit minichat? 1 conversation is not saved."
+
+    run(scenario)
+
+
+@pytest.fixture(scope="module")
+def small_engine(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An engine whose model holds only 512 tokens, so a conversation outgrows it in a few turns."""
+    address = f"ipc://{tmp_path_factory.mktemp('tui-small')}/engine.sock"
+    with start_engine(llama_ckpt, address):
+        yield address
+
+
+def test_a_conversation_that_outgrows_the_context_is_trimmed(small_engine: str) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=small_engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            pane = app.current
+            assert pane is not None
+            gauge = pane.query_one(".chat-gauge", Static)
+            await wait_for(pilot, lambda: shown(gauge).endswith(" 0/512"), "the empty gauge")
+            await type_and_send(pilot, "/max_tokens 600")  # more than the model holds: refused
+            assert pane.session.params.max_tokens == 256
+            await type_and_send(pilot, "/max_tokens 40")
+            await type_and_send(pilot, "/ignore_eos on")
+            await type_and_send(pilot, "/system Keep it short.")
+            words = "to be or not to be that is the question " * 8
+            for i in range(6):
+                await type_and_send(pilot, f"{i}: {words}")
+                await wait_for(pilot, lambda: pane.session.live is None, f"reply {i}")
+                reply = last_reply(app)
+                assert reply.state == "done" and reply.completion_tokens == 40, reply.summary()
+                used = f" {reply.prompt_tokens + 40}/512"  # type: ignore[operator]
+                await wait_for(pilot, lambda used=used: shown(gauge).endswith(used), f"the gauge at {used}")
+            assert pane.session.context_start > 0  # the oldest turns were dropped, not the conversation
+            mark = pane.query_one(".context-mark", Static)
+            start = pane.session.context_start
+            assert shown(mark).startswith(f"▲ the {start} turn{'s' * (start > 1)} above")
+            assert pane.session.messages("x")[0] == {"role": "system", "content": "Keep it short."}
+            await type_and_send(pilot, "/clear")
+            mark = pane.query_one(".context-mark", Static)
+            assert shown(gauge).endswith(" 0/512") and shown(mark).startswith("▲ the 6 turns above are no longer")
+            await type_and_send(pilot, "afresh")
+            await wait_for(pilot, lambda: pane.session.live is None, "the reply after /clear")
+            # the system prompt and this message only: less than the first turn, which had no history either
+            assert last_reply(app).prompt_tokens < pane.session.turns[0].reply.prompt_tokens  # type: ignore[operator]
+
+    run(scenario)
+
+
+def test_a_failed_start_shows_its_cause(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        link = EngineLink(address=f"ipc://{tmp_path}/bad.sock", model=str(tmp_path / "no-such-model"))
+        app = MinichatApp(link)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: link.state.kind == "failed", "the failed start")
+            assert status(app).startswith(" failed  the engine did not start: cannot load the model")
+            assert "no-such-model" in status(app) and status(app).endswith("then /reconnect")
+
+    run(scenario)
+
+
+def test_an_engine_the_console_did_not_start_is_not_replaced_silently(long_ckpt: Path, tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/theirs.sock"
+    theirs = start_engine(long_ckpt, address)
+
+    async def scenario() -> None:
+        link = EngineLink(address=address, model=None)  # would start the demo model in its place
+        app = MinichatApp(link)
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            theirs.stop()
+            await wait_for(pilot, lambda: link.state.kind == "lost", "the lost state")
+            assert "it was not started by this console" in status(app) and link.handle is None
+            assert link.lost_options == (str(long_ckpt), {**link.lost_options[1]})  # type: ignore[index]
+            assert link.lost_options[1]["max_running_requests"] == 4  # type: ignore[index]
+            await type_and_send(pilot, "/reconnect")  # starts it again, as it was
+            await wait_for(pilot, lambda: link.state.kind == "connected", "the restarted engine", timeout=120)
+            assert link.handle is not None and link.info is not None and link.info.model == str(long_ckpt)
+            assert link.info.config["max_running_requests"] == 4
+        link.stop_engine()
+
+    try:
+        run(scenario)
+    finally:
+        theirs.stop()

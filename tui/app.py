@@ -1,15 +1,18 @@
 """The minichat app: chat sessions in tabs beside live ops panels, over one link to an engine.
 
 The app owns layout, keys and commands; sessions stream their own replies (tui/chat.py), panels
-draw stats snapshots (tui/panels/), and the link finds, watches and re-finds the engine
-(tui/link.py). Nothing the engine does or fails to do is allowed to end the app.
+draw stats snapshots (tui/panels/), the link finds, watches and re-finds the engine (tui/link.py),
+and the store keeps conversations across restarts (tui/store.py). Nothing the engine or the
+database does or fails to do is allowed to end the app.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import ClassVar
 
 from rich.text import Text
@@ -31,10 +34,13 @@ from tui.help import HelpScreen
 from tui.link import EngineLink, LinkState
 from tui.panels import PANELS, OpsPanels, RequestTable
 from tui.panels.base import update_text
-from tui.session import SETTINGS, Session
+from tui.session import SETTINGS, Session, parse_setting
+from tui.sessions import Choice, SessionsScreen
+from tui.store import DB_NAME, Store, StoreError, data_dir
 
 WIDE = 120  # columns from which the ops panels open beside the chat at start
 OPS_STEP = 10  # percent of the width that f7 / f8 move the split by
+STALE_AFTER = 1.5  # seconds without a stats snapshot after which the status line shows their age
 STATE_STYLES = {"connected": "bold green", "stalled": "bold yellow", "connecting": "bold yellow",
                 "starting": "bold yellow", "lost": "bold red", "failed": "bold red"}
 
@@ -55,36 +61,44 @@ class SessionTabs(TabbedContent):
 
 
 class MinichatApp(App[None]):
-    """Many concurrent chat sessions and the scheduler that serves them, in one terminal."""
+    """Many concurrent chat sessions and the scheduler that serves them, in one terminal.
+
+    Every key below is one that terminals and tmux pass through unchanged (function keys, ctrl+letter,
+    escape, page keys); alt+digit and alt+enter are not among them.
+    """
 
     CSS_PATH = "app.tcss"
     TITLE = "minichat"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("f1", "help", "Help"),
         Binding("ctrl+n", "new_session", "New chat"),
+        Binding("ctrl+o", "list_sessions", "Conversations"),
         Binding("ctrl+w", "close_session", "Close chat", priority=True, show=False),
         Binding("f2", "rename_session", "Rename chat", show=False),
         Binding("ctrl+f", "fan_out", "Fan out", show=False),
         Binding("escape", "abort", "Stop reply"),
-        Binding("ctrl+pagedown,alt+right", "switch_session(1)", "Next chat", show=False),
-        Binding("ctrl+pageup,alt+left", "switch_session(-1)", "Previous chat", show=False),
+        Binding("ctrl+pagedown", "switch_session(1)", "Next chat", show=False),
+        Binding("ctrl+pageup", "switch_session(-1)", "Previous chat", show=False),
         Binding("f5", "toggle_ops", "Ops panels"),
         # priority: the prompt box (a TextArea) would take f6 and f7 for selecting text
         Binding("f6", "switch_focus", "Chat ⇄ ops focus", show=False, priority=True),
         Binding("f7", f"resize_ops({-OPS_STEP})", "Ops panels narrower", show=False, priority=True),
         Binding("f8", f"resize_ops({OPS_STEP})", "Ops panels wider", show=False, priority=True),
-        *[Binding(f"alt+{i}", f"toggle_panel('{panel_id}')", f"Show/hide the {title} panel", show=False)
-          for i, (panel_id, title) in enumerate(PANELS, 1)],
     ]
 
     ops_width: reactive[int] = reactive(0, init=False)
     """Percent of the width given to the ops panels: 0 hides them, 100 hides the chat."""
 
-    def __init__(self, link: EngineLink) -> None:
+    def __init__(self, link: EngineLink, store_path: Path | None = None) -> None:
+        """`store_path`: the conversation database (default: conversations.sqlite3 in `data_dir()`)."""
         super().__init__()
         self.link = link
         link.on_stats, link.on_state = self.on_engine_stats, self.on_engine_state
+        self.store_path = store_path or data_dir() / DB_NAME
+        self.store: Store | None = None
+        self.store_problem = ""
         self.last_stats: Stats | None = None
+        self.stats_at = 0.0  # monotonic time of the last snapshot
         self._opened = 0
         self._ops_restore = 50
 
@@ -102,11 +116,17 @@ class MinichatApp(App[None]):
         self.set_reactive(MinichatApp.ops_width, 50 if wide else 0)
         self.watch_ops_width(self.ops_width)
         self.run_worker(self.link.run(), name="engine link")
-        await self.new_session()
+        self.open_store()
+        reopened = await self.reopen_sessions()
+        if not reopened:
+            await self.new_session()
         self.show_status()
+        self.set_interval(0.5, self.show_status)  # the age of stale stats counts up
 
     async def on_unmount(self) -> None:
         await self.link.close()
+        if self.store is not None:
+            self.store.close()
 
     @property
     def tabs(self) -> SessionTabs:
@@ -133,13 +153,14 @@ class MinichatApp(App[None]):
     def focus_side(self, ops: bool) -> None:
         """Focus the running set (ops) or the prompt box (chat), or the other one if that side is hidden."""
         tables = [t for t in self.ops.query(RequestTable) if t.display] if self.ops.display else []
+        ops_target = tables[-1] if tables else self.ops if self.ops.display else None
         chat = self.current if self.tabs.display else None
-        if ops and tables:
-            tables[-1].focus()
+        if ops and ops_target is not None:
+            ops_target.focus()
         elif chat is not None:
             chat.focus_input()
-        elif tables:
-            tables[-1].focus()
+        elif ops_target is not None:
+            ops_target.focus()
 
     def show_status(self) -> None:
         state = self.link.state
@@ -150,24 +171,30 @@ class MinichatApp(App[None]):
             line.append(f"  │  running {len(stats.running)} · waiting {len(stats.waiting)} · slots {busy}/"
                         f"{len(stats.slots)} · prefill {c.prefill_tokens_per_s:.0f} · decode "
                         f"{c.decode_tokens_per_s:.0f} tok/s", "dim")
-        status = self.query_one("#status", Static)
-        update_text(status, line)
-        status.set_class(not state.connected, "-problem")
+            if (age := time.monotonic() - self.stats_at) > STALE_AFTER:
+                line.append(f"  stale: {age:.0f} s old", "bold yellow")
+        if self.store_problem:
+            line.append("  │  not saving", "bold red")
+        for status in self.query("#status").results(Static):  # none while the app is closing
+            update_text(status, line)
+            status.set_class(not state.connected, "-problem")
 
     # -- engine -----------------------------------------------------------------------------------
     def on_engine_stats(self, stats: Stats) -> None:
-        self.last_stats = stats
+        self.last_stats, self.stats_at = stats, time.monotonic()
         with self.while_open():
             if self.ops.display:
                 self.ops.show_stats(stats, self.link.names)
             self.show_status()
+            for pane in self.query(ChatPane):  # the context gauges learn the model's context on connect
+                pane.show_settings()
 
     def on_engine_state(self, state: LinkState) -> None:
         with self.while_open():
             self.show_status()
             if state.kind == "lost":
                 for pane in self.query(ChatPane):
-                    pane.interrupt("interrupted", state.detail)
+                    pane.interrupt("interrupted", state.cause)
                 self.notify(state.detail, title="engine lost", severity="warning")
             elif state.kind == "failed":
                 self.notify(state.detail, title="engine", severity="error", timeout=15)
@@ -181,12 +208,61 @@ class MinichatApp(App[None]):
             if self.is_running:
                 raise
 
-    async def on_request_table_abort_requested(self, event: RequestTable.AbortRequested) -> None:
+    def on_request_table_abort_requested(self, event: RequestTable.AbortRequested) -> None:
         label = self.link.names.label(event.rid, 40)
-        if await self.link.abort(event.rid):
-            self.notify(f"aborted {label}")
-        else:
-            self.notify(f"could not reach the engine to abort {label}", severity="error")
+
+        async def abort(yes: bool | None) -> None:
+            if not yes:
+                return
+            result = await self.link.abort(event.rid)
+            if result == "aborted":
+                self.notify(f"aborted {label}")
+            elif result == "finished":
+                self.notify(f"{label} had already finished")
+            else:
+                self.notify(f"could not reach the engine to abort {label}", severity="error")
+
+        self.push_screen(ConfirmScreen(f"Abort the request {label}?"), abort)
+
+    # -- conversations ------------------------------------------------------------------------------
+    def open_store(self) -> None:
+        try:
+            self.store = Store(self.store_path)
+        except StoreError as e:
+            self.store_failed(e)
+
+    def store_failed(self, e: StoreError) -> None:
+        """Go on without saving, and say so once (the status line keeps saying it)."""
+        if self.store is not None:
+            self.store.close()
+        self.store, self.store_problem = None, str(e)
+        self.notify(str(e), title="conversations", severity="error", timeout=20)
+
+    def save(self, session: Session, is_open: bool = True) -> None:
+        """Store the session (once it has something worth keeping)."""
+        if self.store is not None and session.turns:
+            try:
+                self.store.save(session, is_open)
+            except StoreError as e:
+                self.store_failed(e)
+
+    @property
+    def unsaved(self) -> list[Session]:
+        return [] if self.store is not None else [p.session for p in self.query(ChatPane) if p.session.turns]
+
+    async def reopen_sessions(self) -> int:
+        """Bring back the tabs that were open when the console last ran."""
+        if self.store is None:
+            return 0
+        try:
+            sessions = [self.store.load(uid) for uid in self.store.open_uids()]
+            self._opened = len(self.store.sessions())  # new chats go on numbering after the saved ones
+        except StoreError as e:
+            self.store_failed(e)
+            return 0
+        for session in sessions:
+            await self.open_session(session, activate=session is sessions[-1])
+        return len(sessions)
 
     # -- sessions ---------------------------------------------------------------------------------
     async def new_session(self, name: str | None = None, activate: bool = True,
@@ -196,9 +272,17 @@ class MinichatApp(App[None]):
         session = Session(name or f"chat {self._opened}")
         if like is not None:
             session.system_prompt, session.params = like.system_prompt, like.params
-        pane = ChatPane(session, self.link)
-        tab_id = f"session-{session.sid}"
-        await self.tabs.add_pane(TabPane(Content(session.name), pane, id=tab_id))
+        return await self.open_session(session, activate)
+
+    async def open_session(self, session: Session, activate: bool = True) -> ChatPane:
+        """Show `session` in a tab (the one it has, if it is open already)."""
+        tab_id = f"session-{session.uid}"
+        for pane in self.query(ChatPane):
+            if pane.session.uid == session.uid:
+                break
+        else:
+            pane = ChatPane(session, self.link)
+            await self.tabs.add_pane(TabPane(Content(session.name), pane, id=tab_id))
         if activate:
             self.tabs.active = tab_id
             pane.focus_input()
@@ -206,6 +290,8 @@ class MinichatApp(App[None]):
 
     def on_chat_pane_state_changed(self, event: ChatPane.StateChanged) -> None:
         self.label_tab(event.pane)
+        event.pane.session.updated = time.time()
+        self.save(event.pane.session)
 
     def label_tab(self, pane: ChatPane) -> None:
         """The tab shows the session's name, with a dot while its reply is generating."""
@@ -247,19 +333,42 @@ class MinichatApp(App[None]):
                 self.label_tab(pane)
             elif command.name == "system":
                 session.system_prompt = arg
+            elif command.name == "max_tokens" and pane.context is not None \
+                    and parse_setting("max_tokens", arg) >= pane.context:
+                raise ValueError(f"max_tokens must be below the model's context of {pane.context} tokens; got {arg}")
             elif command.name in SETTINGS:
                 session.set(command.name, arg)
+            elif command.name == "clear":
+                await pane.clear()
+            elif command.name == "sessions":
+                self.action_list_sessions(arg)
+            elif command.name == "export":
+                self.export(session, arg)
             elif command.name == "fanout":
                 await self.fan_out(parse_fanout(arg), like=session)
             elif command.name == "abort":
                 await self.action_abort()
             elif command.name == "reconnect":
-                self.link.retry()
+                self.notify(self.link.retry(), title="reconnect")
             elif command.name == "help":
                 self.action_help()
         except ValueError as e:
             self.notify(str(e), severity="error")
         pane.show_settings()
+        session.updated = time.time()
+        self.save(session)
+
+    def export(self, session: Session, path: str = "") -> None:
+        """Write the conversation as Markdown (to `path`, default a file named after it in the data directory)."""
+        slug = "".join(c if c.isalnum() else "-" for c in session.name.lower()).strip("-") or "chat"
+        target = Path(path).expanduser() if path else data_dir() / "exports" / f"{slug}.md"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(session.to_markdown(), encoding="utf-8")
+        except OSError as e:
+            self.notify(f"could not export {session.name!r}: {e}", severity="error")
+            return
+        self.notify(f"exported {session.name!r} to {target}", title="export")
 
     async def fan_out(self, prompts: list[str], like: Session) -> None:
         """Open one session per prompt (with `like`'s settings) and send them all at once, to watch them
@@ -283,7 +392,7 @@ class MinichatApp(App[None]):
 
     def ask_and_run(self, command: Command) -> None:
         """Run a command from the palette or a key, asking for its argument first if it takes one."""
-        if command.arg is None or command.name == "new":
+        if command.arg is None or command.name in ("new", "sessions", "export"):
             self.run_worker(self.run_command(command, ""))
             return
 
@@ -292,7 +401,7 @@ class MinichatApp(App[None]):
                 await self.run_command(command, arg)
 
         question = f"{command.title} ({command.arg}): {command.help}"
-        self.push_screen(AskScreen(question, self.current_value(command.name)), answered)
+        self.push_screen(AskScreen(question, self.current_value(command.name), select=True), answered)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
@@ -300,17 +409,101 @@ class MinichatApp(App[None]):
             yield SystemCommand(command.title, command.help, partial(self.ask_and_run, command))
         yield SystemCommand("Show/hide ops panels", "the live scheduler view (f5)", self.action_toggle_ops)
         for i, (panel_id, title) in enumerate(PANELS, 1):
-            yield SystemCommand(f"Show/hide panel: {title}", f"alt+{i}", partial(self.action_toggle_panel, panel_id))
+            yield SystemCommand(f"Show/hide panel: {title}", f"key {i} in the ops panels",
+                                partial(self.action_toggle_panel, panel_id))
+
+    # -- the session list -----------------------------------------------------------------------------
+    def action_list_sessions(self, search: str = "") -> None:
+        if self.store is None:
+            self.notify(self.store_problem or "conversations are not saved", severity="error")
+            return
+        try:
+            screen = SessionsScreen(self.store, search)
+        except StoreError as e:
+            self.store_failed(e)
+            return
+        self.push_screen(screen, self.on_session_chosen)
+
+    async def on_session_chosen(self, choice: Choice | None) -> None:
+        if choice is None or self.store is None:
+            return
+        action, uid = choice
+        open_pane = next((p for p in self.query(ChatPane) if p.session.uid == uid), None)
+        try:
+            session = open_pane.session if open_pane is not None else self.store.load(uid)
+        except StoreError as e:
+            self.notify(str(e), severity="error")
+            return
+        if action == "open":
+            await self.open_session(session)
+            self.save(session)
+        elif action == "export":
+            self.export(session)
+        elif action == "rename":
+            async def renamed(name: str | None) -> None:
+                if name and name.strip():
+                    session.name = name.strip()
+                    if open_pane is not None:
+                        self.label_tab(open_pane)
+                    self.save(session, is_open=open_pane is not None)
+                self.action_list_sessions()
+
+            self.push_screen(AskScreen(f"Rename {session.name!r} to:", session.name, select=True), renamed)
+        elif action == "delete":
+            async def delete(yes: bool | None) -> None:
+                if yes and self.store is not None:
+                    if open_pane is not None:
+                        await self.close_pane(open_pane, forget=True)
+                    try:
+                        self.store.delete(uid)
+                    except StoreError as e:
+                        self.store_failed(e)
+                self.action_list_sessions()
+
+            self.push_screen(ConfirmScreen(f"Delete {session.name!r} and its {len(session.turns)} turns for "
+                                           f"good?"), delete)
 
     # -- actions ----------------------------------------------------------------------------------
     async def action_quit(self) -> None:
-        """Quit, after winding down the replies still streaming (the engine aborts them)."""
+        """Quit, after asking if replies are still streaming (the engine aborts them) or conversations
+        would be lost (the database is unusable)."""
+        streaming = [p for p in self.query(ChatPane) if p.session.live is not None]
+        unsaved = self.unsaved
+        if not streaming and not unsaved:
+            await self.quit_now()
+            return
+        why = []
+        if streaming:
+            why.append(f"{len(streaming)} repl{'ies are' if len(streaming) > 1 else 'y is'} still streaming")
+        if unsaved:
+            why.append(f"{len(unsaved)} conversation{'s are' if len(unsaved) > 1 else ' is'} not saved")
+
+        async def quit_if(yes: bool | None) -> None:
+            if yes:
+                await self.quit_now()
+
+        self.push_screen(ConfirmScreen(f"Quit minichat? {' and '.join(why).capitalize()}."), quit_if)
+
+    async def quit_now(self) -> None:
+        """Wind down the replies still streaming (the engine aborts them) and save, then exit."""
         for pane in self.query(ChatPane):
             await pane.stop_streaming()
+            self.save(pane.session)
         self.exit()
 
     async def action_new_session(self) -> None:
         await self.new_session()
+
+    async def close_pane(self, pane: ChatPane, forget: bool = False) -> None:
+        """Close a session's tab (stopping its reply); it stays in the store unless `forget`."""
+        await pane.stop_streaming()
+        if not forget:
+            self.save(pane.session, is_open=False)
+        await self.tabs.remove_pane(pane.parent.id)  # type: ignore[union-attr, arg-type]
+        if self.current is None:
+            await self.new_session()
+        else:
+            self.current.focus_input()
 
     def action_close_session(self) -> None:
         pane = self.current
@@ -319,15 +512,13 @@ class MinichatApp(App[None]):
 
         async def close(yes: bool | None = True) -> None:
             if yes:
-                await pane.stop_streaming()
-                await self.tabs.remove_pane(pane.parent.id)  # type: ignore[union-attr, arg-type]
-                if self.current is None:
-                    await self.new_session()
-                else:
-                    self.current.focus_input()
+                await self.close_pane(pane)
 
-        if pane.session.turns:
-            self.push_screen(ConfirmScreen(f"Close {pane.session.name!r} and discard its conversation?"), close)
+        if pane.session.live is not None:
+            self.push_screen(ConfirmScreen(f"Close {pane.session.name!r} and stop its reply?"), close)
+        elif pane.session.turns and self.store is None:
+            self.push_screen(ConfirmScreen(f"Close {pane.session.name!r}? It is not saved: its conversation is "
+                                           f"lost."), close)
         else:
             self.run_worker(close())
 
@@ -361,15 +552,20 @@ class MinichatApp(App[None]):
     def action_toggle_panel(self, panel_id: str) -> None:
         if not self.ops_width:
             self.ops_width = self._ops_restore
+        in_ops = self.focused is not None and self.ops in self.focused.ancestors_with_self
         self.ops.toggle(panel_id)
+        if in_ops:  # the focused table may have just been hidden: stay in the panels
+            self.focus_side(ops=True)
         if self.last_stats is not None:
             self.ops.show_stats(self.last_stats, self.link.names)
 
     def action_switch_focus(self) -> None:
         """Move focus between the prompt box and the ops tables."""
-        self.focus_side(ops=self.focused is None or self.ops not in self.focused.ancestors)
+        self.focus_side(ops=self.focused is None or self.ops not in self.focused.ancestors_with_self)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen([("everywhere", App.BINDINGS), ("everywhere", self.BINDINGS),
                                      ("prompt box", PromptInput.BINDINGS),
-                                     ("waiting queue, running set", RequestTable.BINDINGS)]))
+                                     ("ops panels", OpsPanels.BINDINGS),
+                                     ("waiting queue, running set", RequestTable.BINDINGS),
+                                     ("conversation list (ctrl+o)", SessionsScreen.BINDINGS)]))

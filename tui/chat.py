@@ -17,7 +17,7 @@ from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.timer import Timer
 from textual.widget import Widget
@@ -25,6 +25,7 @@ from textual.widgets import Markdown, Static, TextArea
 from textual.worker import WorkerCancelled, WorkerFailed
 
 from engine.service.client import EngineError, EngineUnavailable
+from tui.keys import InOrderKeys
 from tui.names import printable
 from tui.panels.base import update_text
 from tui.session import Reply, Session, Turn
@@ -36,19 +37,26 @@ if TYPE_CHECKING:
 PLACEHOLDER = "Message · enter: send · ctrl+j: new line · /help: commands · f1: keys"
 HINT = """\
 Type a message and press **enter**; **ctrl+j** starts a new line, and pasted text keeps its lines.
-**escape** stops a reply. Settings: `/temperature 0.7`, `/max_tokens 128`, `/system You are terse.`
-**ctrl+f** fans a prompt out to several sessions at once; **f5** shows the ops panels to watch them
-batch. **f1** lists every key, **ctrl+p** every command.
+**escape** stops a reply; a message sent meanwhile waits its turn. **pageup**/**pagedown** scroll.
+Settings: `/temperature 0.7`, `/max_tokens 128`, `/system You are terse.`; `/clear` starts afresh.
+**ctrl+o** lists saved conversations; **ctrl+f** fans a prompt out to several sessions at once;
+**f5** shows the ops panels to watch them batch. **f1** lists every key, **ctrl+p** every command.
 """
+GAUGE = 8  # cells of the context gauge
 
 
-class PromptInput(TextArea):
-    """Multi-line prompt box: Enter sends, ctrl+j (or shift/alt+enter where the terminal reports
-    them) starts a new line. Pasted text goes in unchanged, newlines included (TextArea's paste)."""
+class PromptInput(InOrderKeys, TextArea):
+    """Multi-line prompt box: Enter sends, ctrl+j starts a new line (the one new-line key every
+    terminal and multiplexer passes through), page keys scroll the conversation above. Pasted text
+    goes in unchanged, newlines included (TextArea's paste). Keys apply in the order typed (InOrderKeys)."""
 
     BINDINGS = [
-        Binding("enter", "send", "Send", priority=True),
-        Binding("ctrl+j,shift+enter,alt+enter", "newline", "New line", show=False),
+        Binding("enter", "send", "Send"),
+        Binding("ctrl+j", "newline", "New line", show=False),
+        Binding("pageup", "scroll_log('page_up')", "Scroll the conversation up", show=False),
+        Binding("pagedown", "scroll_log('page_down')", "Scroll the conversation down", show=False),
+        Binding("ctrl+home", "scroll_log('home')", "Scroll to the first message", show=False),
+        Binding("ctrl+end", "scroll_log('end')", "Scroll to the last message", show=False),
     ]
 
     class Submitted(Message):
@@ -66,6 +74,14 @@ class PromptInput(TextArea):
 
     def action_newline(self) -> None:
         self.insert("\n")
+
+    def action_scroll_log(self, how: str) -> None:
+        """Scroll the conversation: `page_up`, `page_down`, `home` or `end`. Scrolling up lets go of
+        the log's anchor (else the next streamed token pulls it back down); reaching the end restores it."""
+        log = self.query_ancestor(ChatPane).query_one(".chat-log", VerticalScroll)
+        if how in ("page_up", "home"):
+            log.release_anchor()
+        getattr(log, f"scroll_{how}")(animate=False)
 
 
 class ReplyView(Vertical):
@@ -156,10 +172,14 @@ class ReplyView(Vertical):
 
 
 class ChatPane(Vertical):
-    """The widgets of one Session. The session object outlives the pane's requests and errors."""
+    """The widgets of one Session. The session object outlives the pane's requests and errors.
+
+    A message sent while a reply is generating waits in `pending` (shown above the prompt box) and
+    goes out when the reply ends, so typed text is never thrown away.
+    """
 
     class StateChanged(Message):
-        """A reply started or ended, so the tab label and the app's status can follow."""
+        """A reply started or ended, so the tab label and the app's status can follow (and the app saves)."""
 
         def __init__(self, pane: ChatPane) -> None:
             super().__init__()
@@ -169,24 +189,64 @@ class ChatPane(Vertical):
         super().__init__(classes="chat")
         self.session = session
         self.link = link
+        self.pending: list[str] = []
+        self.closing = False
 
     def compose(self) -> ComposeResult:
-        yield Static(classes="chat-settings")
+        with Horizontal(classes="chat-bar"):
+            yield Static(classes="chat-settings")
+            yield Static(classes="chat-gauge")
         with VerticalScroll(classes="chat-log"):
             if not self.session.turns:
                 yield Markdown(HINT, classes="chat-hint")
             for turn in self.session.turns:
                 yield from self._turn_widgets(turn)
+        yield Static(classes="chat-pending")
         yield PromptInput(classes="chat-input")
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         self.query_one(".chat-log", VerticalScroll).anchor()
         self.show_settings()
+        self.show_pending()
+        await self.show_context_mark()
+
+    @property
+    def context(self) -> int | None:
+        """The model's context in tokens, once an engine has said."""
+        return self.link.info.max_seq_len if self.link.info is not None else None
 
     def show_settings(self) -> None:
+        if not self.is_attached or self.closing:  # stats arrive at any time, also while the pane goes
+            return
         system = self.session.system_prompt.replace("\n", " ")
         line = f"system: {system}" if system else "no system prompt"
         self.query_one(".chat-settings", Static).update(Text(printable(f"{line}  ·  {self.session.describe()}")))
+        used, context = self.session.context_used or 0, self.context
+        gauge = Text("context ")
+        if context:
+            filled = min(GAUGE, round(GAUGE * used / context))
+            style = "red" if used > 0.9 * context else "yellow" if used > 0.75 * context else "green"
+            gauge.append("▰" * filled, style).append("▱" * (GAUGE - filled), "grey39")
+        gauge.append(f" {used}/{context or '?'}")
+        update_text(self.query_one(".chat-gauge", Static), gauge)
+
+    def show_pending(self) -> None:
+        pending = self.query_one(".chat-pending", Static)
+        pending.display = bool(self.pending)
+        if self.pending:
+            waiting = " · ".join(printable(p.replace("\n", " ")) for p in self.pending)
+            update_text(pending, Text(f"queued, sent when this reply ends (escape stops it): {waiting}"))
+
+    async def show_context_mark(self) -> None:
+        """A rule above the first turn still sent to the model, when older ones are not."""
+        await self.query(".context-mark").remove()
+        start, users = self.session.context_start, list(self.query(".user"))
+        if not start or start > len(users):
+            return
+        mark = Static(Text(f"▲ the {start} turn{'s' * (start > 1)} above {'are' if start > 1 else 'is'} no longer "
+                           f"sent to the model (trimmed to fit its context, or /clear)"), classes="context-mark")
+        log = self.query_one(".chat-log", VerticalScroll)
+        await (log.mount(mark, before=users[start]) if start < len(users) else log.mount(mark))
 
     def focus_input(self) -> None:
         self.query_one(PromptInput).focus()
@@ -196,31 +256,66 @@ class ChatPane(Vertical):
         return Static(Text(printable(turn.prompt)), classes="user"), ReplyView(turn.reply)
 
     async def send(self, prompt: str) -> Reply | None:
-        """Start a turn, unless a reply is still generating (one request per session at a time)."""
+        """Start a turn, or queue the prompt while a reply is still generating (one request per
+        session at a time); None when queued."""
         if self.session.live is not None:
-            self.notify("this session is still generating; press escape to stop it", severity="warning")
+            self.pending.append(prompt)
+            self.show_pending()
             return None
-        messages = self.session.messages(prompt)
         turn = self.session.start_turn(prompt)
         user, view = self._turn_widgets(turn)
         await self.query(".chat-hint").remove()
         await self.query_one(".chat-log", VerticalScroll).mount_all([user, view])
         self.link.names.own(turn.reply.rid, f"{self.session.name} #{len(self.session.turns)}")
-        self._generate(view, messages)
+        self._generate(view, prompt)
         self.post_message(self.StateChanged(self))
         return turn.reply
 
+    async def _send_pending(self) -> None:
+        if self.pending and self.session.live is None:
+            prompt = self.pending.pop(0)
+            self.show_pending()
+            await self.send(prompt)
+
+    async def clear(self) -> None:
+        """/clear: the model sees none of the conversation so far."""
+        self.session.clear()
+        await self.show_context_mark()
+        self.show_settings()
+
+    async def _fit(self, prompt: str) -> None:
+        """Drop the oldest turns that no longer fit the model's context, and say so."""
+        if self.context is not None and (dropped := self.session.fit(prompt, self.context)):
+            self.notify(f"{self.session.name}: the oldest {dropped} turn{'s' * (dropped > 1)} no longer fit the "
+                        f"model's {self.context}-token context; they stay on screen but are not sent")
+            await self.show_context_mark()
+
     @work(group="generate")
-    async def _generate(self, view: ReplyView, messages: list[dict[str, str]]) -> None:
+    async def _generate(self, view: ReplyView, prompt: str) -> None:
         """Stream one reply into its view; every way out leaves the reply in a final state."""
         reply = view.reply
         view.start_streaming()  # the view renders the text as it grows, a frame at a time
         try:
             client = await self.link.ready()
-            # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
-            async with contextlib.aclosing(client.generate(messages, self.session.params, rid=reply.rid)) as stream:
-                async for out in stream:
-                    reply.add(out)
+            await self._fit(prompt)
+            while True:
+                messages = self.session.messages(prompt)
+                try:
+                    # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
+                    async with contextlib.aclosing(client.generate(messages, self.session.params,
+                                                                   rid=reply.rid)) as stream:
+                        async for out in stream:
+                            reply.add(out)
+                    self.session.learn(messages, reply)
+                    break
+                except EngineError as e:
+                    # the guess of the history's tokens was short (engine/llm.py's refusal): send the
+                    # prompt alone once, before giving up
+                    alone = len(self.session.turns) - 1
+                    if "tokens, but at most" not in e.message or self.session.context_start >= alone:
+                        raise
+                    self.session.context_start = alone
+                    await self.show_context_mark()
         except EngineError as e:
             reply.fail("error", e.message)
         except EngineUnavailable as e:
@@ -234,13 +329,16 @@ class ChatPane(Vertical):
         finally:
             await view.finish_streaming()
             self.post_message(self.StateChanged(self))
+            if not self.closing:  # the reply ended (also aborted or interrupted): the next message may go
+                self.show_settings()
+                self.call_later(self._send_pending)
 
     async def abort(self) -> bool:
         """Ask the engine to stop this session's reply; the stream then ends with an aborted Final."""
         reply = self.session.live
         if reply is None:
             return False
-        if reply.state == "queued" or not await self.link.abort(reply.rid):
+        if reply.state == "queued" or await self.link.abort(reply.rid) == "unreachable":
             # not streaming yet, or the engine is gone: end it here (closing the stream also tells
             # the engine, if it has the request)
             self.interrupt("aborted")
@@ -248,7 +346,8 @@ class ChatPane(Vertical):
 
     async def stop_streaming(self) -> None:
         """Cancel the stream and wait until it has wound down, before this pane's widgets go away
-        (a reply torn down mid-render leaves asyncio complaining on stderr)."""
+        (a reply torn down mid-render leaves asyncio complaining on stderr). Queued messages stay unsent."""
+        self.closing = True
         for worker in self.workers.cancel_group(self, "generate"):
             with contextlib.suppress(WorkerCancelled, WorkerFailed):
                 await worker.wait()

@@ -69,11 +69,19 @@ def status(
     address: str | None = typer.Option(None, "--address", help=ADDRESS_HELP),
     timeout: float = typer.Option(2.0, help="Seconds to wait for the engine."),
 ) -> None:
-    """Print the engine's current stats: queues, request slots, KV pages, rates, last steps."""
+    """Print the engine's current stats: queues, request slots, KV pages, rates, last steps.
+
+    An engine started with --auth-token needs it here too: set MINICHAT_AUTH_TOKEN."""
+    from engine.service.addresses import AddressError
     from engine.service.client import EngineClient, EngineUnavailable
     from engine.service.stats import format_stats
 
-    with EngineClient(address, timeout=timeout) as client:
+    try:
+        client = EngineClient(address, timeout=timeout)
+    except AddressError as e:
+        typer.echo(f"minichat status: error: {e}", err=True)
+        raise typer.Exit(2) from e
+    with client:
         try:
             typer.echo(format_stats(client.stats(timeout), client.info()))
         except EngineUnavailable as e:
@@ -84,14 +92,20 @@ def status(
 @app.command()
 def stop(
     address: str | None = typer.Option(None, "--address", help=ADDRESS_HELP),
-    timeout: float = typer.Option(10.0, help="Seconds to wait before killing it."),
+    timeout: float = typer.Option(10.0, help="Seconds to wait for it to stop before signalling it."),
 ) -> None:
-    """Stop the engine at the address (in-flight requests end with finish reason "abort")."""
-    from engine.service.addresses import default_address
+    """Stop the engine at the address (in-flight requests end with finish reason "abort").
+
+    It asks through the protocol; a process is signalled only if it verifiably is this user's engine."""
+    from engine.service.addresses import AddressError, default_address
     from engine.service.launcher import stop_engine
 
     address = address or default_address()
-    pid = stop_engine(address, timeout)
+    try:
+        pid = stop_engine(address, timeout)
+    except (AddressError, RuntimeError) as e:
+        typer.echo(f"minichat stop: error: {e}", err=True)
+        raise typer.Exit(2) from e
     if pid is None:
         typer.echo(f"minichat stop: no engine answers at {address}", err=True)
         raise typer.Exit(1)

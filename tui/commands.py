@@ -19,13 +19,19 @@ class Command:
 
 COMMANDS = (
     Command("new", "New chat session", "open another session (optionally named)", "name"),
-    Command("close", "Close chat session", "close this session, stopping its reply"),
+    Command("close", "Close chat session", "close this session's tab, stopping its reply (it stays saved)"),
     Command("rename", "Rename chat session", "give this session a new name", "name"),
+    Command("sessions", "List saved conversations", "search, reopen, rename, delete or export them (ctrl+o)",
+            "search"),
+    Command("export", "Export conversation as Markdown", "write this session to a Markdown file (default: "
+            "exports/ in the data directory)", "path"),
+    Command("clear", "Clear the context", "start afresh: the model sees none of the turns so far (they stay "
+            "on screen and saved)"),
     Command("system", "Set system prompt", "the system message sent before the history (empty: none)", "text"),
     Command("temperature", "Set temperature", "sampling temperature; 0 is greedy", "value"),
     Command("top_p", "Set top-p", "nucleus sampling: keep the smallest set of tokens with this much mass", "value"),
     Command("top_k", "Set top-k", "sample among the k likeliest tokens; -1 turns it off", "value"),
-    Command("max_tokens", "Set max tokens", "the longest reply, in tokens", "value"),
+    Command("max_tokens", "Set max tokens", "the longest reply, in tokens (below the model's context)", "value"),
     Command("ignore_eos", "Set ignore EOS", "on: keep generating past the end-of-text token, up to max tokens "
             "(long replies, to watch batching)", "on|off"),
     Command("fanout", "Fan out a prompt", "open N sessions that all send the prompt at once, or one per "
@@ -36,7 +42,7 @@ COMMANDS = (
 )
 BY_NAME = {c.name: c for c in COMMANDS}
 ALIASES = {"temp": "temperature", "top-p": "top_p", "top-k": "top_k", "max": "max_tokens", "fan": "fanout",
-           "stop": "abort", "sys": "system"}
+           "stop": "abort", "sys": "system", "list": "sessions", "open": "sessions"}
 
 
 def parse_slash(text: str) -> tuple[Command, str]:

@@ -20,10 +20,13 @@ PANELS_GUIDE = """\
 A request waits in the **waiting queue** until a prefill step admits it: admission walks the queue
 in arrival order and stops at the first request that lacks a free **request slot**, room in the
 step's **token budget** (long prompts are chunked across steps) or **KV pages** for its prompt plus
-its whole output budget. Admitted requests join the **running set**; each **step** is either one
+its whole output budget; its **waiting for** column says which (the requests behind it wait for
+their turn). Admitted requests join the **running set**; each **step** is either one
 prefill batch or one decode batch (prefill first), as the step timeline shows. A finished or aborted
 request frees its slot at once, and its pages go back to the pool or stay cached for reuse. One
-colour follows each request through every panel; bold labels are this app's own sessions.
+colour follows each request through every panel; bold labels are this app's own sessions. The KV
+panel counts the pages **reserved** for admitted requests' remaining output (admission keeps them
+free). When snapshots stop coming, the status line says how old the last one is.
 """
 
 Row = tuple[str, str, str]

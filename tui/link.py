@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import re
 import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from engine.config import DEMO_MODEL_DIR
-from engine.service.addresses import AddressError, default_address, ipc_listening, split
+from engine.config import DEMO_MODEL_DIR, EngineConfig
+from engine.service.addresses import AddressError, default_address, ipc_listening, log_path, split
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.launcher import EngineHandle, EngineStartError, find, start
 from engine.service.protocol import Info, Stats
@@ -31,10 +34,12 @@ STATS_EVERY = 0.25  # seconds between two stats callbacks: four frames a second 
 
 @dataclass
 class LinkState:
-    """`kind` is one of: connecting, starting, connected, stalled, lost, failed."""
+    """`kind` is one of: connecting, starting, connected, stalled, lost, failed. `detail` is the status
+    line's sentence; `cause` what happened, without what the link does next (for interrupted replies)."""
 
     kind: str
     detail: str
+    cause: str = ""
 
     @property
     def connected(self) -> bool:
@@ -52,6 +57,28 @@ def listening(address: str) -> bool:
     except OSError:
         return False
     return True
+
+
+AbortResult = Literal["aborted", "finished", "unreachable"]
+
+
+def start_cause(error: str) -> str:
+    """The line of a failed start's log that says why: the serve command's own error line (`minichat
+    serve: error: cannot load the model: ...`), else a Python exception, else the log's last line."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    for prefix in ("minichat serve: error: ", "Error: "):
+        found = [line.removeprefix(prefix) for line in lines if line.startswith(prefix)]
+        if found:
+            return found[-1]
+    exceptions = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    return exceptions[-1] if exceptions else lines[-1] if lines else error
+
+
+def restart_options(info: Info) -> tuple[str, dict[str, object]]:
+    """The model and `minichat serve` options an engine reported, to start it again as it was."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} | {"max_waiting_requests", "max_message_bytes",
+                                                                 "allow_remote"}
+    return info.model, {k: v for k, v in info.config.items() if k in names and k != "model"}
 
 
 @dataclass
@@ -75,6 +102,7 @@ class EngineLink:
     client: AsyncEngineClient | None = None
     handle: EngineHandle | None = None
     start_failed: bool = False
+    lost_options: tuple[str, dict[str, object]] | None = None  # model and options of a lost engine we did not start
 
     def __post_init__(self) -> None:
         self._ready = asyncio.Event()
@@ -86,9 +114,9 @@ class EngineLink:
         """Why replies cannot continue right now (None while connected)."""
         return None if self.state.connected else self.state.detail
 
-    def _set(self, kind: str, detail: str) -> None:
+    def _set(self, kind: str, detail: str, cause: str = "") -> None:
         if (kind, detail) != (self.state.kind, self.state.detail):
-            self.state = LinkState(kind, detail)
+            self.state = LinkState(kind, detail, cause or detail)
             self.on_state(self.state)
 
     async def ready(self) -> AsyncEngineClient:
@@ -98,22 +126,31 @@ class EngineLink:
             if self.client is not None:
                 return self.client
 
-    def retry(self) -> None:
-        """Try again now, starting an engine even if the last start failed."""
+    def retry(self) -> str:
+        """Try again now, starting an engine even if the last start failed (an engine this console did
+        not start is started again with its own model and options); returns what it will do."""
         self.start_failed = False
+        if self.lost_options is not None:
+            self.model, self.engine_options = self.lost_options
+            self.lost_options = None
         self._retry.set()
+        if self.autostart:
+            model = Path(self.model).name if self.model else "the demo model"
+            return f"looking for the engine at {self.address}, and starting {model} if none answers"
+        return f"looking for the engine at {self.address}"
 
-    async def abort(self, rid: str) -> bool:
-        """Abort any live request; False if no engine could be asked (the caller stops it locally)."""
+    async def abort(self, rid: str) -> AbortResult:
+        """Abort a live request: `aborted`, `finished` (it ended meanwhile, or was never there; either
+        way it is gone) or `unreachable` (no engine could be asked; the caller stops it locally)."""
         if self.client is None or not self.state.connected:
-            return False
+            return "unreachable"
         try:
             await self.client.abort(rid, timeout=5.0)
         except EngineError:
-            return True  # unknown_request: it finished or was aborted meanwhile; either way it is gone
+            return "finished"
         except EngineUnavailable:
-            return False
-        return True
+            return "unreachable"
+        return "aborted"
 
     async def run(self) -> None:
         """Find or start, watch until the engine goes, repeat; runs for the life of the app."""
@@ -123,7 +160,15 @@ class EngineLink:
                 if handle is not None:
                     why = await self._attach(handle)
                     await self.close()
-                    self._set("lost", f"{why}; reconnecting…")
+                    if self.autostart and not handle.started and self.info is not None:
+                        # someone else's engine: starting ours in its place, with other settings, would
+                        # surprise; wait for it, and let the person start it again with its own options
+                        self.start_failed, self.lost_options = True, restart_options(self.info)
+                        self._set("lost", f"{why}; it was not started by this console: start it again, or "
+                                          f"/reconnect to start {Path(self.info.model).name} here with the "
+                                          f"options it had", cause=why)
+                    else:
+                        self._set("lost", f"{why}; reconnecting…", cause=why)
                     continue
             except Exception as e:  # a surprise must not end the link: report it and wait for a retry
                 await self.close()
@@ -149,7 +194,12 @@ class EngineLink:
         self._set("starting", f"starting an engine for {self.model or 'the demo model'} at {self.address}…")
         try:
             return await asyncio.to_thread(self._start)
-        except (EngineStartError, AddressError, OSError, ValueError) as e:
+        except EngineStartError as e:
+            self.start_failed = True
+            self._set("failed", f"the engine did not start: {start_cause(str(e))}. Check the model and engine "
+                                f"options (the whole log: {log_path(self.address)}), then /reconnect")
+            return None
+        except (AddressError, OSError, ValueError) as e:
             self.start_failed = True
             self._set("failed", f"the engine did not start: {e}")
             return None

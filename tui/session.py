@@ -64,6 +64,7 @@ class Reply:
     completion_tokens: int = 0
     ttft: float | None = None
     total: float | None = None
+    max_tokens: int | None = None  # what was asked for: a shorter `length` finish means the context ran out
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -91,6 +92,12 @@ class Reply:
         self.state, self.error, self.total = state, why, time.monotonic() - self.started
 
     @property
+    def context_full(self) -> bool:
+        """Cut short because prompt and reply reached the model's context, not at the asked max_tokens."""
+        return self.finish_reason == "length" and self.max_tokens is not None and \
+            self.completion_tokens < self.max_tokens
+
+    @property
     def tokens_per_s(self) -> float | None:
         """Decode speed: tokens after the first over the time after the first (what a reader feels)."""
         if self.ttft is None or self.total is None or self.completion_tokens < 2 or self.total <= self.ttft:
@@ -105,7 +112,9 @@ class Reply:
             parts.append(f"TTFT {self.ttft:.2f} s")
         if (rate := self.tokens_per_s) is not None:
             parts.append(f"{rate:.1f} tok/s")
-        if self.state == "done":
+        if self.state == "done" and self.context_full:
+            parts.append("length: the model's context is full (/clear starts afresh)")
+        elif self.state == "done":
             parts.append(self.finish_reason or "done")
         elif self.state in ("aborted", "error", "interrupted"):
             parts.append(self.state + (f": {self.error}" if self.error else ""))
@@ -118,18 +127,27 @@ class Turn:
     reply: Reply
 
 
-_ids = iter(range(1, 1 << 62))
+CHARS_PER_TOKEN = 2.0  # the guess until the engine has counted one of this session's prompts (most are 3-4)
+SAFETY = 1.1  # the guess of a prompt's tokens is inflated by this much: a refusal costs a round trip
 
 
 @dataclass
 class Session:
-    """A conversation with its own system prompt and sampling parameters."""
+    """A conversation with its own system prompt and sampling parameters.
+
+    Turns before `context_start` stay on screen and in the store but are no longer sent: the oldest
+    turns are dropped when the history outgrows the model's context, and `/clear` drops them all.
+    """
 
     name: str
     system_prompt: str = ""
     params: Params = DEFAULT_PARAMS
     turns: list[Turn] = field(default_factory=list)
-    sid: int = field(default_factory=lambda: next(_ids))
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    context_start: int = 0
+    chars_per_token: float = CHARS_PER_TOKEN
 
     @property
     def live(self) -> Reply | None:
@@ -137,21 +155,54 @@ class Session:
         return self.turns[-1].reply if self.turns and self.turns[-1].reply.live else None
 
     def messages(self, prompt: str) -> list[dict[str, str]]:
-        """The chat history plus `prompt`, for the engine to render with the model's chat template.
+        """The history still in context plus `prompt`, for the engine to render with the chat template.
 
         Turns whose reply has no text are left out, so user and assistant messages alternate (some
         templates refuse anything else); an aborted reply's partial text counts as said.
         """
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        for turn in self.turns:
+        for turn in self.turns[self.context_start:]:
             if turn.reply.text:
                 msgs += [{"role": "user", "content": turn.prompt}, {"role": "assistant", "content": turn.reply.text}]
         return [*msgs, {"role": "user", "content": prompt}]
 
+    def estimate(self, messages: list[dict[str, str]]) -> int:
+        """Tokens these messages will take, guessed from this session's characters per token so far."""
+        chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+        return round(SAFETY * chars / self.chars_per_token) + 4 * len(messages)
+
+    def fit(self, prompt: str, context: int) -> int:
+        """Drop the oldest turns until the history plus `prompt` leaves room for a reply in a
+        `context`-token model (the system prompt always stays); returns how many were dropped."""
+        room = context - min(self.params.max_tokens, context // 4)
+        before = self.context_start
+        while self.context_start < len(self.turns) - 1 and self.estimate(self.messages(prompt)) > room:
+            self.context_start += 1
+        return self.context_start - before
+
+    def learn(self, messages: list[dict[str, str]], reply: Reply) -> None:
+        """The engine counted the prompt: refine the characters-per-token guess for the next fit."""
+        if reply.prompt_tokens:
+            chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+            self.chars_per_token = max(0.5, chars / reply.prompt_tokens)
+
+    @property
+    def context_used(self) -> int | None:
+        """Tokens of the context the last reply filled (its prompt and its own tokens)."""
+        for turn in reversed(self.turns[self.context_start:]):
+            if turn.reply.prompt_tokens is not None:
+                return turn.reply.prompt_tokens + turn.reply.completion_tokens
+        return None
+
+    def clear(self) -> None:
+        """Start afresh: nothing said so far is sent again (it stays on screen and in the store)."""
+        self.context_start = len(self.turns)
+
     def start_turn(self, prompt: str) -> Turn:
         """Record a new prompt with an empty reply whose request id names this session."""
         slug = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")[:16] or "chat"
-        turn = Turn(prompt, Reply(rid=f"{slug}-{len(self.turns) + 1}-{uuid.uuid4().hex[:6]}"))
+        turn = Turn(prompt, Reply(rid=f"{slug}-{len(self.turns) + 1}-{uuid.uuid4().hex[:6]}",
+                                  max_tokens=self.params.max_tokens))
         self.turns.append(turn)
         return turn
 
@@ -164,3 +215,14 @@ class Session:
         top_k = "off" if p.top_k == -1 else p.top_k
         eos = " · ignore EOS" if p.ignore_eos else ""
         return f"temp {p.temperature:g} · top-p {p.top_p:g} · top-k {top_k} · max {p.max_tokens} tok{eos}"
+
+    def to_markdown(self) -> str:
+        """The conversation as a Markdown document (the export)."""
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.created))
+        lines = [f"# {self.name}", "", f"_{when} · {self.describe()}_", ""]
+        if self.system_prompt:
+            lines += ["**System:**", "", self.system_prompt, ""]
+        for turn in self.turns:
+            lines += ["## You", "", turn.prompt, "", "## Assistant", "", turn.reply.text, "",
+                      f"_{turn.reply.summary()}_", ""]
+        return "\n".join(lines)

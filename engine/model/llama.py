@@ -256,7 +256,7 @@ class CausalLM(nn.Module):
                 kv: KVPool, backend: AttentionBackend, meta: object) -> torch.Tensor | None:
         """Run the flat batch; returns float32 logits only for the rows in `logits_index`
         (under tensor parallelism on rank 0 only; other ranks get None)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a tied embedding may be stored upcast
         cos_sin = self.cos_sin[:, positions, None, :].to(x.dtype)
         cos, sin = cos_sin[0], cos_sin[1]
         for i, layer in enumerate(self.layers):

@@ -15,7 +15,8 @@ from safetensors import safe_open
 from engine.config import DTYPES
 from engine.distributed import TensorParallel
 from engine.model.llama import CausalLM, ModelSpec
-from engine.model.parallel import TensorSlice
+from engine.model.ops import resolve_linear_dtype
+from engine.model.parallel import TensorSlice, set_linear_dtype
 from kernels.attention.base import AttentionShape
 
 if TYPE_CHECKING:
@@ -86,16 +87,18 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
         CausalLM(spec, TensorParallel(rank=0, size=size))
 
 
-def load_model(path: Path, dtype: str, device: str,
-               tp: TensorParallel | None = None) -> tuple[CausalLM, PretrainedConfig]:
+def load_model(path: Path, dtype: str, device: str, tp: TensorParallel | None = None,
+               linear_dtype: str = "auto") -> tuple[CausalLM, PretrainedConfig]:
     """Build the model for `path`'s architecture (this rank's shard of it, under tensor parallelism)
     and fill it from the checkpoint's tensors."""
     hf_config = load_hf_config(path)
-    return build_model(ModelSpec.from_hf_config(hf_config), path, dtype, device, tp), hf_config
+    return build_model(ModelSpec.from_hf_config(hf_config), path, dtype, device, tp, linear_dtype), hf_config
 
 
-def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: TensorParallel | None = None) -> CausalLM:
-    """The model `spec` describes (this rank's shard), filled from the safetensors in `path`."""
+def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: TensorParallel | None = None,
+                linear_dtype: str = "auto") -> CausalLM:
+    """The model `spec` describes (this rank's shard), filled from the safetensors in `path`, its
+    projections stored in `linear_dtype` (EngineConfig.linear_dtype)."""
     with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
         model = CausalLM(spec, tp).to(TORCH_DTYPES[dtype])
     model = model.to_empty(device=device)
@@ -103,6 +106,7 @@ def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: Tensor
         model.load_weights(_read_tensors(path))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+    set_linear_dtype(model, resolve_linear_dtype(linear_dtype, TORCH_DTYPES[dtype], torch.device(device)))
     model.eval()
     return model
 

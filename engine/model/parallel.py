@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TensorParallel
+from engine.model.ops import linear
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class ColumnParallelLinear(nn.Module):
         return WeightTarget(param, row=self.offsets[part], start=start, size=size, full=self.parts[part].full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -133,8 +134,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -164,4 +165,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary range, gathered on rank 0 (other ranks get None)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        return self.tp.gather_last_dim(F.linear(x, self.weight))
+        return self.tp.gather_last_dim(linear(x, self.weight))
+
+
+@torch.no_grad()
+def set_linear_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every projection's weight and bias in `dtype` (see engine/model/ops.py for why).
+
+    A tied embedding shares the output head's weight, so it is stored in `dtype` too; the model
+    casts its lookups back to the activation dtype (exact, since the values came from there).
+    """
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            for param in (module.weight, getattr(module, "bias", None)):
+                if param is not None:
+                    param.data = param.data.to(dtype)

@@ -1,8 +1,10 @@
 """Where an engine listens: the default per-user ipc socket, loopback checks, stale-socket cleanup.
 
 The default address is an `ipc://` socket in a directory only this user can enter (mode 0700), so
-other local users cannot submit work or read stats. `tcp://` is for loopback unless the operator
-explicitly allows remote clients: the protocol has no authentication.
+other local users cannot submit work or read stats; an explicit ipc address gets owner-only socket
+files too. `tcp://` is for loopback unless the operator explicitly allows remote clients, and then
+only with a shared-secret auth token (any local user can reach a loopback port, so a token is worth
+giving there as well).
 """
 
 from __future__ import annotations
@@ -69,9 +71,10 @@ def split(address: str) -> tuple[str, str]:
 
 def _host_port(rest: str) -> tuple[str, int]:
     host, _, port = rest.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65535:
-        raise AddressError(f"tcp address 'tcp://{rest}' needs a host and an explicit port in 1..65534 "
-                           f"(the stats socket uses port + 1)")
+    bad_host = not host or (":" in host and not (host.startswith("[") and host.endswith("]")))
+    if bad_host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise AddressError(f"tcp address 'tcp://{rest}' needs a host (an IPv6 one in brackets: [::1]) and an "
+                           f"explicit port in 1..65534 (the stats socket uses port + 1)")
     return host, int(port)
 
 
@@ -85,14 +88,15 @@ def is_loopback(host: str) -> bool:
         return False  # "*", an interface name or a hostname: possibly reachable from outside
 
 
-def check_bindable(address: str, allow_remote: bool = False) -> None:
-    """Refuse addresses an engine must not bind: malformed, too long, or non-loopback without consent."""
+def check_bindable(address: str, allow_remote: bool = False, has_token: bool = False) -> None:
+    """Refuse addresses an engine must not bind: malformed, too long, or non-loopback without consent
+    (--allow-remote) and an auth token."""
     scheme, rest = split(address)
     if scheme == "tcp":
         host, _ = _host_port(rest)
-        if not allow_remote and not is_loopback(host):
-            raise AddressError(f"{address} is not a loopback address; the protocol has no authentication, so "
-                               f"pass --allow-remote to listen beyond this machine")
+        if not is_loopback(host) and not (allow_remote and has_token):
+            raise AddressError(f"{address} is not a loopback address; to listen beyond this machine pass "
+                               f"--allow-remote and an --auth-token (or MINICHAT_AUTH_TOKEN) that clients must give")
         return
     for path in (rest, rest + ".stats"):
         if len(path.encode()) > MAX_IPC_PATH:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 import typing
 
 import typer
 
 from engine.config import EngineConfig
+from engine.service.client import AUTH_ENV
 
 ADDRESS_HELP = "Engine address: ipc:///path or tcp://127.0.0.1:PORT (default: a per-user ipc socket)."
 ENGINE_HELP = {
@@ -27,6 +29,7 @@ ENGINE_HELP = {
     "seed": "Seed for requests that sample without their own seed.",
     "attention_backend": "Attention kernels: torch, triton, flashinfer, or auto (the best available).",
     "prefix_cache": "radix (reuse cached prompt prefixes) or naive.",
+    "linear_dtype": "GEMM dtype: model, float32, or auto (float32 for bf16/fp16 on CPUs without native support).",
     "cuda_graph": "Replay decode steps from CUDA graphs (triton and flashinfer backends on CUDA).",
     "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph; bigger ones run eagerly.",
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
@@ -82,10 +85,11 @@ def split_host_port(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def serve(address: str | None, allow_remote: bool, max_waiting_requests: int, max_message_bytes: int,
-          log_level: str, http: str | None, api_key: str | None, served_model_name: str | None,
+def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_waiting_requests: int,
+          max_message_bytes: int, max_connections: int, client_buffer_messages: int, log_level: str,
+          http: str | None, api_key: str | None, served_model_name: str | None,
           **engine_options: typing.Any) -> None:
-    """Run the engine in the foreground (logs to stderr) until Ctrl-C or SIGTERM.
+    """Run the engine in the foreground (logs to stderr) until Ctrl-C, SIGTERM or `minichat stop`.
 
     With --http HOST:PORT, run the engine as a child process instead and the OpenAI-compatible HTTP
     API in the foreground; stopping the API stops that engine.
@@ -95,24 +99,35 @@ def serve(address: str | None, allow_remote: bool, max_waiting_requests: int, ma
 
     if http is not None:
         server_options = {"allow_remote": allow_remote, "max_waiting_requests": max_waiting_requests,
-                          "max_message_bytes": max_message_bytes, "log_level": log_level}
+                          "max_message_bytes": max_message_bytes, "max_connections": max_connections,
+                          "client_buffer_messages": client_buffer_messages, "log_level": log_level}
+        if auth_token:  # the engine child and the API's clients both read it from the environment
+            os.environ[AUTH_ENV] = auth_token
         _serve_http(http, address, api_key, served_model_name, server_options, engine_options)
         return
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run_server(EngineConfig(**engine_options), ServerOptions(address, allow_remote, max_waiting_requests,
-                                                                 max_message_bytes))
-    except (StartupError, WorkerFailed) as e:
+        options = ServerOptions(address, allow_remote, max_waiting_requests, max_message_bytes, auth_token or None,
+                                max_connections, client_buffer_messages)
+        run_server(EngineConfig(**engine_options), options)
+    except (StartupError, WorkerFailed, ValueError) as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
 
 
 serve.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
     option("address", str | None, None, ADDRESS_HELP, "--address"),
-    option("allow_remote", bool, False, "Allow a non-loopback tcp address (the protocol has no auth) or --http host.",
+    option("allow_remote", bool, False, "Allow a non-loopback tcp address (needs --auth-token) or --http host.",
            "--allow-remote/--no-allow-remote"),
+    inspect.Parameter("auth_token", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+                      default=typer.Option(None, "--auth-token", envvar=AUTH_ENV, show_envvar=True,
+                                           help="Shared secret clients must present (ZeroMQ PLAIN); prefer the "
+                                                "environment variable, which other users cannot read.")),
     option("max_waiting_requests", int, 1024, "Refuse new requests ('overloaded') beyond this queue."),
     option("max_message_bytes", int, 1 << 20, "Largest accepted message; bigger ones drop the peer."),
+    option("max_connections", int, 4096, "Connections beyond this (or the open-file limit) are closed at once."),
+    option("client_buffer_messages", int, 1000, "Replies queued for a client that does not read them before "
+                                                "its requests are aborted."),
     option("log_level", str, "info", "debug, info, warning or error."),
     option("http", str | None, None, "Also serve the OpenAI-compatible HTTP API at HOST:PORT (e.g. 127.0.0.1:8000), "
            "with the engine in a child process.", "--http"),

@@ -14,13 +14,16 @@ so a TUI or a load generator starts fast.
             ...
 
 Closing a `generate` iterator before its Final (break, task cancellation) aborts the request, so
-an abandoned stream never keeps generating.
+an abandoned stream never keeps generating. A lost connection (the engine stopped or died) raises
+`EngineUnavailable` in every waiting call at once, not at the end of its timeout. An engine started
+with `--auth-token` needs the same token: pass `auth_token=` or set MINICHAT_AUTH_TOKEN.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 import uuid
 from collections import deque
@@ -35,11 +38,27 @@ import zmq.asyncio
 from engine.prompt import Prompt
 from engine.service import protocol
 from engine.service.addresses import default_address, ipc_listening, split, stats_address
-from engine.service.protocol import Aborted, Delta, Error, Final, Info, Params, Pong, Stats, Timings, Usage
+from engine.service.protocol import (
+    Aborted,
+    Delta,
+    Error,
+    Final,
+    Info,
+    Params,
+    Pong,
+    ShuttingDown,
+    Stats,
+    Timings,
+    Usage,
+)
 
 Output = Delta | Final
 _Key = tuple[str, object]
 T = TypeVar("T")
+AUTH_USER = "minichat"  # the ZeroMQ PLAIN user name; the auth token is the password
+AUTH_ENV = "MINICHAT_AUTH_TOKEN"
+LAST_WORDS_MS = 100  # after a disconnect, how long replies the engine sent before it went may still take
+_GONE = "the connection to the engine was lost"  # queued to async waiters when the engine disconnects
 
 
 class EngineError(Exception):
@@ -91,6 +110,8 @@ def _route(msg: protocol.EngineMessage | Delta | Final) -> _Key | None:
         return ("pong", msg.nonce)
     if isinstance(msg, Info):
         return ("info", None)
+    if isinstance(msg, ShuttingDown):
+        return ("shutdown", None)
     return None  # Heartbeat: its arrival alone is the point
 
 
@@ -109,9 +130,22 @@ def _raise_if_error(msg: protocol.EngineMessage) -> None:
         raise EngineError(msg.code, msg.message, msg.rid)
 
 
-def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
+def resolve_auth_token(given: str | None = None) -> str | None:
+    """The token to present: the one given, else $MINICHAT_AUTH_TOKEN, else none."""
+    return given if given is not None else os.environ.get(AUTH_ENV) or None
+
+
+def _secure(sock: zmq.Socket, token: str | None) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT
+    if token is not None:
+        sock.setsockopt(zmq.PLAIN_USERNAME, AUTH_USER.encode())
+        sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())
+    return sock
+
+
+def _dealer(ctx: zmq.Context, address: str, token: str | None = None) -> zmq.Socket:
+    sock = _secure(ctx.socket(zmq.DEALER), token)
     sock.setsockopt(zmq.RCVHWM, 0)  # never make the engine's send fail because we read slowly
     sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
@@ -119,22 +153,26 @@ def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
-def _subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.SUB)
-    sock.setsockopt(zmq.LINGER, 0)
+def _subscriber(ctx: zmq.Context, address: str, token: str | None = None) -> zmq.Socket:
+    sock = _secure(ctx.socket(zmq.SUB), token)
     sock.setsockopt(zmq.CONFLATE, 1)  # only the newest snapshot matters; each one is complete
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(stats_address(address))
     return sock
 
 
-def probe(address: str | None = None, timeout: float = 0.5) -> Pong | None:
+def _lost(address: str) -> EngineUnavailable:
+    return EngineUnavailable(f"the engine at {address} closed the connection (it stopped or died, or dropped "
+                             f"this client); requests in flight are lost")
+
+
+def probe(address: str | None = None, timeout: float = 0.5, auth_token: str | None = None) -> Pong | None:
     """The engine's Pong if one answers at `address` within `timeout` seconds, else None."""
     address = address or default_address()
     scheme, path = split(address)
     if scheme == "ipc" and not ipc_listening(path):
         return None  # nothing listens: answer at once instead of waiting for a connect that never happens
-    with EngineClient(address, timeout=timeout) as client:
+    with EngineClient(address, timeout=timeout, auth_token=auth_token) as client:
         try:
             return client.ping(timeout)
         except EngineUnavailable:
@@ -146,16 +184,24 @@ class EngineClient:
 
     Replies for requests other than the one being read are buffered, so several `generate`
     iterators may be interleaved. `timeout` is how long to wait for any message before deciding
-    the engine is gone (the engine sends a heartbeat every second while a request is live).
+    the engine is gone (the engine sends a heartbeat every second while a request is live); a
+    closed connection is noticed at once.
     """
 
-    def __init__(self, address: str | None = None, *, timeout: float = 30.0) -> None:
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None) -> None:
         self.address = address or default_address()
         self.timeout = timeout
+        self._token = resolve_auth_token(auth_token)
         self._ctx = zmq.Context.instance()
-        self._sock = _dealer(self._ctx, self.address)
+        self._sock = _dealer(self._ctx, self.address, self._token)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._sub: zmq.Socket | None = None
         self._boxes: dict[_Key, deque[protocol.EngineMessage]] = {}
+        self._since: dict[_Key, int] = {}  # disconnects counted when each waiter registered
+        self._disconnects = 0
         self._nonce = itertools.count(1)
 
     def __enter__(self) -> EngineClient:
@@ -165,6 +211,9 @@ class EngineClient:
         self.close()
 
     def close(self) -> None:
+        if not self._sock.closed:
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._sub is not None:
             self._sub.close(linger=0)
@@ -173,26 +222,55 @@ class EngineClient:
     def _send(self, msg: msgspec.Struct) -> None:
         self._sock.send(protocol.encode(msg))
 
+    def _count_disconnects(self) -> None:
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()
+            self._disconnects += 1
+
+    def _register(self, key: _Key) -> None:
+        """Start filing replies for `key`; a disconnect from now on fails its waits."""
+        self._count_disconnects()
+        self._boxes[key] = deque()
+        self._since[key] = self._disconnects
+
+    def _unregister(self, key: _Key) -> None:
+        self._boxes.pop(key, None)
+        self._since.pop(key, None)
+
     def _wait(self, key: _Key, timeout: float | None = None) -> protocol.EngineMessage:
         """The next message for `key`, reading (and filing) others meanwhile."""
-        box = self._boxes.setdefault(key, deque())
+        if key not in self._boxes:
+            self._register(key)
+        box = self._boxes[key]
         timeout = self.timeout if timeout is None else timeout
         while not box:
-            if not self._sock.poll(int(timeout * 1000)):
+            self._count_disconnects()
+            if self._disconnects > self._since[key]:
+                while not box and self._sock.poll(LAST_WORDS_MS):  # what the engine sent before it went
+                    self._file(self._sock.recv())
+                if not box:
+                    raise _lost(self.address)
+                break
+            ready = dict(self._poller.poll(int(timeout * 1000)))
+            if not ready:
                 raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s")
-            for msg in _decode(self._sock.recv()):
-                dest = _route(msg)
-                if dest in self._boxes:
-                    self._boxes[dest].append(msg)
+            if self._sock in ready:
+                self._file(self._sock.recv())
         return box.popleft()
 
+    def _file(self, data: bytes) -> None:
+        for msg in _decode(data):
+            dest = _route(msg)
+            if dest in self._boxes:
+                self._boxes[dest].append(msg)  # type: ignore[arg-type]
+
     def _call(self, key: _Key, msg: msgspec.Struct, timeout: float | None) -> protocol.EngineMessage:
-        self._boxes[key] = deque()
+        self._register(key)
         try:
             self._send(msg)
             return self._wait(key, timeout)
         finally:
-            del self._boxes[key]
+            self._unregister(key)
 
     # -- requests ---------------------------------------------------------------------------------
     def ping(self, timeout: float | None = None) -> Pong:
@@ -212,7 +290,9 @@ class EngineClient:
         keywords (max_tokens, temperature, top_k, top_p, ignore_eos, stop, seed).
         """
         msg = submit_message(prompt, params, rid, overrides)
-        self._boxes[("req", msg.rid)] = deque()
+        if ("req", msg.rid) in self._boxes:  # refused here: the engine's refusal would end the live stream
+            raise EngineError("duplicate_request", f"request id {msg.rid!r} is live on this client", msg.rid)
+        self._register(("req", msg.rid))
         self._send(msg)
         return msg.rid
 
@@ -230,7 +310,7 @@ class EngineClient:
             finished = True
             raise
         finally:
-            self._boxes.pop(key, None)
+            self._unregister(key)
             if not finished and not self._sock.closed:
                 self._send(protocol.Abort(rid=rid))
 
@@ -248,11 +328,15 @@ class EngineClient:
         """Abort any live request (not only this client's); EngineError `unknown_request` if none."""
         _raise_if_error(self._call(("abort", rid), protocol.Abort(rid=rid), timeout))
 
+    def shutdown(self, timeout: float | None = None) -> int:
+        """Ask the engine to stop (in-flight requests end with "abort"); returns its pid once it agreed."""
+        return self._call(("shutdown", None), protocol.Shutdown(), timeout).pid  # type: ignore[union-attr]
+
     # -- stats ------------------------------------------------------------------------------------
     def stats(self, timeout: float = 5.0) -> Stats:
         """The next stats snapshot (the engine publishes about ten a second)."""
         if self._sub is None:
-            self._sub = _subscriber(self._ctx, self.address)
+            self._sub = _subscriber(self._ctx, self.address, self._token)
         if not self._sub.poll(int(timeout * 1000)):
             raise EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s")
         return protocol.decode_stats(self._sub.recv())
@@ -279,11 +363,13 @@ class AsyncEngineClient:
     A background task reads the socket and hands each reply to the task waiting for it.
     """
 
-    def __init__(self, address: str | None = None, *, timeout: float = 30.0) -> None:
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None) -> None:
         self.address = address or default_address()
         self.timeout = timeout
+        self._token = resolve_auth_token(auth_token)
         self._ctx = zmq.asyncio.Context.instance()
-        self._sock = _dealer(self._ctx, self.address)
+        self._sock = _dealer(self._ctx, self.address, self._token)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sub: zmq.asyncio.Socket | None = None
         self._queues: dict[_Key, asyncio.Queue[protocol.EngineMessage]] = {}
         self._waiters: dict[_Key, int] = {}
@@ -300,17 +386,34 @@ class AsyncEngineClient:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
+        if not self._sock.closed:
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._sub is not None:
             self._sub.close(linger=0)
 
     # -- plumbing ---------------------------------------------------------------------------------
     async def _read_forever(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
-            for msg in _decode(await self._sock.recv()):
-                queue = self._queues.get(_route(msg))  # type: ignore[arg-type]
-                if queue is not None:
-                    queue.put_nowait(msg)
+            ready = dict(await poller.poll())
+            if self._sock in ready:
+                self._file(await self._sock.recv())
+            if self._monitor in ready:  # the connection broke: every waiter's request is lost
+                await self._monitor.recv_multipart()
+                while await self._sock.poll(LAST_WORDS_MS):  # what the engine sent before it went
+                    self._file(await self._sock.recv())
+                for queue in self._queues.values():
+                    queue.put_nowait(_GONE)  # type: ignore[arg-type]
+
+    def _file(self, data: bytes) -> None:
+        for msg in _decode(data):
+            queue = self._queues.get(_route(msg))  # type: ignore[arg-type]
+            if queue is not None:
+                queue.put_nowait(msg)
 
     def _open(self, key: _Key) -> asyncio.Queue[protocol.EngineMessage]:
         """The queue replies for `key` land in. Tasks waiting on the same key (two `info()` calls) share
@@ -328,11 +431,15 @@ class AsyncEngineClient:
     async def _get(self, queue: asyncio.Queue[protocol.EngineMessage], timeout: float | None) -> protocol.EngineMessage:
         timeout = self.timeout if timeout is None else timeout
         if not queue.empty():  # a fast stream's next message is usually here already
-            return queue.get_nowait()
-        try:
-            return await _within(queue.get(), timeout)
-        except asyncio.TimeoutError:
-            raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s") from None
+            msg = queue.get_nowait()
+        else:
+            try:
+                msg = await _within(queue.get(), timeout)
+            except asyncio.TimeoutError:
+                raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s") from None
+        if msg is _GONE:
+            raise _lost(self.address)
+        return msg
 
     async def _call(self, key: _Key, msg: msgspec.Struct, timeout: float | None) -> protocol.EngineMessage:
         queue = self._open(key)
@@ -350,11 +457,17 @@ class AsyncEngineClient:
     async def info(self, timeout: float | None = None) -> Info:
         return await self._call(("info", None), protocol.GetInfo(), timeout)  # type: ignore[return-value]
 
+    async def shutdown(self, timeout: float | None = None) -> int:
+        """Ask the engine to stop; returns its pid once it agreed."""
+        return (await self._call(("shutdown", None), protocol.Shutdown(), timeout)).pid  # type: ignore[union-attr]
+
     async def generate(self, prompt: Prompt, params: Params | None = None, *, rid: str | None = None,
                        **overrides: object) -> AsyncIterator[Output]:
         """Submit and stream: Deltas, then a Final. Same arguments as EngineClient.submit."""
         msg = submit_message(prompt, params, rid, overrides)
         key = ("req", msg.rid)
+        if key in self._queues:  # refused here: the engine's refusal would end the live stream
+            raise EngineError("duplicate_request", f"request id {msg.rid!r} is live on this client", msg.rid)
         queue = self._open(key)
         finished = False
         try:
@@ -384,7 +497,7 @@ class AsyncEngineClient:
     async def stats(self, timeout: float = 5.0) -> Stats:
         """The next stats snapshot."""
         if self._sub is None:
-            self._sub = _subscriber(self._ctx, self.address)
+            self._sub = _subscriber(self._ctx, self.address, self._token)
         try:
             return protocol.decode_stats(await _within(self._sub.recv(), timeout))
         except asyncio.TimeoutError:

@@ -68,7 +68,12 @@ class GetInfo(_ClientMsg, tag="get_info"):
     """Ask for the engine's model, configuration and version; answered by `Info`."""
 
 
-ClientMessage = Submit | Abort | Ping | GetInfo
+class Shutdown(_ClientMsg, tag="shutdown"):
+    """Stop the engine (what `minichat stop` sends): answered by `ShuttingDown`, then every in-flight
+    request ends with a `Final` ("abort") and the engine exits, as on SIGTERM."""
+
+
+ClientMessage = Submit | Abort | Ping | GetInfo | Shutdown
 
 
 # -- engine -> client ---------------------------------------------------------------------------
@@ -161,19 +166,30 @@ class Info(_EngineMsg, tag="info"):
     config: dict[str, Any]
 
 
+class ShuttingDown(_EngineMsg, tag="shutting_down"):
+    """Acknowledges a `Shutdown`: the engine (process `pid`) is stopping."""
+
+    pid: int
+
+
 class Heartbeat(_EngineMsg, tag="heartbeat"):
     """Sent about once a second to clients with live requests that got nothing else: it proves the
     client is still connected (a failed send aborts its requests) and the engine still alive."""
 
 
-EngineMessage = Outputs | Error | Aborted | Pong | Info | Heartbeat
+EngineMessage = Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat
 
 
 # -- stats (PUB socket) -------------------------------------------------------------------------
 class WaitingReq(msgspec.Struct, kw_only=True):
+    """A queued request; `reason` says what holds it back: "slot" (none free), "kv_pages" (its prompt and
+    output budget do not fit), "token_budget" (fits: admitted at the next prefill step) or "queue"
+    (admission goes in arrival order, and an earlier request waits)."""
+
     rid: str
     prompt_tokens: int
     waited: float
+    reason: str = ""
 
 
 class RunningReq(msgspec.Struct, kw_only=True):
@@ -201,6 +217,7 @@ class Pages(msgspec.Struct, kw_only=True):
     cached: int
     locked: int
     total: int
+    reserved: int = 0  # pages admitted requests may still claim for their output budget (kept free)
 
 
 class Counters(msgspec.Struct, kw_only=True):
@@ -257,11 +274,14 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo:
-    return _client_decoder.decode(data)
+def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo | Shutdown:
+    try:
+        return _client_decoder.decode(data)
+    except RecursionError:  # an unknown field whose value nests thousands deep
+        raise msgspec.DecodeError("the message nests too deeply") from None
 
 
-def decode_engine(data: bytes) -> Outputs | Error | Aborted | Pong | Info | Heartbeat:
+def decode_engine(data: bytes) -> Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat:
     return _engine_decoder.decode(data)
 
 
@@ -274,7 +294,7 @@ def salvage_rid(data: bytes) -> str | None:
     the request's waiter instead of nobody."""
     try:
         raw = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: a hostile, deeply nested frame
         return None
     rid = raw.get("rid") if isinstance(raw, dict) else None
     return rid if isinstance(rid, str) else None

@@ -7,6 +7,7 @@ scheduler from one message.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from pathlib import Path
@@ -17,7 +18,7 @@ from engine.service.protocol import Counters, Info, Pages, RunningReq, Stats, St
 if TYPE_CHECKING:  # only the engine process builds snapshots; `minichat status` just formats them
     from engine.llm import LLM
     from engine.outputs import StepResult
-    from engine.scheduler.snapshot import PageSnapshot, SchedulerCounters
+    from engine.scheduler.snapshot import PageSnapshot, SchedulerCounters, SchedulerSnapshot
 
 RATE_WINDOW = 2.0  # seconds of recent steps that token and step rates average over
 
@@ -31,6 +32,7 @@ class StatsRecorder:
         self.start = time.monotonic()
         self.seq = 0
         self.submitted = self.errors = self.steps = 0
+        self.unscheduled_aborts = 0  # requests aborted before they reached the scheduler (while tokenizing)
         self.recent: deque[StepRecord] = deque(maxlen=history)
         self._window: deque[tuple[float, str, int]] = deque()  # (end time, kind, tokens)
 
@@ -50,8 +52,9 @@ class StatsRecorder:
         span = max(min(RATE_WINDOW, now - self.start), 1e-3)
         prefill = sum(n for _, kind, n in self._window if kind == "prefill")
         decode = sum(n for _, kind, n in self._window if kind == "decode")
-        return Counters(submitted=self.submitted, finished=counts.finished, aborted=counts.aborted,
-                        errors=self.errors, steps=counts.steps, prefill_tokens=counts.prefill_tokens,
+        return Counters(submitted=self.submitted, finished=counts.finished,
+                        aborted=counts.aborted + self.unscheduled_aborts, errors=self.errors, steps=counts.steps,
+                        prefill_tokens=counts.prefill_tokens,
                         decode_tokens=counts.decode_tokens, prefill_tokens_per_s=prefill / span,
                         decode_tokens_per_s=decode / span, steps_per_s=len(self._window) / span)
 
@@ -60,13 +63,31 @@ class StatsRecorder:
         snap = self.llm.stats()
         self.seq += 1
         return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=Path(self.llm.model_path).name,
-                     waiting=[WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens, waited=now - w.arrival_time)
-                              for w in snap.waiting],
+                     waiting=[WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens, waited=now - w.arrival_time,
+                                         reason=reason)
+                              for w, reason in zip(snap.waiting, self._waiting_reasons(snap), strict=True)],
                      running=[RunningReq(rid=r.rid, slot=r.slot, state=r.state, prompt_tokens=r.prompt_tokens,
                                          prefilled=r.prefilled, generated=r.generated, max_tokens=r.max_tokens,
                                          pages=r.pages) for r in snap.running],
                      slots=list(snap.slots), pages=_pages(snap.pages), counters=self._counters(now, snap.counters),
                      steps=list(self.recent))
+
+
+    def _waiting_reasons(self, snap: SchedulerSnapshot) -> list[str]:
+        """Why each queued request is not running (the checks admission makes, in its order); only the
+        first can be blocked by resources, since admission stops at the first request that does not fit."""
+        if not snap.waiting:
+            return []
+        head = self.llm.request(snap.waiting[0].rid)
+        p = snap.pages
+        room = p.free + p.cached - p.locked - p.reserved
+        if all(rid is not None for rid in snap.slots):
+            first = "slot"
+        elif head is not None and math.ceil(head.kv_budget / p.page_size) > room:
+            first = "kv_pages"
+        else:
+            first = "token_budget"
+        return [first] + ["queue"] * (len(snap.waiting) - 1)
 
 
 def _pages(pages: PageSnapshot) -> Pages:
@@ -76,7 +97,8 @@ def _pages(pages: PageSnapshot) -> Pages:
     for page, locked in pages.cached_pages.items():
         states[page] = "L" if locked else "c"
     return Pages(page_size=pages.page_size, states="".join(states), owners=dict(pages.owners), free=pages.free,
-                 held=pages.used, cached=pages.cached - pages.locked, locked=pages.locked, total=pages.total)
+                 held=pages.used, cached=pages.cached - pages.locked, locked=pages.locked, total=pages.total,
+                 reserved=pages.reserved)
 
 
 def format_stats(stats: Stats, info: Info | None = None, max_rows: int = 20) -> str:
@@ -90,7 +112,7 @@ def format_stats(stats: Stats, info: Info | None = None, max_rows: int = 20) -> 
         head,
         f"request slots {busy}/{len(stats.slots)} busy; waiting {len(stats.waiting)}; running {len(stats.running)}",
         f"KV pages ({p.page_size} tokens each): {p.free} free, {p.held} held, {p.cached} cached, "
-        f"{p.locked} locked, {p.total} total",
+        f"{p.locked} locked, {p.total} total; {p.reserved} reserved for admitted output",
         f"rates: prefill {c.prefill_tokens_per_s:.1f} tok/s, decode {c.decode_tokens_per_s:.1f} tok/s, "
         f"{c.steps_per_s:.1f} steps/s",
         f"totals: {c.submitted} submitted, {c.finished} finished, {c.aborted} aborted, {c.errors} errors, "
@@ -98,7 +120,7 @@ def format_stats(stats: Stats, info: Info | None = None, max_rows: int = 20) -> 
     ]
     if stats.waiting:
         lines.append("waiting queue (oldest first):")
-        lines += [f"  {w.rid}  {w.prompt_tokens} prompt tokens, waited {w.waited:.2f}s"
+        lines += [f"  {w.rid}  {w.prompt_tokens} prompt tokens, waited {w.waited:.2f}s, for {w.reason or '?'}"
                   for w in stats.waiting[:max_rows]]
     if stats.running:
         lines.append("running set:")

@@ -1,7 +1,9 @@
 """Reference attention in plain torch: gather each request's K/V from the pool, pad, and run SDPA.
 
-Slow for long ragged batches but exact and portable; it is the CPU path and the oracle the GPU
-kernels are tested against.
+Exact and portable; it is the CPU path and the oracle the GPU kernels are tested against. A step of
+fresh prompts (nothing cached before it) attends over its own new K/V, so it gathers nothing from the
+pool, and needs no mask when every prompt has the same length. On a CPU without native bf16/fp16
+arithmetic, attention runs in float32 (SDPA's half-precision CPU kernel is ~10x slower there).
 """
 
 from __future__ import annotations
@@ -11,16 +13,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.model.ops import has_native_half_gemm
 from kernels.attention.base import AttentionBackend, AttentionMetadata, store_kv
 
 
 @dataclass
 class TorchRefMeta:
     out_slots: torch.Tensor
-    kv_index: torch.Tensor  # [B, max_kv] token slots (padding points at a valid slot, masked off)
-    q_index: torch.Tensor  # [B, max_q] flat token index (padding repeats a valid index)
-    unpad_index: torch.Tensor  # [T] position of each flat token in the [B * max_q] padded layout
+    kv_index: torch.Tensor | None  # [B, max_kv] pool slots (padding masked off); None: attend to the new K/V
+    q_index: torch.Tensor | None  # [B, max_q] flat token index (padding repeats a valid index); None: no padding
+    unpad_index: torch.Tensor | None  # [T] position of each flat token in [B * max_q]; None: no padding
+    batch_size: int
     mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool, True = attend; None when nothing is masked
+    causal: bool  # no mask, but queries and keys are the same tokens: SDPA's own causal mask
+
+
+def gather(x: torch.Tensor, index: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+    """Rows `index` [B, n] of `x` as [B, n, ...] (index_select copies whole rows: faster than x[index])."""
+    rows = x if index is None else x.index_select(0, index.flatten())
+    return rows.unflatten(0, (batch_size, -1))
 
 
 class TorchRefBackend(AttentionBackend):
@@ -34,26 +45,39 @@ class TorchRefBackend(AttentionBackend):
         bsz = len(batch.q_lens)
         q_starts = torch.cumsum(q_lens, 0) - q_lens
         i = torch.arange(max_q, device=device)
-        j = torch.arange(max_kv, device=device)
         q_valid = i[None, :] < q_lens[:, None]
         q_index = torch.where(q_valid, q_starts[:, None] + i[None, :], q_starts[:, None])
-        unpad_index = (torch.arange(bsz, device=device)[:, None] * max_q + i[None, :])[q_valid]
-        kv_index = batch.table[batch.rows, :max_kv]
+        if min(batch.q_lens) == max_q:  # equal lengths: the flat axis is already [B, max_q]
+            q_index = unpad_index = None
+        else:
+            unpad_index = (torch.arange(bsz, device=device)[:, None] * max_q + i[None, :])[q_valid]
+        if batch.q_lens == batch.kv_lens:  # fresh prompts: keys are this step's tokens, laid out like the queries
+            if q_index is None:
+                return TorchRefMeta(batch.out_slots, None, None, None, bsz, None, causal=max_q > 1)
+            kv_index, kv_lens, max_kv = None, q_lens, max_q
+        else:
+            kv_index = batch.table[batch.rows, :max_kv]
+        j = torch.arange(max_kv, device=device)
         # Query i of request b sits at absolute position kv_len - q_len + i and sees keys j <= that.
         q_pos = (kv_lens - q_lens)[:, None] + i[None, :]
         mask = (j[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
         mask |= ~q_valid[:, :, None] & (j[None, None, :] == 0)  # padded rows attend to one key, not none
         all_visible = max_q == 1 and bool((kv_lens == max_kv).all())
-        return TorchRefMeta(batch.out_slots, kv_index, q_index, unpad_index,
-                            None if all_visible else mask[:, None])
+        return TorchRefMeta(batch.out_slots, kv_index, q_index, unpad_index, bsz,
+                            None if all_visible else mask[:, None], causal=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchRefMeta, scale: float) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.out_slots)
-        qp = q[meta.q_index].transpose(1, 2)  # [B, Hq, max_q, D]
-        kp = k_cache[meta.kv_index].transpose(1, 2)  # [B, Hkv, max_kv, D]
-        vp = v_cache[meta.kv_index].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=scale,
-                                             enable_gqa=qp.shape[1] != kp.shape[1])
+        qp, kp, vp = (gather(x, meta.q_index, meta.batch_size) for x in (q, k, v))
+        if meta.kv_index is not None:
+            kp, vp = gather(k_cache, meta.kv_index, meta.batch_size), gather(v_cache, meta.kv_index, meta.batch_size)
+        dtype = q.dtype
+        if not has_native_half_gemm(q.device, dtype):
+            qp, kp, vp = qp.float(), kp.float(), vp.float()
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                             attn_mask=meta.mask, is_causal=meta.causal, scale=scale,
+                                             enable_gqa=qp.shape[2] != kp.shape[2])
         bsz, heads, max_q, dim = out.shape
-        return out.transpose(1, 2).reshape(bsz * max_q, heads, dim)[meta.unpad_index]
+        out = out.transpose(1, 2).reshape(bsz * max_q, heads, dim).to(dtype)
+        return out if meta.unpad_index is None else out[meta.unpad_index]

@@ -6,7 +6,10 @@ Two groups, side by side when there is room and stacked otherwise: the scheduler
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
 from textual.containers import Container, Vertical
 from textual.events import Resize
 from textual.widget import Widget
@@ -18,7 +21,7 @@ from tui.panels.requests import RequestTable, RunningTable, WaitingTable
 from tui.panels.steps import StepTimeline
 from tui.panels.throughput import ThroughputPanel
 
-# (id, title) in the order of their alt+digit toggles.
+# (id, title) in the order of their digit keys.
 PANELS = (("waiting", "waiting queue"), ("running", "running set"), ("steps", "step timeline"),
           ("slots", "request slots"), ("pages", "KV pages"), ("throughput", "throughput"))
 SIDE_BY_SIDE = 100  # columns from which the two groups sit next to each other
@@ -26,8 +29,13 @@ SIDE_BY_SIDE = 100  # columns from which the two groups sit next to each other
 __all__ = ["PANELS", "OpsPanels", "RequestTable"]
 
 
-class OpsPanels(Container):
-    """Holds every panel and hands each stats snapshot to the visible ones."""
+class OpsPanels(Container, can_focus=True):
+    """Holds every panel and hands each stats snapshot to the visible ones. Focusable itself, so that its
+    digit keys still work when every table is hidden."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding(str(i), f"app.toggle_panel('{panel_id}')", f"Show/hide the {title} panel", show=False)
+        for i, (panel_id, title) in enumerate(PANELS, 1)]
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="ops-group"):

@@ -88,8 +88,8 @@ class PageGrid(CellGrid):
         self.set_items([("█", names.colour(p.owners.get(i, ""))) if state == "R" else PAGE_STATES[state]
                         for i, state in enumerate(p.states)])
         _, per_cell = fit(p.total, self.size.width, max(1, self.size.height))
-        set_titles(self, f"KV pages: {p.held} held, {p.locked} locked, {p.cached} cached, {p.free} free "
-                         f"of {p.total} × {p.page_size} tok",
+        set_titles(self, f"KV pages: {p.held} held (+{p.reserved} reserved), {p.locked} locked, {p.cached} cached, "
+                         f"{p.free} free of {p.total} × {p.page_size} tok",
                    "█ held ▓ locked ▒ cached ░ free" + (f" · 1 cell = {per_cell} pages" if per_cell > 1 else ""))
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:

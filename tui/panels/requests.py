@@ -1,7 +1,7 @@
 """The waiting queue and the running set as tables, one row per request, any of which can be aborted.
 
-Rows are keyed by request id and updated in place, so the cursor stays on the request a person
-selected while the snapshot changes ten times a second.
+Rows are keyed by request id and updated in place, and the selection is a request id, not a row
+number: rows come and go several times a second, and `x` must abort the request the person chose.
 """
 
 from __future__ import annotations
@@ -26,10 +26,20 @@ def bar(done: int, total: int, width: int = 10) -> Text:
     return Text.assemble(("█" * filled, "green"), ("░" * (width - filled), "grey39"), f" {done}/{total}")
 
 
-class RequestTable(DataTable):
-    """A table of live requests; `x` or delete asks the app to abort the request under the cursor."""
+REASONS = {"slot": ("no free slot", "bold red"), "kv_pages": ("KV pages", "bold yellow"),
+           "token_budget": ("token budget", "green"), "queue": ("its turn", "grey62")}
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("x,delete", "abort_request", "Abort request")]
+
+def reason(code: str) -> Text:
+    """Why a request waits, in words (an older engine sends no reason)."""
+    text, style = REASONS.get(code, (code or "?", ""))
+    return Text(text, style)
+
+
+class RequestTable(DataTable):
+    """A table of live requests; `x` or delete asks the app to abort the selected request (it confirms)."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("x,delete", "abort_request", "Abort the selected request")]
     COLUMNS: ClassVar[tuple[str, ...]] = ()
     TITLE: ClassVar[str] = ""
 
@@ -42,6 +52,7 @@ class RequestTable(DataTable):
         super().__init__(cursor_type="row", zebra_stripes=True, classes="panel", **kwargs)  # type: ignore[arg-type]
         self.border_title = self.TITLE
         self.border_subtitle = "x: abort"
+        self.selected_rid: str | None = None
 
     def on_mount(self) -> None:
         self.add_columns(*self.COLUMNS)
@@ -69,13 +80,22 @@ class RequestTable(DataTable):
                     self.update_cell(rid, column, cell, update_width=True)
             else:
                 self.add_row(*cells, key=rid)
+        if self.selected_rid in rows:  # the cursor follows the request, wherever its row moved
+            self.move_cursor(row=self.get_row_index(self.selected_rid))
         set_titles(self, f"{self.TITLE} ({len(rows)})")
 
-    @property
-    def selected_rid(self) -> str | None:
-        if not self.row_count:
-            return None
-        return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        # A moved cursor (a key, a click) selects its row. A row removed above the cursor shifts the
+        # cursor onto another request too, but show_stats has moved it back by the time this message
+        # is read: a highlight the cursor no longer shows is stale and selects nothing.
+        if self.row_count and event.cursor_row == self.cursor_row and \
+                event.row_key == self.coordinate_to_cell_key(self.cursor_coordinate).row_key:
+            self.selected_rid = event.row_key.value
+
+    def select(self, rid: str) -> None:
+        """Select a request (a person's choice, as a cursor move would)."""
+        self.selected_rid = rid
+        self.move_cursor(row=self.get_row_index(rid))
 
     def action_abort_request(self) -> None:
         if (rid := self.selected_rid) is not None:
@@ -86,10 +106,11 @@ class WaitingTable(RequestTable):
     """The waiting queue in arrival order: admission takes from the top and stops at the first misfit."""
 
     TITLE = "Waiting queue"
-    COLUMNS = ("request", "prompt", "waited")
+    COLUMNS = ("request", "prompt", "waited", "waiting for")
 
     def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
-        return {w.rid: (names.styled(w.rid), str(w.prompt_tokens), f"{w.waited:.1f}s") for w in stats.waiting}
+        return {w.rid: (names.styled(w.rid), str(w.prompt_tokens), f"{w.waited:.1f}s", reason(w.reason))
+                for w in stats.waiting}
 
 
 class RunningTable(RequestTable):

@@ -1,0 +1,44 @@
+"""Where the model's GEMMs run: in the model dtype, or in float32 on CPUs without native bf16/fp16 GEMM.
+
+On an x86 CPU without AVX512-BF16 / AMX (e.g. plain AVX2), torch's bf16 and fp16 matmuls fall back
+to a slow path that converts inside the inner loop: 3-12x slower than MKL's float32 GEMM on the same
+numbers. Upcasting a bf16 weight to float32 is exact, a float32 GEMM accumulates in float32 as the
+bf16 kernel does, and the output is rounded back to the model dtype, so activations keep the model
+dtype's rounding; only the summation order differs (about 1 output element in 5,000 moves by one
+bf16 ulp). Weights then take twice the memory.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import LINEAR_DTYPES
+
+
+@functools.cache
+def has_native_half_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `dtype` matmuls run natively on `device` (always on GPUs; on CPUs only with bf16/fp16 ISA)."""
+    if device.type != "cpu" or dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def resolve_linear_dtype(choice: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` is float32 exactly when the device has no native GEMM for the (half) model dtype."""
+    if choice not in LINEAR_DTYPES:
+        raise ValueError(f"linear_dtype must be one of {', '.join(LINEAR_DTYPES)}; got {choice!r}")
+    if choice == "float32" or (choice == "auto" and not has_native_half_gemm(device, model_dtype)):
+        return torch.float32
+    return model_dtype
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` in the weight's storage dtype, returned in `x`'s dtype."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
