@@ -4,9 +4,11 @@ protocol, bad input, and clients that vanish. One engine subprocess serves the w
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -223,6 +225,7 @@ def test_bad_input_gets_error_replies_and_the_engine_keeps_serving(served: Engin
 
 CLIENT = """
 import sys
+import time
 from engine.service.client import EngineClient
 
 client = EngineClient(sys.argv[1])
@@ -270,3 +273,21 @@ def test_vanished_client_with_only_waiting_requests_is_caught_by_heartbeat(ops: 
     ops.wait_stats(lambda s: not s.waiting and state_of(s, held) is not None, timeout=15)
     ops.abort(held)
     ops.wait_stats(idle)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_engine_without_stats_subscribers_does_not_spin(served: EngineHandle) -> None:
+    # Once nobody subscribes, no snapshot is due, so the loop must block on its sockets; a loop that
+    # polls with a ~1 ms timeout instead burns a whole core and starves everything else on the machine.
+    with served.client() as client:
+        client.wait_stats(idle)
+    assert served.process is not None
+    before, start = cpu_seconds(served.process.pid), time.monotonic()
+    time.sleep(2.0)  # a measurement window, not synchronisation
+    used = cpu_seconds(served.process.pid) - before
+    assert used < 0.25 * (time.monotonic() - start), f"idle engine used {used:.2f} s of CPU in 2 s"

@@ -224,7 +224,7 @@ class EngineServer:
             while not self._stop:
                 self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
                 busy = self.llm.has_unfinished()
-                self._receive(0 if busy else self._ms_until_publish() if not self.encoding else 5)
+                self._receive(0 if busy else self._idle_wait_ms())
                 self._admit_encoded()
                 if self.llm.has_unfinished():
                     self._deliver(self.llm.step(self.llm.config.overlap))
@@ -238,8 +238,14 @@ class EngineServer:
         self._shutdown()
 
     # -- receiving --------------------------------------------------------------------------------
-    def _ms_until_publish(self) -> int:
-        return max(0, int((self._last_publish + STATS_INTERVAL - time.monotonic()) * 1000) + 1)
+    def _idle_wait_ms(self) -> int:
+        """How long an idle loop may block on the sockets: until the next stats snapshot is due while
+        someone subscribes, else a heartbeat interval (the health check still runs that often)."""
+        if self.encoding:
+            return 5
+        if self._topics:
+            return max(0, int((self._last_publish + STATS_INTERVAL - time.monotonic()) * 1000) + 1)
+        return int(HEARTBEAT_INTERVAL * 1000)
 
     def _receive(self, timeout_ms: int) -> None:
         ready = dict(self._poller.poll(timeout_ms))
