@@ -21,7 +21,8 @@ class EngineConfig:
     `linear_dtype` is where the GEMMs run: "model", "float32", or "auto" (float32 for a bf16/fp16 model on
     a CPU without native half-precision GEMM, where it is several times faster; see engine/model/ops.py).
     `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).
-    `overlap` schedules step N+1 while step N runs (the model in a worker thread); see docs/architecture.md;
+    `overlap` schedules step N+1 while step N runs (the model in a worker thread or on a CUDA stream);
+    None picks per device: on for CUDA, off on CPU (see `use_overlap` and docs/architecture.md);
     `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
     (when the attention backend supports them and there is one rank; see engine/cuda_graph.py).
     """
@@ -40,7 +41,7 @@ class EngineConfig:
     prefix_cache: str = "radix"
     linear_dtype: str = "auto"
     tensor_parallel_size: int = 1
-    overlap: bool = True
+    overlap: bool | None = None
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 64
 
@@ -58,6 +59,12 @@ class EngineConfig:
                              f"got {self.num_pages}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
+
+    @property
+    def use_overlap(self) -> bool:
+        """Overlap as asked, else on for CUDA (the host never waits for the device) and off on CPU, where
+        host work and the model share the same few cores and overlap measured slower served."""
+        return self.overlap if self.overlap is not None else self.device.startswith("cuda")
 
     @property
     def model_path(self) -> str:

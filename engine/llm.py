@@ -261,7 +261,7 @@ class LLM:
         wanted = set(rids)
         with tqdm(total=len(rids), desc="generate", disable=not use_tqdm) as bar:
             while wanted:
-                done = wanted.intersection(self.step(self.config.overlap).finished)
+                done = wanted.intersection(self.step(self.config.use_overlap).finished)
                 wanted -= done
                 bar.update(len(done))
         if self.loop.has_inflight:  # settle: the batch scheduled ahead may still hold finished requests' pages

@@ -35,7 +35,7 @@ ENGINE_HELP = {
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
     "max_running_requests": "Request slots: how many requests may hold KV at once.",
     "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
-    "overlap": "Schedule step N+1 while step N runs (model in a worker thread); output is identical either way.",
+    "overlap": "Schedule step N+1 while step N runs (default: on for CUDA, off on CPU); output is identical.",
     "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}
@@ -53,7 +53,7 @@ def engine_parameters() -> list[inspect.Parameter]:
     params = []
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
-        if hints[f.name] is bool:
+        if hints[f.name] in (bool, bool | None):
             flag += "/--no-" + f.name.replace("_", "-")
         params.append(option(f.name, hints[f.name], f.default, ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}"),
                              flag, *ENGINE_ALIASES.get(f.name, ())))

@@ -227,7 +227,7 @@ class EngineServer:
                 self._receive(0 if busy else self._idle_wait_ms())
                 self._admit_encoded()
                 if self.llm.has_unfinished():
-                    self._deliver(self.llm.step(self.llm.config.overlap))
+                    self._deliver(self.llm.step(self.llm.config.use_overlap))
                 self._sweep_clients()
                 self._publish()
         except Exception as e:  # the engine is going down: say so to everyone waiting, not just the log
