@@ -22,7 +22,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 import zmq
 from transformers import AutoTokenizer
@@ -32,11 +31,11 @@ from engine.service.client import AUTH_ENV, AsyncEngineClient, EngineClient, Eng
 from engine.service.launcher import EngineHandle, is_engine_process, serve_command, start, stop_engine
 from engine.service.protocol import Stats
 from engine.tokenizer import apply_chat_template, max_prompt_chars
+from tests.wire import pack, raw_dealer, reply, unpack
 
 ENGINE = dict(num_pages=512, max_running_requests=4, max_prefill_tokens=64)
 BUFFER = 64  # --client-buffer-messages: replies queued for a client that does not read
 PROBE = [5, 6, 7, 8]
-pack, unpack = msgspec.msgpack.encode, msgspec.msgpack.decode
 
 
 def idle(s: Stats) -> bool:
@@ -78,19 +77,8 @@ def ops(served: EngineHandle) -> Iterator[EngineClient]:
 
 @pytest.fixture
 def raw(served: EngineHandle) -> Iterator[zmq.Socket]:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(served.address)
-    yield sock
-    sock.close()
-
-
-def reply(sock: zmq.Socket, timeout: float = 10.0) -> dict:
-    while True:
-        assert sock.poll(int(timeout * 1000)), "the engine did not reply"
-        msg = unpack(sock.recv())
-        if msg["type"] != "heartbeat":
-            return msg
+    with raw_dealer(served.address) as sock:
+        yield sock
 
 
 def healthy(handle: EngineHandle, baseline: list[int], client: EngineClient | None = None) -> Stats:

@@ -9,9 +9,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 import zmq
 
@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams
 from engine.service.client import EngineClient, EngineError
 from engine.service.launcher import EngineHandle, start
 from engine.service.protocol import Delta, Final, Stats
+from tests.wire import pack, raw_dealer, reply
 
 ROOT = Path(__file__).resolve().parent.parent
 # Few slots, a 4-token prefill budget and a big KV pool: a long prompt stays mid-chunk for hundreds of
@@ -28,7 +29,6 @@ ENGINE = dict(num_pages=512, max_running_requests=4, max_prefill_tokens=4)
 MAX_WAITING = 40
 MAX_TOKENS = 6
 LONG_PROMPT = [(i * 7) % 380 + 2 for i in range(2000)]
-pack, unpack = msgspec.msgpack.encode, msgspec.msgpack.decode
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +51,9 @@ def ops(served: EngineHandle) -> EngineClient:
 
 
 @pytest.fixture
-def raw(served: EngineHandle) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(served.address)
-    yield sock
-    sock.close()
-
-
-def reply(sock: zmq.Socket, timeout: float = 10.0) -> dict:
-    while True:
-        assert sock.poll(int(timeout * 1000)), "the engine did not reply"
-        msg = unpack(sock.recv())
-        if msg["type"] != "heartbeat":
-            return msg
+def raw(served: EngineHandle) -> Iterator[zmq.Socket]:
+    with raw_dealer(served.address) as sock:
+        yield sock
 
 
 def idle(s: Stats) -> bool:

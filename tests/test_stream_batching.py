@@ -7,18 +7,16 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-import msgspec
 import pytest
-import zmq
 
 from engine import LLM, SamplingParams
 from engine.service.launcher import EngineHandle, start
+from tests.wire import pack, raw_dealer, reply
 
 ENGINE = dict(max_running_requests=16, num_pages=256)
 PROMPTS = [[(i * 11 + k) % 380 + 2 for k in range(2 + i)] for i in range(8)]
 VICTIM = [5, 6, 7]
 MAX_TOKENS = 24
-pack, unpack = msgspec.msgpack.encode, msgspec.msgpack.decode
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["overlap", "sequential"])
@@ -31,19 +29,8 @@ def served(request: pytest.FixtureRequest, long_ckpt: Path, tmp_path_factory: py
         handle.stop()
 
 
-def next_message(sock: zmq.Socket, timeout: float = 30.0) -> dict:
-    while True:
-        assert sock.poll(int(timeout * 1000)), "the engine went quiet"
-        msg = unpack(sock.recv())
-        if msg["type"] != "heartbeat":
-            return msg
-
-
 def test_many_requests_one_client_every_token_once_in_order(served: EngineHandle, long_ckpt: Path) -> None:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(served.address)
-    try:
+    with raw_dealer(served.address) as sock:
         sock.send(pack({"type": "submit", "rid": "victim", "token_ids": VICTIM,
                         "params": {"max_tokens": 5000, "ignore_eos": True}}))
         for i, prompt in enumerate(PROMPTS):
@@ -55,7 +42,7 @@ def test_many_requests_one_client_every_token_once_in_order(served: EngineHandle
         after_victim = 0  # items of other requests that arrived after the victim's final
         acked = abort_sent = False
         while len(finals) < len(PROMPTS) + 1 or not acked:
-            msg = next_message(sock)
+            msg = reply(sock, timeout=30.0)
             if msg["type"] == "aborted":
                 acked = msg["rid"] == "victim"
                 continue
@@ -73,8 +60,6 @@ def test_many_requests_one_client_every_token_once_in_order(served: EngineHandle
             if not abort_sent and len(tokens["victim"]) >= 2:
                 sock.send(pack({"type": "abort", "rid": "victim"}))
                 abort_sent = True
-    finally:
-        sock.close()
 
     assert widest >= 2, "no step carried more than one request"
     expected = LLM(str(long_ckpt), **ENGINE).generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))

@@ -11,11 +11,9 @@ import time
 import torch
 from tqdm import tqdm
 
+from engine.model.loader import TORCH_DTYPES
 from tui.bench.metrics import RequestRecord
 from tui.bench.workload import BenchRequest
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def generated_len(row: list[int], eos_ids: set[int], wanted: int, ignore_eos: bool) -> int:
     """Tokens this request asked for and got: the batch runs to its longest member, and stops at EOS."""
@@ -32,7 +30,7 @@ def run_hf_baseline(model_path: str, workload: list[BenchRequest], concurrency: 
     """Returns per-request records (E2E only: nothing streams) and the wall-clock duration."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype]).to(device).eval()
     pad = 0
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
