@@ -15,6 +15,7 @@ from engine.model.loader import TORCH_DTYPES
 from tui.bench.metrics import RequestRecord
 from tui.bench.workload import BenchRequest
 
+
 def generated_len(row: list[int], eos_ids: set[int], wanted: int, ignore_eos: bool) -> int:
     """Tokens this request asked for and got: the batch runs to its longest member, and stops at EOS."""
     row = row[:wanted]
