@@ -410,6 +410,21 @@ def test_keys_apply_in_the_order_typed(engine: str) -> None:
     run(scenario)
 
 
+def test_keys_apply_in_the_order_typed_in_the_command_palette(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=f"ipc://{tmp_path}/nobody.sock", autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("ctrl+p")
+            await wait_for(pilot, lambda: isinstance(app.focused, Input) and CommandPalette.is_open(app), "the palette")
+            search = app.focused
+            assert isinstance(search, Input)
+            burst(app, *"abc", "ctrl+u", *"theme")
+            await wait_for(pilot, lambda: search.value.endswith("heme"), f"the search text (now {search.value!r})")
+            assert search.value == "theme"
+
+    run(scenario)
+
+
 def test_a_message_sent_while_a_reply_streams_waits_its_turn(engine: str) -> None:
     async def scenario() -> None:
         app = MinichatApp(EngineLink(address=engine, autostart=False))

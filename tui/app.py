@@ -23,6 +23,7 @@ from textual.content import Content
 from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.screen import Screen
+from textual.theme import ThemeProvider
 from textual.widget import Widget
 from textual.widgets import Footer, Static, TabbedContent, TabPane, Tabs
 
@@ -32,6 +33,7 @@ from tui.commands import BY_NAME, COMMANDS, Command, parse_fanout, parse_slash
 from tui.dialogs import AskScreen, ConfirmScreen
 from tui.help import HelpScreen
 from tui.link import EngineLink, LinkState
+from tui.palette import Palette
 from tui.panels import PANELS, OpsPanels, RequestTable
 from tui.panels.base import update_text
 from tui.session import SETTINGS, Session, parse_setting
@@ -402,6 +404,15 @@ class MinichatApp(App[None]):
 
         question = f"{command.title} ({command.arg}): {command.help}"
         self.push_screen(AskScreen(question, self.current_value(command.name), select=True), answered)
+
+    def action_command_palette(self) -> None:
+        """Textual's palette, with a search box that applies keys in the order typed (tui/palette.py)."""
+        if self.use_command_palette and not Palette.is_open(self):
+            self.push_screen(Palette(id="--command-palette"))
+
+    def search_themes(self) -> None:
+        """The palette's "Theme" command: the same in-order search box, over the themes."""
+        self.push_screen(Palette(providers=[ThemeProvider], placeholder="Search for themes…"))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)

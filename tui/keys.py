@@ -12,17 +12,25 @@ from __future__ import annotations
 from typing import Any
 
 from textual import events
+from textual.binding import BindingsMap
+from textual.dom import DOMNode
 
 
 class InOrderKeys:
     """Mix in before a Textual text widget (TextArea, Input) to run its bindings in typing order.
     (A plain mixin: a Widget base here would hide the text widget's component classes.)"""
 
+    def _in_order_bindings(self) -> list[tuple[DOMNode, BindingsMap]]:
+        """The bindings run on arrival, nearest first: the box's own."""
+        widget: Any = self
+        return [(widget, widget._bindings)]
+
     async def _on_key(self, event: events.Key) -> None:
         widget: Any = self
-        for binding in widget._bindings.key_to_bindings.get(event.key, ()):
-            if not binding.priority and await widget.app.run_action(binding.action, widget):
-                event.stop()
-                event.prevent_default()
-                return
+        for node, bindings in self._in_order_bindings():
+            for binding in bindings.key_to_bindings.get(event.key, ()):
+                if not binding.priority and await widget.app.run_action(binding.action, node):
+                    event.stop()
+                    event.prevent_default()
+                    return
         await super()._on_key(event)  # type: ignore[misc]
