@@ -30,7 +30,7 @@ from engine.model.loader import (
 )
 from engine.outputs import RequestOutput, StepResult
 from engine.prompt import Prompt
-from engine.request import Req, SamplingParams
+from engine.request import PromptTooLong, Req, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
@@ -167,9 +167,10 @@ class LLM:
             raise ValueError("stop strings need a tokenizer, and this checkpoint has none")
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, but at most {self.max_seq_len - 1} fit (model context "
-                             f"{self.model.spec.max_position_embeddings}, KV pool {self.num_pages} pages x "
-                             f"{self.config.page_size} tokens); shorten the prompt or enlarge the pool")
+            raise PromptTooLong(f"the prompt has {len(ids)} tokens, but at most {self.max_seq_len - 1} fit "
+                                f"(model context {self.model.spec.max_position_embeddings}, KV pool "
+                                f"{self.num_pages} pages x {self.config.page_size} tokens); shorten the prompt or "
+                                "enlarge the pool")
         rid = rid if rid is not None else uuid.uuid4().hex[:12]
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use; choose another")

@@ -19,6 +19,10 @@ MAX_STOP_CHARS = 256
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
+
+class PromptTooLong(ValueError):
+    """The prompt alone does not fit the context (or the KV pool): the caller must shorten it."""
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. `temperature == 0` means greedy."""

@@ -191,7 +191,7 @@ def test_7_huge_prompts_do_not_stall_streams_or_pings(served: EngineHandle, base
         msg = reply(raw, timeout=60)
         codes[msg["rid"]] = msg["code"]
     backlog = time.monotonic() - sent  # what the tokenizer worker took for the six it encoded
-    assert codes == {f"huge-{i}": "invalid_request" for i in range(len(huge))}
+    assert codes == {f"huge-{i}": "prompt_too_long" for i in range(len(huge))}
     ops.abort(out.rid)
     *_, final = stream
     assert final.finish_reason == "abort"

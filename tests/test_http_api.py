@@ -216,7 +216,7 @@ def test_prompt_longer_than_the_context_is_400(server, engine):
     too_long = [7] * (engine.info().max_seq_len + 1)
     with pytest.raises(openai.BadRequestError) as e:
         server.sdk().completions.create(model="tiny", prompt=too_long, max_tokens=2, stream=True)
-    assert_error(e.value, 400)
+    assert_error(e.value, 400, code="prompt_too_long")
     assert "tokens" in e.value.response.json()["error"]["message"]
 
 

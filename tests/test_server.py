@@ -166,7 +166,7 @@ BAD = [
     ([submit(prompt=None, token_ids=[])], "invalid_request", "bad"),
     ([submit(prompt=None, token_ids=[1, 999_999])], "invalid_request", "bad"),
     ([submit(prompt=None, token_ids=[-1])], "invalid_request", "bad"),
-    ([submit(prompt=None, token_ids=[7] * 9000)], "invalid_request", "bad"),
+    ([submit(prompt=None, token_ids=[7] * 9000)], "prompt_too_long", "bad"),
     ([submit(params={"max_tokens": 0})], "invalid_params", "bad"),
     ([submit(params={"temperature": -1.0})], "invalid_params", "bad"),
     ([submit(params={"top_p": 0.0})], "invalid_params", "bad"),

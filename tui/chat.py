@@ -309,10 +309,9 @@ class ChatPane(Vertical):
                     self.session.learn(messages, reply)
                     break
                 except EngineError as e:
-                    # the guess of the history's tokens was short (engine/llm.py's refusal): send the
-                    # prompt alone once, before giving up
+                    # the guess of the history's tokens was short: send the prompt alone once, before giving up
                     alone = len(self.session.turns) - 1
-                    if "tokens, but at most" not in e.message or self.session.context_start >= alone:
+                    if e.code != "prompt_too_long" or self.session.context_start >= alone:
                         raise
                     self.session.context_start = alone
                     await self.show_context_mark()

@@ -130,8 +130,8 @@ class Outputs(_EngineMsg, tag="outputs"):
 class Error(_EngineMsg, tag="error"):
     """A refused or malformed message. `rid` names the request it concerns, when known.
 
-    Codes: bad_message, invalid_request, invalid_params, duplicate_request, unknown_request,
-    overloaded, internal.
+    Codes: bad_message, invalid_request, invalid_params, prompt_too_long (the prompt alone exceeds the
+    context: shorten it), duplicate_request, unknown_request, overloaded, internal.
     """
 
     code: str

@@ -33,7 +33,7 @@ import engine
 from engine.config import DEMO_MODEL_DIR, EngineConfig
 from engine.llm import LLM
 from engine.outputs import Delta, StepResult
-from engine.request import Req, SamplingParams
+from engine.request import PromptTooLong, Req, SamplingParams
 from engine.service import protocol
 from engine.service.addresses import (
     AddressError,
@@ -318,7 +318,7 @@ class EngineServer:
         else:  # text: tokenized off the loop, after a size check that costs nothing
             chars = len(msg.prompt) if msg.prompt is not None else sum(len(m.content) for m in msg.messages or ())
             if chars > self._max_prompt_chars:
-                raise Refused("invalid_request", f"the prompt has {chars} characters, more than the "
+                raise Refused("prompt_too_long", f"the prompt has {chars} characters, more than the "
                                                  f"{self.llm.max_seq_len - 1} tokens that fit could spell")
             prompt = msg.prompt if msg.prompt is not None else [msgspec.structs.asdict(m) for m in msg.messages or ()]
             self.encoding[rid] = _Encoding(identity, self._tokenizer.submit(self.llm.encode_prompt, prompt), params,
@@ -329,6 +329,8 @@ class EngineServer:
     def _add(self, identity: bytes, rid: str, ids: list[int], params: SamplingParams, arrival: float) -> None:
         try:
             self.llm.add_request(ids, params, rid)
+        except PromptTooLong as e:
+            raise Refused("prompt_too_long", str(e)) from e
         except ValueError as e:
             raise Refused("invalid_request", str(e)) from e
         req = self.llm.request(rid)
