@@ -30,6 +30,31 @@ def _split_bounds(kv_len, split, min_split_len, NUM_SPLITS: tl.constexpr):
 
 
 @triton.jit
+def attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, start, end, kv_head,
+                    stride_ct, stride_ch, sm_scale, d, d_mask, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax pass of a query block [rows, BLOCK_D] over keys `start..end` of one request, read
+    from the pool through its `kv_indices` slots (no mask beyond `end`); returns the updated running max,
+    sum and accumulator. Shared by grouped decode and by extend's cached prefix."""
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        slots = tl.load(kv_indices_ptr + kv_start + n, mask=n_mask, other=0).to(tl.int64)
+        offs = slots[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+        tile_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+        qk = tl.where(n_mask[None, :], qk, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        v = tl.load(v_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_ptr, part_out_ptr, part_lse_ptr,
                    sm_scale, min_split_len, stride_qt, stride_qh, stride_ct, stride_ch,
                    stride_pb, stride_ph, stride_ps,
@@ -97,22 +122,8 @@ def _decode_grouped_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_in
         m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = n < end
-            slots = tl.load(kv_indices_ptr + kv_start + n, mask=n_mask, other=0).to(tl.int64)
-            offs = slots[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
-            tile_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-            qk = tl.where(n_mask[None, :], qk, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            v = tl.load(v_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+        m_i, l_i, acc = attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, start,
+                                        end, kv_head, stride_ct, stride_ch, sm_scale, d, d_mask, BLOCK_N, PRECISION)
         base = b * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None],
                  mask=h_mask[:, None] & d_mask[None, :])

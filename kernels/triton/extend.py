@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.decode import dot_precision
+from kernels.triton.decode import attend_gathered, dot_precision
 
 
 @triton.jit
@@ -42,22 +42,9 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qo_in
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
         # Cached prefix, gathered by slot: no mask beyond its length.
-        for n0 in range(0, prefix_len, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = n < prefix_len
-            slots = tl.load(kv_indices_ptr + kv_start + n, mask=n_mask, other=0).to(tl.int64)
-            offs = slots[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
-            tile_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-            qk = tl.where(n_mask[None, :], qk, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            v = tl.load(v_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+        m_i, l_i, acc = attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, 0,
+                                        prefix_len, kv_head, stride_ct, stride_ch, sm_scale, d, d_mask, BLOCK_N,
+                                        PRECISION)
 
         # This step's tokens, causal; keys past the block's last row are invisible to all its rows.
         new_end = tl.minimum(q_len, (m_block + 1) * BLOCK_M)
