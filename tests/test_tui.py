@@ -108,6 +108,15 @@ def last_reply(app: MinichatApp) -> Reply:
     return app.current.session.turns[-1].reply
 
 
+async def streaming_reply(pilot: Pilot, text: str) -> Reply:
+    """Send `text` in a session whose replies run until aborted; return the reply once it streams."""
+    await long_replies(pilot)
+    await type_and_send(pilot, text)
+    reply = last_reply(pilot.app)
+    await wait_for(pilot, lambda: reply.text, "a streaming reply")
+    return reply
+
+
 def test_send_message_streams_a_markdown_reply(engine: str) -> None:
     async def scenario() -> None:
         app = MinichatApp(EngineLink(address=engine, autostart=False))
@@ -236,10 +245,7 @@ def test_engine_death_keeps_the_conversation_and_reconnects(long_ckpt: Path, tmp
         app = MinichatApp(EngineLink(address=address, autostart=False))
         async with app.run_test(size=SIZE) as pilot:
             await connected_app(pilot)
-            await long_replies(pilot)
-            await type_and_send(pilot, "The quick brown fox")
-            reply = last_reply(app)
-            await wait_for(pilot, lambda: reply.text, "a streaming reply")
+            reply = await streaming_reply(pilot, "The quick brown fox")
             os.kill(handle.pid, signal.SIGKILL)
             await wait_for(pilot, lambda: app.link.state.kind == "lost", "the lost state")
             await wait_for(pilot, lambda: reply.state == "interrupted", "the reply marked interrupted")
@@ -430,10 +436,7 @@ def test_a_message_sent_while_a_reply_streams_waits_its_turn(engine: str) -> Non
         app = MinichatApp(EngineLink(address=engine, autostart=False))
         async with app.run_test(size=SIZE) as pilot:
             await connected_app(pilot)
-            await long_replies(pilot)
-            await type_and_send(pilot, "first")
-            first = last_reply(app)
-            await wait_for(pilot, lambda: first.text, "a streaming reply")
+            first = await streaming_reply(pilot, "first")
             await type_and_send(pilot, "second, typed meanwhile")
             pane = app.current
             assert pane is not None and box(app).text == "" and len(pane.session.turns) == 1
@@ -523,10 +526,7 @@ def test_quit_asks_while_a_reply_streams(engine: str) -> None:
         app = MinichatApp(EngineLink(address=engine, autostart=False))
         async with app.run_test(size=SIZE) as pilot:
             await connected_app(pilot)
-            await long_replies(pilot)
-            await type_and_send(pilot, "keep going")
-            reply = last_reply(app)
-            await wait_for(pilot, lambda: reply.text, "a streaming reply")
+            reply = await streaming_reply(pilot, "keep going")
             await pilot.press("ctrl+q")
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
             assert shown(app.screen.query_one(Label)) == "Quit minichat? 1 reply is still streaming."
