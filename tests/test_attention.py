@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.attention import build_metadata, make_backend
+from kernels.attention.base import AttentionShape
 
 
 def naive_attention(q, k_cache, v_cache, table, rows, q_lens, kv_lens, scale):
@@ -43,6 +44,7 @@ def test_backend_matches_naive(backend_name, q_lens, kv_lens, heads):
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     out_slots = torch.cat([table[r, kl - ql : kl] for r, ql, kl in zip(rows.tolist(), q_lens, kv_lens, strict=True)])
     backend = make_backend(backend_name, "cpu")
+    backend.setup(AttentionShape(hq, hkv, d, torch.float32, d**-0.5), torch.device("cpu"))
     meta = build_metadata(q_lens, kv_lens, rows, table)
     assert torch.equal(meta.out_slots, out_slots)
     assert torch.equal(meta.kv_indices.long(), torch.cat([table[r, :kl] for r, kl in zip(rows.tolist(), kv_lens,

@@ -12,6 +12,7 @@ import torch
 from engine import LLM
 from engine.cuda_graph import graph_buckets
 from kernels.attention import build_metadata, make_backend, resolve_backend_name
+from kernels.attention.base import AttentionShape
 from kernels.attention.triton import TritonBackend
 from kernels.triton.decode import decode_attention
 from kernels.triton.extend import extend_attention
@@ -126,6 +127,7 @@ def test_backend_matches_torch_backend(case, dtype):
     outs, caches = [], []
     for name in ("torch", "triton"):
         backend = make_backend(name, "cpu")
+        backend.setup(AttentionShape(*GROUPS["group2"], HEAD_DIM, dtype, HEAD_DIM**-0.5), torch.device("cpu"))
         kc, vc = k_cache.clone(), v_cache.clone()
         outs.append(backend.forward(q, k, v, kc, vc, backend.prepare(meta), HEAD_DIM**-0.5))
         caches.append((kc, vc))

@@ -116,7 +116,10 @@ def rope_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Ten
 
 
 class RMSNorm(nn.Module):
-    """Normalise in float32, scale in the model dtype: the same rounding as transformers."""
+    """Normalise in float32, scale in the model dtype: the same rounding as transformers.
+
+    `F.rms_norm` is one fused pass on the CPU where the written-out formula is five; a float32 model
+    folds the weight in too (a half-precision one must round before scaling, as transformers does)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -124,15 +127,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin`, with the half swap's sign folded into the table
+    (`signed_sin` = [-sin, sin] by halves; negation is exact, so the products round the same), which
+    leaves four passes over x instead of six."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class DecoderLayer(nn.Module):
@@ -156,20 +161,22 @@ class DecoderLayer(nn.Module):
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, tp)
         self.scale = spec.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, kv: KVPool,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, layer: int, kv: KVPool,
                 backend: AttentionBackend, meta: object) -> torch.Tensor:
         spec, tokens = self.spec, x.shape[0]
         residual = x
         h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, spec.head_dim)
-        k = k.view(tokens, self.num_kv_heads, spec.head_dim)
-        v = v.view(tokens, self.num_kv_heads, spec.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        attn = backend.forward(q, k, v.contiguous(), kv.k(layer), kv.v(layer), meta, self.scale)
+        qkv = self.qkv_proj(h)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, spec.head_dim)
+        if self.q_norm is None:  # one RoPE pass over the query and key heads together
+            qk = apply_rope(qkv[:, :qk_size].view(tokens, -1, spec.head_dim), cos, signed_sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:  # Qwen3 normalises q and k per head, with separate weights, before RoPE
+            q = self.q_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, spec.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, spec.head_dim))
+            q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
+        attn = backend.forward(q, k, v, kv.k(layer), kv.v(layer), meta, self.scale)
         x = residual + self.o_proj(attn.reshape(tokens, self.q_size))
         residual = x
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
@@ -242,14 +249,16 @@ class CausalLM(nn.Module):
         self._finish_loading()
 
     def _finish_loading(self) -> None:
-        """Tie the output head and build the RoPE cos/sin table once for every position."""
+        """Tie the output head and build the RoPE table (cos, signed sin; see `apply_rope`) for every position."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         device = self.embed_tokens.weight.device
         pos = torch.arange(self.spec.max_position_embeddings, dtype=torch.float, device=device)
         freqs = pos[:, None] * self.spec.inv_freq.to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_sin = torch.stack((emb.cos(), emb.sin())) * self.spec.rope_scaling
+        sin = emb.sin()
+        signed_sin = torch.cat((-sin[:, : freqs.shape[1]], sin[:, freqs.shape[1] :]), dim=-1)
+        self.cos_sin = torch.stack((emb.cos(), signed_sin)) * self.spec.rope_scaling
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
@@ -258,8 +267,9 @@ class CausalLM(nn.Module):
         (under tensor parallelism on rank 0 only; other ranks get None)."""
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a tied embedding may be stored upcast
         cos_sin = self.cos_sin[:, positions, None, :].to(x.dtype)
-        cos, sin = cos_sin[0], cos_sin[1]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, kv, backend, meta)
-        logits = self.lm_head(self.norm(x[logits_index]))
+            x = layer(x, cos_sin[0], cos_sin[1], i, kv, backend, meta)
+        if logits_index.numel() != x.shape[0]:  # as many sampled rows as tokens: every row, in order
+            x = x[logits_index]
+        logits = self.lm_head(self.norm(x))
         return None if logits is None else logits.float()
