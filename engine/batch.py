@@ -33,17 +33,18 @@ class SamplingBatch:
 class ForwardBatch:
     """One step's flat token axis (all requests' new tokens concatenated) and where its outputs go.
 
-    A prefill step feeds prompt tokens, which the host knows: they travel in `input_ids`. A decode
-    step feeds the tokens the previous step sampled, which the host may not have seen yet (overlap):
-    `input_ids` is None and `run` reads them from the token table at `input_index` (flat
-    `slot * max_len + position`), where that step's sampler wrote them. Either way the batch carries
-    all a runner needs besides the token table its own `run` fills.
+    The first `num_decode` requests decode (one token each); the rest feed prompt tokens. Prompt
+    tokens are known to the host: they travel in `input_ids`. A decode token is the one the previous
+    step sampled, which the host may not have seen yet (overlap), so `run` reads it from the token
+    table at `input_index` (flat `slot * max_len + position`), where that step's sampler wrote it.
+    Either way the batch carries all a runner needs besides the token table its own `run` fills.
     """
 
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "mixed" (decode requests first, then prompt chunks)
     reqs: list[Req] = field(repr=False)  # host side, read by `process` only
     sample_rows: list[int]  # indices into `reqs` of the requests that sample this step
-    input_ids: torch.Tensor | None  # int64 [T] for prefill; None for decode (read at `input_index`)
+    num_decode: int  # leading requests (and tokens) that decode
+    input_ids: torch.Tensor | None  # int64 [T - num_decode]: the prompt tokens; None when there are none
     input_index: torch.Tensor  # int64 [T]: flat token-table index of each input token
     positions: torch.Tensor  # int64 [T]
     logits_index: torch.Tensor  # int64 [S]: flat token rows whose logits are sampled

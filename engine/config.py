@@ -23,6 +23,8 @@ class EngineConfig:
     `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).
     `overlap` schedules step N+1 while step N runs (the model in a worker thread or on a CUDA stream);
     None picks per device: on for CUDA, off on CPU (see `use_overlap` and docs/architecture.md);
+    `mixed_batches` lets running requests decode in the same step as a prefill (see `Scheduler.schedule`);
+    off, a step is prefill only or decode only, as in the seed's walkthrough.
     `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
     (when the attention backend supports them and there is one rank; see engine/cuda_graph.py).
     """
@@ -42,6 +44,7 @@ class EngineConfig:
     linear_dtype: str = "auto"
     tensor_parallel_size: int = 1
     overlap: bool | None = None
+    mixed_batches: bool = True
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 64
 

@@ -129,7 +129,8 @@ class LLM:
                                   capture=self.device.type == "cuda")
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, self.tp, self.workers,
                                   graphs)
-        self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids)
+        self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids,
+                                   cfg.mixed_batches)
         self.loop = StepLoop(self.scheduler, self.runner)
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self._uid = 0

@@ -21,10 +21,11 @@ class Delta:
 
 @dataclass
 class StepResult:
-    """One scheduler step: a prefill batch, a decode batch, or nothing to do.
+    """One scheduler step: a prefill, decode or mixed batch (`kind`), or nothing to do ("idle").
 
-    `rids` lists the batch members in batch order; `finished` the requests that ended during the
-    step (including aborts since the previous step); `deltas` the streamed output.
+    `rids` lists the batch members in batch order (decoding ones first); `finished` the requests that
+    ended during the step (including aborts since the previous step); `deltas` the streamed output.
+    Of `num_tokens`, `num_decode_tokens` were decode tokens (one per running request), the rest prompt.
     """
 
     kind: str
@@ -33,6 +34,11 @@ class StepResult:
     deltas: list[Delta] = field(default_factory=list)
     num_tokens: int = 0
     duration: float = 0.0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
 
 
 @dataclass

@@ -43,8 +43,9 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [S, vocab] for the batch's sampled rows (intermediate prefill chunks get none)."""
         input_ids = batch.input_ids
-        if input_ids is None:  # decode: the tokens the previous step's sampler wrote
-            input_ids = self.table.token_ids.view(-1)[batch.input_index]
+        if batch.num_decode:  # decode tokens: what the previous step's sampler wrote to the token table
+            sampled = self.table.token_ids.view(-1)[batch.input_index[: batch.num_decode]]
+            input_ids = sampled if input_ids is None else torch.cat((sampled, input_ids))
         graphs = self.graphs  # never set under tensor parallelism
         if graphs is not None and batch.kind == "decode" and graphs.bucket(len(batch.attn.q_lens)) is not None:
             return graphs.run(input_ids, batch.positions, batch.attn)

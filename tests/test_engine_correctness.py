@@ -54,8 +54,8 @@ def test_prefill_budget_forces_chunking(checkpoints, hf, family, overlap):
     chunked_steps = 0
     while llm.has_unfinished():
         res = llm.step(overlap)
-        if res.kind == "prefill":
-            assert res.num_tokens <= 7
+        assert res.num_prefill_tokens <= 7  # decode tokens riding along in a mixed step are not prefill budget
+        if res.num_prefill_tokens:
             chunked_steps += any(r.state == "prefilling" for r in llm.stats().running)
     assert chunked_steps > 0, "no prompt was ever chunked"
     del rids
@@ -92,6 +92,30 @@ def test_fewer_slots_than_requests(checkpoints, hf, family, overlap):
         res = llm.step(overlap)
         assert len(res.rids) <= 3
     assert_matches_hf(llm, path, hf, prompts, max_tokens=6)
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "unmixed"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixed_batches(checkpoints, hf, family, mixed, overlap):
+    """Requests that end at different steps free slots for newcomers while others still decode: with
+    mixed batches those decode inside the newcomers' prefill steps; without, such steps are prefill
+    only. Every request's tokens equal transformers' either way."""
+    path = checkpoints[family]
+    llm = LLM(str(path), max_running_requests=3, mixed_batches=mixed, overlap=overlap)
+    prompts = mixed_prompts(7, seed=8)
+    budgets = {llm.add_request(p, SamplingParams(max_tokens=3 + 2 * i)): (p, 3 + 2 * i)
+               for i, p in enumerate(prompts)}
+    tokens: dict[str, list[int]] = {rid: [] for rid in budgets}
+    kinds = set()
+    while llm.has_unfinished():
+        res = llm.step(overlap)
+        kinds.add(res.kind)
+        for d in res.deltas:
+            tokens[d.rid] += d.token_ids
+    assert ("mixed" in kinds) == mixed and {"prefill", "decode"} <= kinds
+    for rid, (prompt, n) in budgets.items():
+        assert tokens[rid] == hf.greedy(path, prompt, n, eos=sorted(llm.eos_ids)), f"{rid} diverged"
+    llm.check_integrity()
 
 
 def test_everything_tight_at_once(llama_ckpt, hf, overlap):

@@ -17,22 +17,28 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
-def replay_a_b_c(llama_ckpt, a_tokens: int) -> tuple[LLM, list[tuple[str, list[str], list[str]]]]:
+Replay = tuple[LLM, list[tuple[str, list[str], list[str]]], dict[str, list[int]]]
+
+
+def replay_a_b_c(llama_ckpt, a_tokens: int, mixed: bool = False) -> Replay:
     """The seed's section 5.2 setup: two slots, A needs `a_tokens`, B 5 and C 2 output tokens, C arrives
-    after step 0. Returns the engine and each step's (kind, members, finished) until all are done."""
-    llm = LLM(str(llama_ckpt), max_running_requests=2)
+    after step 0. Returns the engine, each step's (kind, members, finished) until all are done, and
+each request's streamed tokens.
+    The seed's scheduler never mixes prefill and decode in one step (`mixed_batches=False`)."""
+    llm = LLM(str(llama_ckpt), max_running_requests=2, mixed_batches=mixed)
     llm.add_request([1, 2, 3], greedy(a_tokens), rid="A")
     llm.add_request([4, 5, 6, 7], greedy(5), rid="B")
     steps = [llm.step()]
     llm.add_request([8, 9], greedy(2), rid="C")
     while llm.has_unfinished():
         steps.append(llm.step())
-    return llm, [(s.kind, s.rids, s.finished) for s in steps]
+    outputs = {rid: [t for s in steps for d in s.deltas if d.rid == rid for t in d.token_ids] for rid in "ABC"}
+    return llm, [(s.kind, s.rids, s.finished) for s in steps], outputs
 
 
 def test_seed_worked_example_a_b_c(llama_ckpt):
     """Section 5.2: A/B/C need 2/5/2 tokens; the six steps are exactly the seed's table."""
-    llm, table = replay_a_b_c(llama_ckpt, a_tokens=2)
+    llm, table, _ = replay_a_b_c(llama_ckpt, a_tokens=2)
     assert table == [
         ("prefill", ["A", "B"], []),
         ("decode", ["A", "B"], ["A"]),
@@ -44,8 +50,25 @@ def test_seed_worked_example_a_b_c(llama_ckpt):
     llm.check_integrity()
 
 
+def test_mixed_batches_let_b_decode_while_c_prefills(llama_ckpt):
+    """The same arrivals with mixed batches (the default): C's prefill carries B's decode token, so B
+    never waits a step for it and the work takes five steps instead of six; outputs are unchanged."""
+    llm, table, outputs = replay_a_b_c(llama_ckpt, a_tokens=2, mixed=True)
+    assert table == [
+        ("prefill", ["A", "B"], []),
+        ("decode", ["A", "B"], ["A"]),
+        ("mixed", ["B", "C"], []),
+        ("decode", ["B", "C"], ["C"]),
+        ("decode", ["B"], ["B"]),
+    ]
+    llm.check_integrity()
+    counters = llm.stats().counters
+    assert counters.prefill_tokens == 3 + 4 + 2 and counters.decode_tokens == 2 + 1 + 2 + 1
+    assert outputs == replay_a_b_c(llama_ckpt, a_tokens=2, mixed=False)[2]
+
+
 def test_seed_exercise_4_one_token_a_frees_its_slot_at_step_0(llama_ckpt):
-    llm, table = replay_a_b_c(llama_ckpt, a_tokens=1)
+    llm, table, _ = replay_a_b_c(llama_ckpt, a_tokens=1)
     assert table[:3] == [
         ("prefill", ["A", "B"], ["A"]),
         ("prefill", ["C"], []),

@@ -29,8 +29,9 @@ from kernels.attention.base import build_metadata
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: CacheManager, table: RequestTable, max_prefill_tokens: int,
-                 eos_ids: set[int]) -> None:
+                 eos_ids: set[int], mixed_batches: bool = True) -> None:
         self.runner = runner
+        self.mixed_batches = mixed_batches
         self.cache = cache
         self.table = table
         self.page_size = cache.page_size
@@ -82,20 +83,29 @@ class Scheduler:
 
     def idle(self) -> StepResult:
         """The result of a step with nothing to run (it still carries aborts' final deltas)."""
-        return self._result("idle", [], 0, 0.0)
+        return self._result("idle", [], 0, 0.0, 0)
 
     # -- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> ForwardBatch | None:
-        """Pick the next batch (a prefill batch if one can be formed, else decode), claim its KV pages
-        and build its tensors and attention metadata; None when there is nothing to run."""
+        """Pick the next batch, claim its KV pages and build its tensors and attention metadata; None
+        when there is nothing to run.
+
+        A prefill batch is formed whenever one can be; with `mixed_batches` the running requests ride
+        along in it, one decode token each, ahead of the prompt tokens ("mixed"), so a request arriving
+        never stalls the ones already generating (and the weights are read once for both). Otherwise
+        the step is prefill only, as in the seed, or decode."""
         start = time.perf_counter()
-        kind, reqs = "prefill", None
+        prefill = decode = None
         if self.prefill_manager.runnable:  # the reservation sum is only needed to admit someone
-            reqs = self.prefill_manager.schedule_next_batch(self.prefill_budget, self.decode_manager.inflight_pages())
-        if reqs is None:
-            kind, reqs = "decode", self.decode_manager.schedule_next_batch()
-        if reqs is None:
+            prefill = self.prefill_manager.schedule_next_batch(self.prefill_budget,
+                                                               self.decode_manager.inflight_pages())
+        if prefill is None or self.mixed_batches:
+            decode = self.decode_manager.schedule_next_batch()
+        if prefill is None and decode is None:
             return None
+        kind = "decode" if prefill is None else "prefill" if decode is None else "mixed"
+        decode = decode or []
+        reqs = decode + (prefill or [])
         self._allocate_kv(reqs)
         width = self.table.max_len
         input_index: list[int] = []
@@ -106,7 +116,7 @@ class Scheduler:
             start_pos, end = req.cached_len, req.cached_len + req.extend_len
             base = req.slot * width
             input_index += range(base + start_pos, base + end)
-            if kind == "prefill":
+            if i >= len(decode):
                 input_ids += req.tokens(start_pos, end)
             positions += range(start_pos, end)
             q_lens.append(req.extend_len)
@@ -120,8 +130,8 @@ class Scheduler:
         rows = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=dev)
         sampled = [reqs[i] for i in sample_rows]
         batch = ForwardBatch(
-            kind=kind, reqs=reqs, sample_rows=sample_rows,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev) if kind == "prefill" else None,
+            kind=kind, reqs=reqs, sample_rows=sample_rows, num_decode=len(decode),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev) if input_ids else None,
             input_index=torch.tensor(input_index, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             logits_index=torch.tensor(logits_at, dtype=torch.int64, device=dev),
@@ -169,9 +179,10 @@ class Scheduler:
             if req in self._unreleased and req.inflight == 0:
                 self._release(req)
         self.counters["steps"] += 1
-        self.counters[f"{batch.kind}_tokens"] += batch.num_tokens
+        self.counters["decode_tokens"] += batch.num_decode
+        self.counters["prefill_tokens"] += batch.num_tokens - batch.num_decode
         duration = batch.schedule_time + output.run_time + time.perf_counter() - start
-        return self._result(batch.kind, [r.rid for r in batch.reqs], batch.num_tokens, duration)
+        return self._result(batch.kind, [r.rid for r in batch.reqs], batch.num_tokens, duration, batch.num_decode)
 
     def _append_token(self, req: Req, token: int) -> None:
         now = time.monotonic()
@@ -219,7 +230,7 @@ class Scheduler:
         self.cache.release(req.tokens(0, min(req.cached_len, req.total_len)), req.pages, req.prefix)
         req.pages = []
 
-    def _result(self, kind: str, rids: list[str], num_tokens: int, duration: float) -> StepResult:
+    def _result(self, kind: str, rids: list[str], num_tokens: int, duration: float, num_decode: int) -> StepResult:
         deltas, self._pending = self._pending, []
         return StepResult(kind=kind, rids=rids, finished=[d.rid for d in deltas if d.finished], deltas=deltas,
-                          num_tokens=num_tokens, duration=duration)
+                          num_tokens=num_tokens, duration=duration, num_decode_tokens=num_decode)

@@ -36,6 +36,7 @@ ENGINE_HELP = {
     "max_running_requests": "Request slots: how many requests may hold KV at once.",
     "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
     "overlap": "Schedule step N+1 while step N runs (default: on for CUDA, off on CPU); output is identical.",
+    "mixed_batches": "Running requests decode inside a prefill step instead of waiting for it; output is identical.",
     "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}

@@ -34,7 +34,7 @@ class StatsRecorder:
         self.submitted = self.errors = self.steps = 0
         self.unscheduled_aborts = 0  # requests aborted before they reached the scheduler (while tokenizing)
         self.recent: deque[StepRecord] = deque(maxlen=history)
-        self._window: deque[tuple[float, str, int]] = deque()  # (end time, kind, tokens)
+        self._window: deque[tuple[float, int, int]] = deque()  # (end time, prefill tokens, decode tokens)
 
     def record_step(self, result: StepResult) -> None:
         if result.kind == "idle":
@@ -44,14 +44,14 @@ class StatsRecorder:
         self.recent.append(StepRecord(index=self.steps, kind=result.kind, rids=result.rids,
                                       num_tokens=result.num_tokens, duration=result.duration,
                                       at=now - self.start))
-        self._window.append((now, result.kind, result.num_tokens))
+        self._window.append((now, result.num_prefill_tokens, result.num_decode_tokens))
 
     def _counters(self, now: float, counts: SchedulerCounters) -> Counters:
         while self._window and self._window[0][0] < now - RATE_WINDOW:
             self._window.popleft()
         span = max(min(RATE_WINDOW, now - self.start), 1e-3)
-        prefill = sum(n for _, kind, n in self._window if kind == "prefill")
-        decode = sum(n for _, kind, n in self._window if kind == "decode")
+        prefill = sum(n for _, n, _ in self._window)
+        decode = sum(n for _, _, n in self._window)
         return Counters(submitted=self.submitted, finished=counts.finished,
                         aborted=counts.aborted + self.unscheduled_aborts, errors=self.errors, steps=counts.steps,
                         prefill_tokens=counts.prefill_tokens,

@@ -2,11 +2,12 @@
 
 Exact and portable; it is the CPU path and the oracle the GPU kernels are tested against. A step of
 fresh prompts (nothing cached before it) attends over its own new K/V, so it gathers nothing from the
-pool, and needs no mask when every prompt has the same length. A decode step (one query per request)
-gathers K/V head-major and attends with two batched matmuls and a softmax: on the CPU that is about
-twice as fast as SDPA's flash kernel, which is built for many queries per request. Other steps pad
-to the longest request and run SDPA. On a CPU without native bf16/fp16 arithmetic, attention runs in
-float32 (SDPA's half-precision CPU kernel is ~10x slower there).
+pool, and needs no mask when every prompt has the same length. Requests with one query each (decode,
+which a mixed step puts first) gather K/V head-major and attend with two batched matmuls and a
+softmax: on the CPU that is about twice as fast as SDPA's flash kernel, which is built for many
+queries per request. The rest of a step is padded to its longest request for one SDPA call. On a
+CPU without native bf16/fp16 arithmetic, attention runs in float32 (SDPA's half-precision CPU kernel
+is ~10x slower there).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata, Attentio
 
 
 @dataclass
-class TorchRefMeta:
-    out_slots: torch.Tensor
+class PaddedMeta:
+    """Requests padded to the longest query and key lengths for one SDPA call."""
+
     kv_index: torch.Tensor | None  # [B, max_kv] pool slots (padding masked off); None: attend to the new K/V
     q_index: torch.Tensor | None  # [B, max_q] flat token index (padding repeats a valid index); None: no padding
     unpad_index: torch.Tensor | None  # [T] position of each flat token in [B * max_q]; None: no padding
@@ -33,13 +35,22 @@ class TorchRefMeta:
 
 @dataclass
 class DecodeMeta:
-    """A decode step: request b's K/V rows for head h are `head_rows[b, h]` of the pool viewed as
-    [slots * kv_heads, head_dim], so one gather lays them out as [B, kv_heads, max_kv, head_dim]."""
+    """One query per request: request b's K/V rows for KV head h are `head_rows[b, h]` of the pool
+    viewed as [slots * kv_heads, head_dim], so one gather lays them out as [B, kv_heads, max_kv, dim]."""
 
-    out_slots: torch.Tensor
     head_rows: torch.Tensor  # [B * kv_heads * max_kv] rows of the head-major pool view
     max_kv: int
     bias: torch.Tensor | None  # [B, 1, 1, max_kv] float32: 0 to attend, -inf past the request's length
+
+
+@dataclass
+class TorchRefMeta:
+    """A step: its leading one-query requests (decode, the first `num_decode` tokens), then the rest."""
+
+    out_slots: torch.Tensor
+    num_decode: int
+    decode: DecodeMeta | None
+    padded: PaddedMeta | None
 
 
 def gather(x: torch.Tensor, index: torch.Tensor | None, batch_size: int) -> torch.Tensor:
@@ -56,54 +67,69 @@ class TorchRefBackend(AttentionBackend):
     def setup(self, shape: AttentionShape, device: torch.device) -> None:
         self.num_kv_heads = shape.num_kv_heads
 
-    def prepare(self, batch: AttentionMetadata) -> TorchRefMeta | DecodeMeta:
+    def prepare(self, batch: AttentionMetadata) -> TorchRefMeta:
         if self.num_kv_heads is None:
             raise RuntimeError("TorchRefBackend.setup() must run before the first step")
-        device = batch.out_slots.device
-        max_q, max_kv = max(batch.q_lens), max(batch.kv_lens)
-        if max_q == 1 and batch.q_lens != batch.kv_lens:
-            return self._prepare_decode(batch, max_kv)
-        q_lens = torch.tensor(batch.q_lens, device=device)
-        kv_lens = torch.tensor(batch.kv_lens, device=device)
-        bsz = len(batch.q_lens)
+        q_lens, kv_lens = batch.q_lens, batch.kv_lens
+        n = 0  # leading requests with one query over cached keys (a mixed batch puts its decodes first)
+        while n < len(q_lens) and q_lens[n] == 1 < kv_lens[n]:
+            n += 1
+        decode = self._prepare_decode(kv_lens[:n], batch.rows[:n], batch.table) if n else None
+        padded = self._prepare_padded(q_lens[n:], kv_lens[n:], batch.rows[n:], batch.table) if n < len(q_lens) else None
+        return TorchRefMeta(batch.out_slots, n, decode, padded)
+
+    def _prepare_decode(self, kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> DecodeMeta:
+        heads, device, max_kv = self.num_kv_heads, table.device, max(kv_lens)
+        slots = table[rows, :max_kv]
+        head_rows = (slots[:, None, :] * heads + torch.arange(heads, device=device)[None, :, None]).flatten()
+        bias = None
+        if min(kv_lens) != max_kv:
+            past_end = torch.arange(max_kv, device=device)[None, :] >= torch.tensor(kv_lens, device=device)[:, None]
+            bias = torch.zeros(past_end.shape, device=device).masked_fill_(past_end, float("-inf"))[:, None, None]
+        return DecodeMeta(head_rows, max_kv, bias)
+
+    @staticmethod
+    def _prepare_padded(q_list: list[int], kv_list: list[int], rows: torch.Tensor, table: torch.Tensor) -> PaddedMeta:
+        device = table.device
+        q_lens = torch.tensor(q_list, device=device)
+        kv_lens = torch.tensor(kv_list, device=device)
+        max_q, max_kv = max(q_list), max(kv_list)
+        bsz = len(q_list)
         q_starts = torch.cumsum(q_lens, 0) - q_lens
         i = torch.arange(max_q, device=device)
         q_valid = i[None, :] < q_lens[:, None]
         q_index = torch.where(q_valid, q_starts[:, None] + i[None, :], q_starts[:, None])
-        if min(batch.q_lens) == max_q:  # equal lengths: the flat axis is already [B, max_q]
+        if min(q_list) == max_q:  # equal lengths: the flat axis is already [B, max_q]
             q_index = unpad_index = None
         else:
             unpad_index = (torch.arange(bsz, device=device)[:, None] * max_q + i[None, :])[q_valid]
-        if batch.q_lens == batch.kv_lens:  # fresh prompts: keys are this step's tokens, laid out like the queries
+        if q_list == kv_list:  # fresh prompts: keys are this step's tokens, laid out like the queries
             if q_index is None:
-                return TorchRefMeta(batch.out_slots, None, None, None, bsz, None, causal=max_q > 1)
+                return PaddedMeta(None, None, None, bsz, None, causal=max_q > 1)
             kv_index, kv_lens, max_kv = None, q_lens, max_q
         else:
-            kv_index = batch.table[batch.rows, :max_kv]
+            kv_index = table[rows, :max_kv]
         j = torch.arange(max_kv, device=device)
         # Query i of request b sits at absolute position kv_len - q_len + i and sees keys j <= that.
         q_pos = (kv_lens - q_lens)[:, None] + i[None, :]
         mask = (j[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
         mask |= ~q_valid[:, :, None] & (j[None, None, :] == 0)  # padded rows attend to one key, not none
-        return TorchRefMeta(batch.out_slots, kv_index, q_index, unpad_index, bsz, mask[:, None], causal=False)
-
-    def _prepare_decode(self, batch: AttentionMetadata, max_kv: int) -> DecodeMeta:
-        heads = self.num_kv_heads
-        device = batch.out_slots.device
-        slots = batch.table[batch.rows, :max_kv]
-        head_rows = (slots[:, None, :] * heads + torch.arange(heads, device=device)[None, :, None]).flatten()
-        bias = None
-        if min(batch.kv_lens) != max_kv:
-            kv_lens = torch.tensor(batch.kv_lens, device=device)
-            past_end = torch.arange(max_kv, device=device)[None, :] >= kv_lens[:, None]
-            bias = torch.zeros(past_end.shape, device=device).masked_fill_(past_end, float("-inf"))[:, None, None]
-        return DecodeMeta(batch.out_slots, head_rows, max_kv, bias)
+        return PaddedMeta(kv_index, q_index, unpad_index, bsz, mask[:, None], causal=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchRefMeta | DecodeMeta, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: TorchRefMeta, scale: float) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.out_slots)
-        if isinstance(meta, DecodeMeta):
-            return self._decode(q, k_cache, v_cache, meta, scale)
+        n = meta.num_decode
+        outs = []
+        if meta.decode is not None:
+            outs.append(self._decode(q[:n], k_cache, v_cache, meta.decode, scale))
+        if meta.padded is not None:
+            outs.append(self._padded(q[n:], k[n:], v[n:], k_cache, v_cache, meta.padded, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    @staticmethod
+    def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: PaddedMeta, scale: float) -> torch.Tensor:
         qp, kp, vp = (gather(x, meta.q_index, meta.batch_size) for x in (q, k, v))
         if meta.kv_index is not None:
             kp, vp = gather(k_cache, meta.kv_index, meta.batch_size), gather(v_cache, meta.kv_index, meta.batch_size)

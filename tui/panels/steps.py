@@ -14,7 +14,7 @@ from textual.widget import Widget
 from engine.service.protocol import Stats, StepRecord
 from tui.names import RequestNames
 
-KIND_STYLES = {"prefill": "bold magenta", "decode": "cyan"}
+KIND_STYLES = {"prefill": "bold magenta", "decode": "cyan", "mixed": "bold blue"}
 
 
 class StepTimeline(Widget):
