@@ -155,7 +155,7 @@ class ContenderFailed(RuntimeError):
     """A peer outside this process could not run; its line says why instead of ending the benchmark."""
 
 
-def vllm_rounds(args: argparse.Namespace, vocab: int) -> Rounds:
+def vllm_rounds(args: argparse.Namespace, vocab: int, dtype: str) -> Rounds:
     """vLLM's CPU backend stepped by `bench_step_vllm.py` in its own interpreter, one round per request.
 
     Its engine core runs in that process (no engine or worker subprocess), so each timed
@@ -163,7 +163,7 @@ def vllm_rounds(args: argparse.Namespace, vocab: int) -> Rounds:
     """
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    payload = json.dumps({"model": args.model, "dtype": args.dtype, "n": args.num_prompts, "b": args.decode_batch,
+    payload = json.dumps({"model": args.model, "dtype": dtype, "n": args.num_prompts, "b": args.decode_batch,
                           "len": args.prompt_len, "vocab": vocab, "steps": args.decode_steps})
     script = Path(__file__).with_name("bench_step_vllm.py")
     proc = subprocess.Popen([args.vllm, str(script), payload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -211,6 +211,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--vllm", metavar="PYTHON", help="interpreter with vllm-cpu installed")
+    parser.add_argument("--vllm-dtype", action="append", choices=["bfloat16", "float32", "float16"],
+                        help="dtype vLLM computes in (default: --dtype); repeat for one vLLM line each, e.g. "
+                             "float32 on a CPU without native bf16, where its bf16 linear layers fall back")
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                         help="also time the engine with these EngineConfig options, as its own line; repeatable")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -236,7 +239,10 @@ def main() -> None:
     if args.vllm:
         from transformers import AutoConfig
 
-        contenders["vllm"] = vllm_rounds(args, AutoConfig.from_pretrained(args.model).vocab_size)
+        vocab = AutoConfig.from_pretrained(args.model).vocab_size
+        for dtype in args.vllm_dtype or [args.dtype]:
+            name = "vllm" if dtype == args.dtype else f"vllm ({dtype})"
+            contenders[name] = vllm_rounds(args, vocab, dtype)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     failed: dict[str, str] = {}
     for rnd in range(args.repeats + 1):  # round 0 warms up
