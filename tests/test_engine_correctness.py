@@ -146,6 +146,19 @@ def test_eos_mid_batch(llama_ckpt, hf, tmp_path, overlap):
     assert sum(o.finish_reason == "stop" for o in outs) >= 2
 
 
+@pytest.mark.parametrize("prepack", [True, False], ids=["onednn", "f_linear"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prepacked_weights(checkpoints, hf, family, prepack):
+    """Projections on oneDNN-prepacked weights (the CPU default) or through `F.linear`: the same
+    tokens as transformers either way; a tied embedding keeps its dense rows for lookups."""
+    path = checkpoints[family]
+    llm = LLM(str(path), prepack_weights=prepack)
+    model = llm.model
+    assert model.layers[0].qkv_proj.weight.is_mkldnn == prepack and model.lm_head.weight.is_mkldnn == prepack
+    assert not model.embed_tokens.weight.is_mkldnn
+    assert_matches_hf(llm, path, hf, mixed_prompts(6, seed=9), max_tokens=8)
+
+
 @pytest.mark.parametrize("linear_dtype", ["model", "float32"])
 def test_bfloat16_logprobs_close_to_transformers(llama_ckpt, linear_dtype):
     """bf16 rounds differently from transformers, so compare log-probabilities with a tolerance; with

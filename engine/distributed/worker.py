@@ -43,6 +43,7 @@ class WorkerSpec:
     page_size: int
     attention_backend: str
     linear_dtype: str
+    prepack_weights: bool
     threads: int
     timeout: float
 
@@ -66,7 +67,8 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     device = torch.device(spec.device)
     conn.send(("hello",))
     tp = join_group(spec.rank, spec.size, connect_store(spec.port, spec.size, spec.timeout), device, spec.timeout)
-    model = build_model(spec.model, Path(spec.model_path), spec.dtype, spec.device, tp, spec.linear_dtype)
+    model = build_model(spec.model, Path(spec.model_path), spec.dtype, spec.device, tp, spec.linear_dtype,
+                        spec.prepack_weights)
     conn.send(("loaded",))
     num_pages = conn.recv()
     kv = KVPool(model.spec.num_layers, num_pages, spec.page_size, model.num_kv_heads, model.spec.head_dim,

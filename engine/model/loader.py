@@ -16,7 +16,7 @@ from engine.config import DTYPES
 from engine.distributed import TensorParallel
 from engine.model.llama import CausalLM, ModelSpec
 from engine.model.ops import resolve_linear_dtype
-from engine.model.parallel import TensorSlice, set_linear_dtype
+from engine.model.parallel import TensorSlice, prepack_linear_weights, set_linear_dtype
 from kernels.attention.base import AttentionShape
 
 if TYPE_CHECKING:
@@ -88,17 +88,19 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
 
 
 def load_model(path: Path, dtype: str, device: str, tp: TensorParallel | None = None,
-               linear_dtype: str = "auto") -> tuple[CausalLM, PretrainedConfig]:
+               linear_dtype: str = "auto", prepack_weights: bool = True) -> tuple[CausalLM, PretrainedConfig]:
     """Build the model for `path`'s architecture (this rank's shard of it, under tensor parallelism)
     and fill it from the checkpoint's tensors."""
     hf_config = load_hf_config(path)
-    return build_model(ModelSpec.from_hf_config(hf_config), path, dtype, device, tp, linear_dtype), hf_config
+    return build_model(ModelSpec.from_hf_config(hf_config), path, dtype, device, tp, linear_dtype,
+                       prepack_weights), hf_config
 
 
 def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: TensorParallel | None = None,
-                linear_dtype: str = "auto") -> CausalLM:
+                linear_dtype: str = "auto", prepack_weights: bool = True) -> CausalLM:
     """The model `spec` describes (this rank's shard), filled from the safetensors in `path`, its
-    projections stored in `linear_dtype` (EngineConfig.linear_dtype)."""
+    projections stored in `linear_dtype` and, on the CPU in float32, prepacked for oneDNN
+    (EngineConfig.linear_dtype, EngineConfig.prepack_weights)."""
     with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
         model = CausalLM(spec, tp).to(TORCH_DTYPES[dtype])
     model = model.to_empty(device=device)
@@ -107,6 +109,8 @@ def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: Tensor
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     set_linear_dtype(model, resolve_linear_dtype(linear_dtype, TORCH_DTYPES[dtype], torch.device(device)))
+    if prepack_weights:
+        prepack_linear_weights(model)
     model.eval()
     return model
 

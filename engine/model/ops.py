@@ -1,4 +1,5 @@
-"""Where the model's GEMMs run: in the model dtype, or in float32 on CPUs without native bf16/fp16 GEMM.
+"""Where the model's GEMMs run: in the model dtype, or in float32 on CPUs without native bf16/fp16 GEMM;
+and on the CPU, through oneDNN on weights prepacked once at load.
 
 On an x86 CPU without AVX512-BF16 / AMX (e.g. plain AVX2), torch's bf16 and fp16 matmuls fall back
 to a slow path that converts inside the inner loop: 3-12x slower than MKL's float32 GEMM on the same
@@ -6,6 +7,12 @@ numbers. Upcasting a bf16 weight to float32 is exact, a float32 GEMM accumulates
 bf16 kernel does, and the output is rounded back to the model dtype, so activations keep the model
 dtype's rounding; only the summation order differs (about 1 output element in 5,000 moves by one
 bf16 ulp). Weights then take twice the memory.
+
+`F.linear` on the CPU calls MKL's sgemm, which repacks the weight into its blocked layout on every
+call. oneDNN's matmul on a weight reordered once into its own layout (`prepack`) skips that: on
+this AVX2 CPU, with 2 threads, the Qwen2.5-0.5B layer shapes run 1.5x faster at 32 rows (decode),
+1.9x at 1 row and 1.1x at 2,048 (prefill); the demo model's 1.4x at 32 rows. It is the path
+Inductor takes for frozen CPU linears. Only the summation order differs from `F.linear`.
 """
 
 from __future__ import annotations
@@ -37,8 +44,26 @@ def resolve_linear_dtype(choice: str, model_dtype: torch.dtype, device: torch.de
     return model_dtype
 
 
+PACK_ROWS_HINT = 32
+"""The row count oneDNN picks a weight layout for; the packed weight serves any row count."""
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN prepacking is used for float32 weights on the CPU (bf16 packing needs a CPU with native
+    bf16, which this project cannot measure)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 [out, in] weight reordered into oneDNN's blocked layout (an opaque mkldnn tensor that
+    only `linear` reads)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` in the weight's storage dtype, returned in `x`'s dtype."""
+    """x W^T + b in the weight's storage dtype (through oneDNN for a prepacked weight), returned in `x`'s dtype."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "").to(x.dtype)
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.model.ops import linear
+from engine.model.ops import can_prepack, linear, prepack
 
 
 @dataclass(frozen=True)
@@ -180,3 +180,13 @@ def set_linear_dtype(model: nn.Module, dtype: torch.dtype) -> None:
             for param in (module.weight, getattr(module, "bias", None)):
                 if param is not None:
                     param.data = param.data.to(dtype)
+
+
+@torch.no_grad()
+def prepack_linear_weights(model: nn.Module) -> None:
+    """Replace every projection's float32 CPU weight by its oneDNN-packed form (engine/model/ops.py).
+
+    The dense weight is dropped, except where a tied embedding still looks rows up in it."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and can_prepack(module.weight):
+            module.weight = nn.Parameter(prepack(module.weight.data), requires_grad=False)
