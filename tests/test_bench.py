@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 
+from engine.service.client import EngineClient
 from engine.service.launcher import start
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
@@ -25,8 +26,15 @@ def engine_address(llama_ckpt):
         yield handle.address
 
 
+def submitted(address: str) -> int:
+    """Requests the engine has accepted so far, from its stats stream."""
+    with EngineClient(address) as client:
+        return client.stats().counters.submitted
+
+
 def test_short_bench_reports_every_metric_and_valid_json(engine_address, tmp_path):
     out = tmp_path / "bench.json"
+    before = submitted(engine_address)
     run = minichat("bench", "--address", engine_address, "--num-requests", "6", "--concurrency", "3",
                    "--input-len", "20", "--output-len", "5", "--range-ratio", "0.5", "--warmup", "1",
                    "--json", str(out))
@@ -38,6 +46,7 @@ def test_short_bench_reports_every_metric_and_valid_json(engine_address, tmp_pat
     engine = report["engine"]
     assert engine["completed"] == 6 and engine["failed"] == 0
     assert len(report["records"]) == 6
+    assert submitted(engine_address) - before == 6 + 1  # the warm-up request runs once, unmeasured
     assert engine["peak_concurrency"] == 3
     outputs = sum(r["output_len"] for r in report["records"])
     assert engine["output_throughput"] == pytest.approx(outputs / engine["duration"])

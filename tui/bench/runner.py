@@ -54,18 +54,21 @@ async def run_workload(send: Send, workload: list[BenchRequest], concurrency: in
                 finally:
                     bar.update(1)
 
+    warm: list[RequestRecord] = []
     if warmup:
         bar.set_description("warmup")
-        await asyncio.gather(*(guarded(r, 0.0, i) for i, r in enumerate(workload[:warmup])))
-        bar.reset()
+        warm = await asyncio.gather(*(guarded(r, 0.0, i) for i, r in enumerate(workload[:warmup])))
+        bar.reset(total=len(workload) - warmup)
         bar.set_description("bench")
         gauge.peak = 0
+    measured = workload[warmup:]
     offsets, t = [], 0.0
-    for gap in arrival_gaps(len(workload), request_rate, seed):
+    for gap in arrival_gaps(len(measured), request_rate, seed):
         t += gap
         offsets.append(t)
     start = time.perf_counter()
-    records = await asyncio.gather(*(guarded(r, d, i) for i, (r, d) in enumerate(zip(workload, offsets, strict=True))))
+    records = await asyncio.gather(*(guarded(r, d, warmup + i)
+                                     for i, (r, d) in enumerate(zip(measured, offsets, strict=True))))
     duration = time.perf_counter() - start
     bar.close()
-    return list(records), duration, gauge.peak
+    return [*warm, *records], duration, gauge.peak
