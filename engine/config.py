@@ -21,7 +21,7 @@ class EngineConfig:
     `linear_dtype` is where the GEMMs run: "model", "float32", or "auto" (float32 for a bf16/fp16 model on
     a CPU without native half-precision GEMM, where it is several times faster; see engine/model/ops.py);
     `prepack_weights` reorders float32 CPU projection weights once at load into oneDNN's layout and runs
-    them through oneDNN instead of MKL's `F.linear`, which repacks them on every call (ops.py says how much faster).
+    them through oneDNN instead of MKL's `F.linear` (faster at every row count measured; see ops.py).
     `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).
     `overlap` schedules step N+1 while step N runs (the model in a worker thread or on a CUDA stream);
     None picks per device: on for CUDA, off on CPU (see `use_overlap` and docs/architecture.md);

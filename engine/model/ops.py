@@ -8,10 +8,11 @@ bf16 kernel does, and the output is rounded back to the model dtype, so activati
 dtype's rounding; only the summation order differs (about 1 output element in 5,000 moves by one
 bf16 ulp). Weights then take twice the memory.
 
-`F.linear` on the CPU calls MKL's sgemm, which repacks the weight into its blocked layout on every
-call. oneDNN's matmul on a weight reordered once into its own layout (`prepack`) skips that: on
-this AVX2 CPU, with 2 threads, the Qwen2.5-0.5B layer shapes run 1.5x faster at 32 rows (decode),
-1.9x at 1 row and 1.1x at 2,048 (prefill); the demo model's 1.4x at 32 rows. It is the path
+`F.linear` on the CPU hands the dense weight to MKL's sgemm, which packs panels of it into its own
+blocked layout inside every call. oneDNN's matmul on a weight reordered once into its layout
+(`prepack`) measured faster: on this AVX2 CPU, with 2 threads, the Qwen2.5-0.5B layer shapes
+ran 1.5x faster at 32 rows (decode), 1.9x at 1 row and 1.1x at 2,048 (prefill); the demo
+model's 1.4x at 32 rows. It is the path
 Inductor takes for frozen CPU linears. Only the summation order differs from `F.linear`.
 """
 
