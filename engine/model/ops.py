@@ -12,8 +12,8 @@ bf16 ulp). Weights then take twice the memory.
 blocked layout inside every call. oneDNN's matmul on a weight reordered once into its layout
 (`prepack`) measured faster: on this AVX2 CPU, with 2 threads, the Qwen2.5-0.5B layer shapes
 ran 1.5x faster at 32 rows (decode), 1.9x at 1 row and 1.1x at 2,048 (prefill); the demo
-model's 1.4x at 32 rows. It is the path
-Inductor takes for frozen CPU linears. Only the summation order differs from `F.linear`.
+model's 1.4x at 32 rows. It is the path Inductor takes for frozen CPU linears. Only the
+summation order differs from `F.linear`.
 """
 
 from __future__ import annotations
