@@ -149,12 +149,14 @@ def test_eos_mid_batch(llama_ckpt, hf, tmp_path, overlap):
 @pytest.mark.parametrize("prepack", [True, False], ids=["onednn", "f_linear"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prepacked_weights(checkpoints, hf, family, prepack):
-    """Projections on oneDNN-prepacked weights (the CPU default) or through `F.linear`: the same
-    tokens as transformers either way; a tied embedding keeps its dense rows for lookups."""
+    """Projections on oneDNN-prepacked weights (the CPU default; in float32 the MLP's SiLU and product
+    and both residual adds run fused into its GEMMs) or through `F.linear`: the same tokens as
+    transformers either way; a tied embedding keeps its dense rows for lookups."""
     path = checkpoints[family]
     llm = LLM(str(path), prepack_weights=prepack)
     model = llm.model
     assert model.layers[0].qkv_proj.weight.is_mkldnn == prepack and model.lm_head.weight.is_mkldnn == prepack
+    assert all((layer.fused_mlp is not None) == prepack for layer in model.layers)
     assert not model.embed_tokens.weight.is_mkldnn
     assert_matches_hf(llm, path, hf, mixed_prompts(6, seed=9), max_tokens=8)
 
@@ -169,6 +171,7 @@ def test_bfloat16_logprobs_close_to_transformers(llama_ckpt, linear_dtype):
     llm = LLM(str(llama_ckpt), dtype="bfloat16", linear_dtype=linear_dtype)
     weight_dtype = llm.model.layers[0].qkv_proj.weight.dtype
     assert weight_dtype == (torch.bfloat16 if linear_dtype == "model" else torch.float32)
+    assert llm.model.layers[0].fused_mlp is None  # bf16 activations round between the MLP's ops
     llm.add_request(prompt, SamplingParams(max_tokens=1))
     ours = torch.log_softmax(llm.runner.forward(llm.scheduler.schedule())[0], -1)
     ref_model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.bfloat16).eval()
