@@ -192,23 +192,23 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         return linear_binary(linear_binary(h, linear_swish(h, gate), up, "mul"), x, self.down_proj.weight, "add")
 
-    def fuse_cpu_mlp(self) -> bool:
-        """Split the prepacked MLP into gate and up weights whose SiLU and product run as oneDNN post-ops,
-        and fold both residual adds into their GEMMs (engine/model/ops.py).
+    def fuse_cpu_mlp(self) -> None:
+        """Pack the MLP's gate and up weights apart so its SiLU and product run as oneDNN post-ops of
+        their GEMMs, and both residual adds as post-ops of the o and down GEMMs (engine/model/ops.py).
+        Called at load before `prepack_linear_weights`, which packs o_proj and down_proj.
 
         Only for float32 activations (a half-precision model must round between those ops, as
         transformers does), one rank (a row-parallel output is all-reduced before the residual) and no
         biases. At prefill sizes the MLP runs 1.6x faster (the [tokens, 2 x intermediate] output is never
-        written); at decode sizes it is the same. Returns whether it did."""
+        written); at decode sizes it is the same."""
         gate_up = self.gate_up_proj
-        if not (gate_up.weight.dtype == torch.float32 == self.post_attention_layernorm.weight.dtype
-                and gate_up.weight.device.type == "cpu" and self.o_proj.tp.size == 1 and can_prepack(gate_up.weight)
+        if not (can_prepack(gate_up.weight) and self.post_attention_layernorm.weight.dtype == torch.float32
+                and self.o_proj.tp.size == 1
                 and gate_up.bias is None and self.o_proj.bias is None and self.down_proj.bias is None):
-            return False
+            return
         inter = gate_up.sizes[0]
         self.fused_mlp = (prepack(gate_up.weight.data[:inter]), prepack(gate_up.weight.data[inter:]))
         self.gate_up_proj = None
-        return True
 
 
 class CausalLM(nn.Module):
