@@ -8,12 +8,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any @triton.jit
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import zmq
 
+from engine.service.client import EngineClient
+from engine.service.launcher import EngineHandle
 from tests.checkpoints import make_checkpoint, with_context
+from tests.wire import raw_dealer
 
 torch.set_num_threads(2)
 
@@ -61,3 +66,18 @@ class HFOracle:
 @pytest.fixture(scope="session")
 def hf() -> HFOracle:
     return HFOracle()
+
+
+# `ops` and `raw` serve the modules that define a `served` engine fixture (each with its own limits).
+@pytest.fixture
+def ops(served: EngineHandle) -> Iterator[EngineClient]:
+    """A second client, the operator's: watches stats and aborts other clients' requests."""
+    with served.client() as client:
+        yield client
+
+
+@pytest.fixture
+def raw(served: EngineHandle) -> Iterator[zmq.Socket]:
+    """A bare DEALER socket on the served engine, for frames no client library would send."""
+    with raw_dealer(served.address) as sock:
+        yield sock

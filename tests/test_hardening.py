@@ -31,7 +31,7 @@ from engine.service.client import AUTH_ENV, AsyncEngineClient, EngineClient, Eng
 from engine.service.launcher import EngineHandle, is_engine_process, serve_command, start, stop_engine
 from engine.service.protocol import Stats
 from engine.tokenizer import apply_chat_template, max_prompt_chars
-from tests.wire import pack, raw_dealer, reply, unpack
+from tests.wire import pack, reply, unpack
 
 ENGINE = dict(num_pages=512, max_running_requests=4, max_prefill_tokens=64)
 BUFFER = 64  # --client-buffer-messages: replies queued for a client that does not read
@@ -69,16 +69,6 @@ def baseline(served: EngineHandle) -> list[int]:
         return client.complete(PROBE, max_tokens=8, ignore_eos=True).token_ids
 
 
-@pytest.fixture
-def ops(served: EngineHandle) -> Iterator[EngineClient]:
-    with served.client() as client:
-        yield client
-
-
-@pytest.fixture
-def raw(served: EngineHandle) -> Iterator[zmq.Socket]:
-    with raw_dealer(served.address) as sock:
-        yield sock
 
 
 def healthy(handle: EngineHandle, baseline: list[int], client: EngineClient | None = None) -> Stats:

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from engine import LLM, SamplingParams
 from engine.service.client import EngineClient, EngineError
 from engine.service.launcher import EngineHandle, start
 from engine.service.protocol import Delta, Final, Stats
-from tests.wire import pack, raw_dealer, reply
+from tests.wire import pack, reply
 
 ROOT = Path(__file__).resolve().parent.parent
 # Few slots, a 4-token prefill budget and a big KV pool: a long prompt stays mid-chunk for hundreds of
@@ -43,17 +42,6 @@ def served(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineH
         assert handle.process is not None and handle.process.returncode == 0
 
 
-@pytest.fixture
-def ops(served: EngineHandle) -> EngineClient:
-    """A second client, the operator's: watches stats and aborts other clients' requests."""
-    with served.client() as client:
-        yield client
-
-
-@pytest.fixture
-def raw(served: EngineHandle) -> Iterator[zmq.Socket]:
-    with raw_dealer(served.address) as sock:
-        yield sock
 
 
 def idle(s: Stats) -> bool:
