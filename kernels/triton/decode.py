@@ -30,17 +30,25 @@ def _split_bounds(kv_len, split, min_split_len, NUM_SPLITS: tl.constexpr):
 
 
 @triton.jit
+def gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_ch, d, d_mask, BLOCK_N: tl.constexpr):
+    """Where keys `n0..n0+BLOCK_N` (those before `end`) of one request and KV head lie in the pool, read
+    through its `kv_indices` slots: (key mask, element offsets [BLOCK_N, BLOCK_D], tile mask)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n < end
+    slots = tl.load(kv_indices_ptr + kv_start + n, mask=n_mask, other=0).to(tl.int64)
+    offs = slots[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+    return n_mask, offs, n_mask[:, None] & d_mask[None, :]
+
+
+@triton.jit
 def attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, start, end, kv_head,
                     stride_ct, stride_ch, sm_scale, d, d_mask, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax pass of a query block [rows, BLOCK_D] over keys `start..end` of one request, read
     from the pool through its `kv_indices` slots (no mask beyond `end`); returns the updated running max,
     sum and accumulator. Shared by grouped decode and by extend's cached prefix."""
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        slots = tl.load(kv_indices_ptr + kv_start + n, mask=n_mask, other=0).to(tl.int64)
-        offs = slots[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
-        tile_mask = n_mask[:, None] & d_mask[None, :]
+        n_mask, offs, tile_mask = gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_ch, d,
+                                                d_mask, BLOCK_N)
         k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
         qk = tl.where(n_mask[None, :], qk, -float("inf"))
@@ -76,11 +84,8 @@ def _decode_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_pt
         l_i = 0.0
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = n < end
-            slots = tl.load(kv_indices_ptr + kv_start + n, mask=n_mask, other=0).to(tl.int64)
-            offs = slots[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
-            tile_mask = n_mask[:, None] & d_mask[None, :]
+            n_mask, offs, tile_mask = gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_ch,
+                                                    d, d_mask, BLOCK_N)
             k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
             qk = tl.sum(q[None, :] * k, 1) * sm_scale
             qk = tl.where(n_mask, qk, -float("inf"))
