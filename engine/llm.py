@@ -83,7 +83,7 @@ class LLM:
             check_shardable(spec, cfg.tensor_parallel_size)
             self.tp, self.workers = launch(cfg.tensor_parallel_size, spec, str(self.model_path), cfg.dtype,
                                            cfg.device, cfg.page_size, cfg.attention_backend, cfg.linear_dtype,
-                                           cfg.prepack_weights)
+                                           cfg.prepack_weights, cfg.cpu_kernels)
         try:
             self._build()
         except BaseException:
@@ -94,7 +94,7 @@ class LLM:
         """Load this rank's model and size the KV pool (the workers load theirs meanwhile, then get the size)."""
         cfg = self.config
         self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device, self.tp, cfg.linear_dtype,
-                                                cfg.prepack_weights)
+                                                cfg.prepack_weights, cfg.cpu_kernels)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
         spec = self.model.spec
@@ -114,7 +114,7 @@ class LLM:
             self.workers.expect("loaded")
             self.workers.send(num_pages)
             self.workers.expect("ready")
-        backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype)
+        backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels)
         backend.setup(attention_shape(self.model, cfg.dtype), self.device)
         # Worker ranks run every step eagerly, so under tensor parallelism decode is never graphed.
         use_graphs = cfg.cuda_graph and backend.supports_cuda_graph and self.workers is None

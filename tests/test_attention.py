@@ -26,7 +26,7 @@ def naive_attention(q, k_cache, v_cache, table, rows, q_lens, kv_lens, scale):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("backend_name", ["torch"])
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize(("q_lens", "kv_lens"), [
     ([1, 1, 1], [5, 17, 1]),  # decode, ragged
     ([7, 3, 12], [7, 20, 12]),  # fresh prefill, chunk continuing over a cached prefix, fresh prefill

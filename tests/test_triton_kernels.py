@@ -142,7 +142,11 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 
 
 def test_backend_choice():
-    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cpu", "float32") == "cpu"  # the C kernels build here (gcc)
+    assert resolve_backend_name("auto", "cpu", "bfloat16", cpu_kernels=False) == "torch"
+    assert resolve_backend_name("auto", "cpu", "float16") == "torch"  # the C kernels take float32 and bf16
+    with pytest.raises(ValueError, match="float32 or bfloat16 on the CPU"):
+        resolve_backend_name("cpu", "cuda", "bfloat16")
     try:
         import flashinfer  # noqa: F401
         best = "flashinfer"

@@ -44,6 +44,7 @@ class WorkerSpec:
     attention_backend: str
     linear_dtype: str
     prepack_weights: bool
+    cpu_kernels: bool
     threads: int
     timeout: float
 
@@ -68,12 +69,12 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     conn.send(("hello",))
     tp = join_group(spec.rank, spec.size, connect_store(spec.port, spec.size, spec.timeout), device, spec.timeout)
     model = build_model(spec.model, Path(spec.model_path), spec.dtype, spec.device, tp, spec.linear_dtype,
-                        spec.prepack_weights)
+                        spec.prepack_weights, spec.cpu_kernels)
     conn.send(("loaded",))
     num_pages = conn.recv()
     kv = KVPool(model.spec.num_layers, num_pages, spec.page_size, model.num_kv_heads, model.spec.head_dim,
                 TORCH_DTYPES[spec.dtype], device)
-    backend = make_backend(spec.attention_backend, spec.device, spec.dtype)
+    backend = make_backend(spec.attention_backend, spec.device, spec.dtype, spec.cpu_kernels)
     backend.setup(attention_shape(model, spec.dtype), device)
     conn.send(("ready",))
     steps = 0

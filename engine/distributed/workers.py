@@ -205,13 +205,15 @@ def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], sentine
 
 
 def launch(size: int, spec: ModelSpec, model_path: str, dtype: str, device: str, page_size: int, attention_backend: str,
-           linear_dtype: str, prepack_weights: bool, timeout: float = TIMEOUT) -> tuple[TensorParallel, WorkerPool]:
+           linear_dtype: str, prepack_weights: bool, cpu_kernels: bool,
+           timeout: float = TIMEOUT) -> tuple[TensorParallel, WorkerPool]:
     """Start ranks 1..size-1 and join them as rank 0; they load their shards while rank 0 loads its own."""
     store = host_store(size, timeout)
     threads = max(1, torch.get_num_threads() // size)
     specs = [WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path, dtype=dtype,
                         device=rank_device(device, r), page_size=page_size, attention_backend=attention_backend,
-                        linear_dtype=linear_dtype, prepack_weights=prepack_weights, threads=threads,
+                        linear_dtype=linear_dtype, prepack_weights=prepack_weights, cpu_kernels=cpu_kernels,
+                        threads=threads,
                         timeout=timeout) for r in range(1, size)]
     pool = WorkerPool(specs)
     try:

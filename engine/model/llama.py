@@ -7,8 +7,9 @@ reads/writes K/V through an attention backend over the paged pool.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,11 @@ from kernels.attention.base import AttentionBackend
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
     from transformers import PretrainedConfig
+
+    from kernels.cpu import CpuKernels
+
+Rope = Callable[[torch.Tensor], torch.Tensor]
+"""This step's rotary embedding, applied to [tokens, heads, head_dim] (possibly in place)."""
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -126,8 +132,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: CpuKernels | None = None  # the one-pass C kernel, same roundings (CausalLM.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         shape = (x.shape[-1],)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, shape, self.weight, self.eps)
@@ -163,8 +172,8 @@ class DecoderLayer(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.fused_mlp: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate, up) prepacked; see fuse_cpu_mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, layer: int, kv: KVPool,
-                backend: AttentionBackend, meta: object) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, layer: int, kv: KVPool, backend: AttentionBackend,
+                meta: object) -> torch.Tensor:
         spec, tokens = self.spec, x.shape[0]
         residual = x
         h = self.input_layernorm(x)
@@ -172,12 +181,12 @@ class DecoderLayer(nn.Module):
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, spec.head_dim)
         if self.q_norm is None:  # one RoPE pass over the query and key heads together
-            qk = apply_rope(qkv[:, :qk_size].view(tokens, -1, spec.head_dim), cos, signed_sin)
+            qk = rope(qkv[:, :qk_size].view(tokens, -1, spec.head_dim))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:  # Qwen3 normalises q and k per head, with separate weights, before RoPE
             q = self.q_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, spec.head_dim))
             k = self.k_norm(qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, spec.head_dim))
-            q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
+            q, k = rope(q), rope(k)
         attn = backend.forward(q, k, v, kv.k(layer), kv.v(layer), meta, self.scale).reshape(tokens, self.q_size)
         if self.fused_mlp is not None:
             return self._fused_tail(attn, residual)
@@ -223,6 +232,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         self.cos_sin: torch.Tensor | None = None
+        self.kernels: CpuKernels | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -286,7 +296,26 @@ class CausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
         signed_sin = torch.cat((-sin[:, : freqs.shape[1]], sin[:, freqs.shape[1] :]), dim=-1)
-        self.cos_sin = torch.stack((emb.cos(), signed_sin)) * self.spec.rope_scaling
+        # in the model dtype, as transformers casts it before use (the cast commutes with indexing)
+        self.cos_sin = (torch.stack((emb.cos(), signed_sin)) * self.spec.rope_scaling).to(self.norm.weight.dtype)
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Run RMSNorm and RoPE through minichat's C kernels (kernels/cpu): one pass each instead of five
+        and four eager ops, rounding where transformers rounds, so greedy output stays token-identical."""
+        self.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernels = kernels
+
+    def _rope(self, positions: torch.Tensor) -> Rope:
+        if self.kernels is not None:
+            return partial(self._rope_in_place, positions=positions)
+        cos_sin = self.cos_sin[:, positions, None, :]
+        return partial(apply_rope, cos=cos_sin[0], signed_sin=cos_sin[1])
+
+    def _rope_in_place(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.kernels.rope_(x, positions, self.cos_sin[0], self.cos_sin[1])
+        return x
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
@@ -294,9 +323,9 @@ class CausalLM(nn.Module):
         """Run the flat batch; returns float32 logits only for the rows in `logits_index`
         (under tensor parallelism on rank 0 only; other ranks get None)."""
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a tied embedding may be stored upcast
-        cos_sin = self.cos_sin[:, positions, None, :].to(x.dtype)
+        rope = self._rope(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin[0], cos_sin[1], i, kv, backend, meta)
+            x = layer(x, rope, i, kv, backend, meta)
         if logits_index.numel() != x.shape[0]:  # as many sampled rows as tokens: every row, in order
             x = x[logits_index]
         logits = self.lm_head(self.norm(x))

@@ -18,6 +18,7 @@ from engine.model.llama import CausalLM, ModelSpec
 from engine.model.ops import resolve_linear_dtype
 from engine.model.parallel import TensorSlice, prepack_linear_weights, set_linear_dtype
 from kernels.attention.base import AttentionShape
+from kernels.cpu import CpuKernels, KernelBuildError, load_cpu_kernels
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -88,19 +89,20 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
 
 
 def load_model(path: Path, dtype: str, device: str, tp: TensorParallel | None = None,
-               linear_dtype: str = "auto", prepack_weights: bool = True) -> tuple[CausalLM, PretrainedConfig]:
+               linear_dtype: str = "auto", prepack_weights: bool = True,
+               cpu_kernels: bool = True) -> tuple[CausalLM, PretrainedConfig]:
     """Build the model for `path`'s architecture (this rank's shard of it, under tensor parallelism)
     and fill it from the checkpoint's tensors."""
     hf_config = load_hf_config(path)
     return build_model(ModelSpec.from_hf_config(hf_config), path, dtype, device, tp, linear_dtype,
-                       prepack_weights), hf_config
+                       prepack_weights, cpu_kernels), hf_config
 
 
 def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: TensorParallel | None = None,
-                linear_dtype: str = "auto", prepack_weights: bool = True) -> CausalLM:
+                linear_dtype: str = "auto", prepack_weights: bool = True, cpu_kernels: bool = True) -> CausalLM:
     """The model `spec` describes (this rank's shard), filled from the safetensors in `path`, its
-    projections stored in `linear_dtype` and, on the CPU in float32, prepacked for oneDNN
-    (EngineConfig.linear_dtype, EngineConfig.prepack_weights)."""
+    projections stored in `linear_dtype` and, on the CPU in float32, prepacked for oneDNN, its norms
+    and RoPE in the C kernels (EngineConfig.linear_dtype, .prepack_weights, .cpu_kernels)."""
     with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
         model = CausalLM(spec, tp).to(TORCH_DTYPES[dtype])
     model = model.to_empty(device=device)
@@ -113,6 +115,11 @@ def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: Tensor
         for layer in model.layers:
             layer.fuse_cpu_mlp()
         prepack_linear_weights(model)
+    if cpu_kernels and device == "cpu" and CpuKernels.supports(TORCH_DTYPES[dtype]):
+        try:
+            model.use_cpu_kernels(load_cpu_kernels())
+        except KernelBuildError as e:
+            log.warning("minichat's CPU kernels are unavailable, running the torch paths instead: %s", e)
     model.eval()
     return model
 

@@ -10,6 +10,7 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata, Attentio
 
 BACKENDS = {
     "torch": "kernels.attention.torch_ref:TorchRefBackend",
+    "cpu": "kernels.attention.cpu:CpuBackend",
     "triton": "kernels.attention.triton:TritonBackend",
     "flashinfer": "kernels.attention.flashinfer:FlashInferBackend",
 }
@@ -20,9 +21,10 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16") -> str:
-    """`auto` is the best backend the device can run (FlashInfer, then Triton on CUDA; torch elsewhere);
-    other names pass through after checking that this device, dtype and environment can run them."""
+def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16", cpu_kernels: bool = True) -> str:
+    """`auto` is the best backend the device can run (FlashInfer, then Triton on CUDA; on the CPU, minichat's
+    C kernels where they build, unless `cpu_kernels` is off; torch elsewhere); other names pass through
+    after checking that this device, dtype and environment can run them."""
     on_cuda = device.startswith("cuda")
     half = dtype != "float32"  # FlashInfer's kernels take bf16/fp16 only
     if name == "auto":
@@ -30,9 +32,24 @@ def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16") -> str
             if half and _installed("flashinfer"):
                 return "flashinfer"
             return "triton" if _installed("triton") else "torch"
+        if device == "cpu" and cpu_kernels and dtype in ("float32", "bfloat16"):
+            from kernels.cpu import cpu_kernels_available
+
+            return "cpu" if cpu_kernels_available() else "torch"
         return "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
+    if name == "cpu":
+        if device != "cpu" or dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"the cpu attention backend runs float32 or bfloat16 on the CPU; got {device} {dtype} "
+                             "(use attention_backend='torch')")
+        from kernels.cpu import KernelBuildError, load_cpu_kernels
+
+        try:
+            load_cpu_kernels()
+        except KernelBuildError as e:
+            raise ValueError(f"the cpu attention backend's C kernels cannot be built here: {e}; use "
+                             "attention_backend='torch'") from e
     if name == "flashinfer":
         if not on_cuda:
             raise ValueError("the flashinfer attention backend runs only on CUDA; use device='cuda' or "
@@ -52,9 +69,9 @@ def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16") -> str
     return name
 
 
-def make_backend(name: str, device: str, dtype: str = "bfloat16") -> AttentionBackend:
+def make_backend(name: str, device: str, dtype: str = "bfloat16", cpu_kernels: bool = True) -> AttentionBackend:
     """Instantiate the backend registered under `name` (or picked by `auto`) for `device` and `dtype`."""
-    module, cls = BACKENDS[resolve_backend_name(name, device, dtype)].split(":")
+    module, cls = BACKENDS[resolve_backend_name(name, device, dtype, cpu_kernels)].split(":")
     return getattr(importlib.import_module(module), cls)()
 
 

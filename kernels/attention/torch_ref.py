@@ -49,7 +49,7 @@ class TorchRefMeta:
 
     out_slots: torch.Tensor
     num_decode: int
-    decode: DecodeMeta | None
+    decode: DecodeMeta | None  # (a subclass's own decode state, where it overrides the decode half)
     padded: PaddedMeta | None
 
 

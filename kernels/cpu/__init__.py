@@ -1,0 +1,112 @@
+"""minichat's C kernels for the CPU step: decode attention over the paged pool, RMSNorm and RoPE.
+
+They take float32 and bfloat16 tensors (the dtypes a CPU model runs in) and are called through ctypes
+with raw pointers, so every wrapper checks layout before handing a pointer over. `load_cpu_kernels`
+builds the library at first use (kernels/cpu/build.py) and raises `KernelBuildError` where it cannot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels.cpu.build import KernelBuildError, load_library
+
+SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F],
+    "rms_norm": [_P, _P, _I, _P, _I, _I, _F],
+    "rope": [_P, _I, _I, _I, _P, _P, _P, _I],
+}
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype:
+        raise ValueError(f"{what}: expected a CPU {dtype} tensor, got {t.device} {t.dtype}")
+
+
+class CpuKernels:
+    """Typed entry points into the compiled library."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in SUPPORTED_DTYPES.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                self._fns[name, dtype] = fn
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        """Whether activations of `dtype` can run here."""
+        return dtype in SUPPORTED_DTYPES
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of x ([rows, dim], rows may be strided), rounded as transformers rounds."""
+        _check(weight, x.dtype, "rms_norm weight")
+        rows, dim = x.shape
+        if x.stride(1) != 1 or not weight.is_contiguous():
+            raise ValueError("rms_norm needs unit-stride rows and a contiguous weight")
+        out = torch.empty((rows, dim), dtype=x.dtype)
+        self._fns["rms_norm", x.dtype](out.data_ptr(), x.data_ptr(), x.stride(0), weight.data_ptr(), rows, dim, eps)
+        return out
+
+    def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        """Rotate x ([tokens, heads, head_dim], heads contiguous within a token) in place by each token's
+        position; `cos` / `signed_sin` are [positions, head_dim] tables in x's dtype (see `apply_rope`)."""
+        tokens, heads, dim = x.shape
+        if x.stride(2) != 1 or x.stride(1) != dim or not (cos.is_contiguous() and signed_sin.is_contiguous()):
+            raise ValueError("rope_ needs heads contiguous within a token and contiguous tables")
+        _check(cos, x.dtype, "rope cos table")
+        _check(positions, torch.int64, "rope positions")
+        self._fns["rope", x.dtype](x.data_ptr(), tokens, heads, x.stride(0), positions.data_ptr(), cos.data_ptr(),
+                                   signed_sin.data_ptr(), dim)
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                         rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """softmax(q K^T * scale) V for one query per request, K/V read from the pool where request b's
+        positions 0..kv_lens[b]-1 sit in slots table[rows[b]]. q: [B, Hq, D]; caches: [slots, Hkv, D]."""
+        batch, num_heads, dim = q.shape
+        num_kv_heads = k_cache.shape[1]
+        if q.stride(2) != 1 or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("decode_attention needs q's heads contiguous and contiguous caches")
+        if table.stride(1) != 1 or not (rows.is_contiguous() and kv_lens.is_contiguous()):
+            raise ValueError("decode_attention needs unit-stride table rows and contiguous rows / kv_lens")
+        for t, what in ((k_cache, "k cache"), (v_cache, "v cache")):
+            _check(t, q.dtype, what)
+        for t, what in ((table, "request table"), (rows, "rows"), (kv_lens, "kv_lens")):
+            _check(t, torch.int64, what)
+        out = torch.empty((batch, num_heads, dim), dtype=q.dtype)
+        self._fns["decode_attention", q.dtype](
+            out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+            table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), batch, num_heads, num_kv_heads, dim, scale)
+        return out
+
+
+@functools.cache
+def _load() -> CpuKernels | KernelBuildError:
+    """One build attempt per process: a failure is remembered, not retried at every call."""
+    try:
+        return CpuKernels(load_library())
+    except KernelBuildError as e:
+        return e
+
+
+def load_cpu_kernels() -> CpuKernels:
+    """The kernels, built on first use (on disk once per CPU and compiler); KernelBuildError if they cannot be."""
+    loaded = _load()
+    if isinstance(loaded, KernelBuildError):
+        raise loaded
+    return loaded
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the kernels build and load here (no compiler: False, and the torch paths run instead)."""
+    return not isinstance(_load(), KernelBuildError)
+
+
+__all__ = ["SUPPORTED_DTYPES", "CpuKernels", "KernelBuildError", "cpu_kernels_available", "load_cpu_kernels"]

@@ -1,0 +1,188 @@
+/* Decode attention straight from the paged KV pool: one query per request, no gather into a padded
+ * tensor, no mask.
+ *
+ * For request b and KV head h the keys are pool rows table[rows[b], 0 .. kv_lens[b]-1], taken in blocks
+ * of KEY_BLOCK rows: float32 rows are read where they lie, bfloat16 rows are widened into a small buffer
+ * first; each block serves every query head of h's group. Scores are eight keys at a time, softmax runs
+ * online across blocks in float32, and the output is rounded to the activation dtype at the end.
+ *
+ * Compiled with -ffast-math so that expf vectorises through glibc's libmvec; the running maximum
+ * starts at the first block's instead of -inf, so no infinity is ever computed (fast math assumes none).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "dtype.h"
+
+#define KEY_BLOCK 128
+#define LANES 8
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vec load_vec(const float *p) {
+    vec v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_vec(float *p, vec v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* The lane sums of eight vectors, as one vector: {sum(v[0]), ..., sum(v[7])} (a transpose-and-add tree,
+ * seven adds for eight dot products instead of eight horizontal sums). */
+static inline vec lane_sums(const vec v[LANES]) {
+    vec pair[4], quad[2];
+    for (int i = 0; i < 4; i++)
+        pair[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14)
+                + __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        quad[i] = __builtin_shufflevector(pair[2 * i], pair[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+                + __builtin_shufflevector(pair[2 * i], pair[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(quad[0], quad[1], 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(quad[0], quad[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* s[j] = q . k[j] for j < n_pad (a multiple of LANES; rows past the block point at zeros): eight keys
+ * at a time, each a vector of partial sums over head_dim, reduced together. */
+static inline __attribute__((always_inline)) void block_scores(float *restrict s, const float *restrict q, const float *const *k, int64_t n_pad,
+                         int64_t head_dim) {
+    const int64_t full = head_dim / LANES * LANES;
+    for (int64_t j = 0; j < n_pad; j += LANES) {
+        vec partial[LANES];
+        float tail[LANES] = {0};
+        for (int i = 0; i < LANES; i++) {
+            const float *row = k[j + i];
+            vec a = {0};
+            for (int64_t d = 0; d < full; d += LANES) a += load_vec(q + d) * load_vec(row + d);
+            partial[i] = a;
+            for (int64_t d = full; d < head_dim; d++) tail[i] += q[d] * row[d];
+        }
+        store_vec(s + j, lane_sums(partial) + load_vec(tail));
+    }
+}
+
+/* acc = acc * correction + sum_j p[j] v[j], eight dimensions per vector, up to four vectors at a time. */
+static inline __attribute__((always_inline)) void block_values(float *restrict acc, const float *restrict p, const float *const *v, int64_t n,
+                         int64_t head_dim, float correction) {
+    int64_t d = 0;
+    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) {
+        vec a0 = correction * load_vec(acc + d), a1 = correction * load_vec(acc + d + LANES);
+        vec a2 = correction * load_vec(acc + d + 2 * LANES), a3 = correction * load_vec(acc + d + 3 * LANES);
+        for (int64_t j = 0; j < n; j++) {
+            const float *row = v[j] + d;
+            a0 += p[j] * load_vec(row);
+            a1 += p[j] * load_vec(row + LANES);
+            a2 += p[j] * load_vec(row + 2 * LANES);
+            a3 += p[j] * load_vec(row + 3 * LANES);
+        }
+        store_vec(acc + d, a0);
+        store_vec(acc + d + LANES, a1);
+        store_vec(acc + d + 2 * LANES, a2);
+        store_vec(acc + d + 3 * LANES, a3);
+    }
+    for (; d + LANES <= head_dim; d += LANES) {
+        vec a = correction * load_vec(acc + d);
+        for (int64_t j = 0; j < n; j++) a += p[j] * load_vec(v[j] + d);
+        store_vec(acc + d, a);
+    }
+    for (; d < head_dim; d++) {
+        float a = correction * acc[d];
+        for (int64_t j = 0; j < n; j++) a += p[j] * v[j][d];
+        acc[d] = a;
+    }
+}
+
+/* One online-softmax step over a block's scores s[0..n): rescale by the new maximum, exponentiate in
+ * place; returns the factor the running sum and accumulator must be scaled by. */
+static float block_softmax(float *s, int64_t n, float *max, float *sum, int first) {
+    float block_max = first ? s[0] : *max;
+    for (int64_t j = 0; j < n; j++) block_max = s[j] > block_max ? s[j] : block_max;
+    const float correction = first ? 0.0f : expf(*max - block_max);
+    float block_sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = expf(s[j] - block_max);
+        block_sum += s[j];
+    }
+    *sum = *sum * correction + block_sum;
+    *max = block_max;
+    return correction;
+}
+
+/* One block for one query head: scores, online softmax, values. head_dim is a compile-time constant
+ * for the common sizes, so that the per-key loops over it unroll. */
+static inline __attribute__((always_inline)) void attend_block_dim(
+        float *s, const float *q, float *acc, const float *const *k, const float *const *v, int64_t n,
+        int64_t n_pad, int64_t head_dim, float *max, float *sum, int first) {
+    block_scores(s, q, k, n_pad, head_dim);
+    const float correction = block_softmax(s, n, max, sum, first);
+    block_values(acc, s, v, n, head_dim, correction);
+}
+
+static void attend_block(float *s, const float *q, float *acc, const float *const *k, const float *const *v,
+                         int64_t n, int64_t n_pad, int64_t head_dim, float *max, float *sum, int first) {
+    switch (head_dim) {
+    case 64: attend_block_dim(s, q, acc, k, v, n, n_pad, 64, max, sum, first); break;
+    case 128: attend_block_dim(s, q, acc, k, v, n, n_pad, 128, max, sum, first); break;
+    case 32: attend_block_dim(s, q, acc, k, v, n, n_pad, 32, max, sum, first); break;
+    default: attend_block_dim(s, q, acc, k, v, n, n_pad, head_dim, max, sum, first);
+    }
+}
+
+/* A pool row as float32: itself, or widened into `buf`. */
+static inline const float *row_f32(const float *src, float *buf, int64_t head_dim) {
+    (void)buf;
+    (void)head_dim;
+    return src;
+}
+
+static inline const float *row_bf16(const uint16_t *src, float *buf, int64_t head_dim) {
+    for (int64_t d = 0; d < head_dim; d++) buf[d] = bf16_to_f32(src[d]);
+    return buf;
+}
+
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, ROW)                                                        \
+void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool, const int64_t *table, \
+          int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t batch,                \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {                        \
+    const int64_t group = num_heads / num_kv_heads;                                                       \
+    _Pragma("omp parallel for schedule(static)")                                                          \
+    for (int64_t item = 0; item < batch * num_kv_heads; item++) {                                         \
+        const int64_t b = item / num_kv_heads, h = item % num_kv_heads;                                  \
+        const int64_t *slots = table + rows[b] * table_stride;                                           \
+        const int64_t len = kv_lens[b];                                                                  \
+        float qf[group * head_dim], acc[group * head_dim], max[group], sum[group], s[group * KEY_BLOCK];  \
+        float kbuf[KEY_BLOCK * head_dim], vbuf[KEY_BLOCK * head_dim], zeros[head_dim];                     \
+        const float *k[KEY_BLOCK], *v[KEY_BLOCK];                                                        \
+        for (int64_t d = 0; d < head_dim; d++) zeros[d] = 0.0f;                                          \
+        for (int64_t g = 0; g < group; g++) {                                                            \
+            const T *qrow = q + b * q_stride + (h * group + g) * head_dim;                               \
+            for (int64_t d = 0; d < head_dim; d++) {                                                     \
+                qf[g * head_dim + d] = LOAD(qrow[d]) * scale;                                            \
+                acc[g * head_dim + d] = 0.0f;                                                            \
+            }                                                                                            \
+            max[g] = sum[g] = 0.0f;                                                                      \
+        }                                                                                                \
+        for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {                                                \
+            const int64_t n = len - j0 < KEY_BLOCK ? len - j0 : KEY_BLOCK;                               \
+            const int64_t n_pad = (n + LANES - 1) / LANES * LANES;                                       \
+            for (int64_t j = 0; j < n; j++) {                                                            \
+                const int64_t row = (slots[j0 + j] * num_kv_heads + h) * head_dim;                       \
+                k[j] = ROW(k_pool + row, kbuf + j * head_dim, head_dim);                                 \
+                v[j] = ROW(v_pool + row, vbuf + j * head_dim, head_dim);                                 \
+            }                                                                                            \
+            for (int64_t j = n; j < n_pad; j++) k[j] = zeros;                                            \
+            for (int64_t g = 0; g < group; g++) {                                                        \
+                float *sg = s + g * KEY_BLOCK;                                                           \
+                attend_block(sg, qf + g * head_dim, acc + g * head_dim, k, v, n, n_pad, head_dim,        \
+                             &max[g], &sum[g], j0 == 0);                                                 \
+            }                                                                                            \
+        }                                                                                                \
+        for (int64_t g = 0; g < group; g++) {                                                            \
+            T *orow = out + (b * num_heads + h * group + g) * head_dim;                                  \
+            const float inv = 1.0f / sum[g];                                                             \
+            for (int64_t d = 0; d < head_dim; d++) orow[d] = STORE(acc[g * head_dim + d] * inv);         \
+        }                                                                                                \
+    }                                                                                                    \
+}
+
+DEFINE_DECODE(decode_attention_f32, float, F32_LOAD, F32_STORE, row_f32)
+DEFINE_DECODE(decode_attention_bf16, uint16_t, BF16_LOAD, BF16_STORE, row_bf16)

@@ -1,0 +1,140 @@
+"""minichat's C kernels for the CPU (kernels/cpu) against transformers' own ops and a naive attention,
+and their build: cached once per CPU and compiler, a clear error and the torch paths where no compiler is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from engine import LLM, SamplingParams
+from kernels.cpu import load_cpu_kernels
+from kernels.cpu.build import KernelBuildError, load_library
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return load_cpu_kernels()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows,dim", [(1, 64), (33, 256), (300, 40)])
+def test_rms_norm_matches_transformers(kernels, dtype, rows, dim):
+    """Same roundings as LlamaRMSNorm; only the sum of squares is added in another order, which can move
+    a row's scale by one unit in the last place: within three float32 epsilons, and mostly equal (bf16
+    rounds that away)."""
+    g = torch.Generator().manual_seed(rows)
+    ref = LlamaRMSNorm(dim, eps=1e-6).to(dtype)
+    ref.weight.data = torch.randn(dim, generator=g).to(dtype)
+    wide = torch.randn(rows, dim + 24, generator=g).to(dtype)
+    x = wide[:, 8 : 8 + dim]  # strided rows, as a slice of a wider projection output
+    ours = kernels.rms_norm(x, ref.weight.data, 1e-6)
+    with torch.no_grad():
+        expected = ref(x)
+    assert ((ours.float() - expected.float()).abs() <= 3 * torch.finfo(dtype).eps * expected.abs().float()).all()
+    assert (ours == expected).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_rope_is_bit_identical_to_transformers(kernels, dtype):
+    """In place over query and key heads together (a view of the projection output), every product and
+    sum rounded as transformers' apply_rotary_pos_emb rounds: bit-identical."""
+    g = torch.Generator().manual_seed(0)
+    tokens, q_heads, kv_heads, dim, max_pos = 19, 6, 2, 64, 512
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    positions = torch.randint(0, max_pos, (tokens,), generator=g)
+    freqs = torch.arange(max_pos).float()[:, None] / (10000 ** (torch.arange(0, dim, 2).float() / dim))[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    half = dim // 2
+    sin = emb.sin()
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), -1).to(dtype)
+    cos = emb.cos().to(dtype)
+    q = qkv[:, : q_heads * dim].view(tokens, q_heads, dim).transpose(0, 1)[None]
+    k = qkv[:, q_heads * dim : (q_heads + kv_heads) * dim].view(tokens, kv_heads, dim).transpose(0, 1)[None]
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos[positions][None], sin.to(dtype)[positions][None])
+    qk = qkv[:, : (q_heads + kv_heads) * dim].view(tokens, q_heads + kv_heads, dim)
+    kernels.rope_(qk, positions, cos, signed_sin)
+    assert torch.equal(qk[:, :q_heads], q_ref[0].transpose(0, 1))
+    assert torch.equal(qk[:, q_heads:], k_ref[0].transpose(0, 1))
+
+
+def naive_decode(q, k_cache, v_cache, table, rows, kv_lens, scale):
+    out = []
+    for b, row in enumerate(rows.tolist()):
+        slots = table[row, : kv_lens[b]]
+        k, v = k_cache[slots].float(), v_cache[slots].float()  # [n, Hkv, D]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 64), (14, 2, 64), (6, 3, 40)],
+                         ids=["mha", "gqa4", "gqa7", "dim40"])
+def test_decode_attention_matches_naive(kernels, dtype, heads, kv_heads, dim):
+    """One query per request over permuted pool slots, lengths from 1 past one key block (128), q a
+    strided view of the projection output; float32 accumulation in any dtype."""
+    g = torch.Generator().manual_seed(heads * dim)
+    slots, max_len = 2048, 320
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    table = torch.randperm(slots, generator=g)[: 6 * max_len].view(6, max_len)
+    rows = torch.tensor([4, 0, 5, 2])
+    kv_lens = torch.tensor([1, 37, 129, 300])
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q = qkv[:, : heads * dim].view(4, heads, dim)
+    ours = kernels.decode_attention(q, k_cache, v_cache, table, rows, kv_lens, dim**-0.5)
+    expected = naive_decode(q, k_cache, v_cache, table, rows, kv_lens, dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), expected, atol=tol, rtol=tol)
+
+
+def test_layout_errors_are_clear(kernels):
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match=r"expected a CPU torch\.float32 tensor"):
+        kernels.rms_norm(x, torch.ones(32, dtype=torch.float64), 1e-6)
+    with pytest.raises(ValueError, match="unit-stride rows"):
+        kernels.rms_norm(x.t(), torch.ones(4), 1e-6)
+
+
+def test_library_is_built_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINICHAT_CACHE_DIR", str(tmp_path))
+    load_library()
+    built = list(tmp_path.glob("cpu_kernels-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    load_library()
+    assert [p.stat().st_mtime_ns for p in tmp_path.glob("cpu_kernels-*.so")] == [stamp]
+
+
+def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINICHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(KernelBuildError, match="no C compiler"):
+        load_library()
+
+
+def test_engine_without_a_compiler_runs_the_torch_paths(tmp_path):
+    """A machine with no C compiler (and nothing cached) still serves: auto picks the torch backend and
+    the model its torch norms, with the same tokens as with the kernels."""
+    script = ("import json; from engine import LLM, SamplingParams; llm = LLM(); "
+              "out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12))[0].token_ids; "
+              "print(json.dumps([type(llm.runner.backend).__name__, llm.model.kernels is None, out]))")
+    env = {**os.environ, "MINICHAT_CACHE_DIR": str(tmp_path), "CC": "no-such-cc"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    backend, no_kernels, tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    assert backend == "TorchRefBackend" and no_kernels
+    assert "CPU kernels are unavailable" in done.stderr
+    llm = LLM()
+    assert type(llm.runner.backend).__name__ == "CpuBackend" and llm.model.kernels is not None
+    assert llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12))[0].token_ids == tokens
