@@ -21,7 +21,7 @@ import torch
 
 from engine.kv.pool import KVPool
 from engine.model.llama import CausalLM
-from kernels.attention.base import AttentionBackend, AttentionMetadata
+from kernels.attention.base import AttentionBackend, AttentionMetadata, RaggedIndices
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -61,10 +61,10 @@ class DecodeGraphs:
     def _static_meta(self, bs: int) -> AttentionMetadata:
         """Metadata whose tensors are views of the static buffers (the host lists give only the shape)."""
         empty = torch.empty(0, dtype=torch.int64, device=self.steps.device)
-        return AttentionMetadata(q_lens=[1] * bs, kv_lens=[1] * bs, qo_indptr=self.steps[: bs + 1],
-                                 kv_indptr=self.kv_indptr[: bs + 1], kv_indices=self.kv_indices,
-                                 prefix_lens=self.steps[:bs], out_slots=self.out_slots[:bs], rows=empty,
-                                 table=empty)
+        indices = RaggedIndices(qo_indptr=self.steps[: bs + 1], kv_indptr=self.kv_indptr[: bs + 1],
+                                kv_indices=self.kv_indices, prefix_lens=self.steps[:bs])
+        return AttentionMetadata(q_lens=[1] * bs, kv_lens=[1] * bs, out_slots=self.out_slots[:bs], rows=empty,
+                                 table=empty, indices=indices)
 
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.input_ids[:bs], self.positions[:bs], self.logits_index[:bs], self.kv, self.backend,

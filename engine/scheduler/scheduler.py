@@ -127,16 +127,19 @@ class Scheduler:
                 logits_at.append(len(positions) - 1)
                 out_index.append(base + end)
         dev = self.table.table.device
-        rows = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=dev)
+        # one host-to-device tensor for every index list (a tensor per list costs more than the lists)
+        sizes = [len(positions), len(positions), len(logits_at), len(out_index), len(reqs), len(input_ids)]
+        packed = torch.tensor(input_index + positions + logits_at + out_index + [r.slot for r in reqs] + input_ids,
+                              dtype=torch.int64, device=dev)
+        input_index_t, positions_t, logits_index, out_index_t, rows, input_ids_t = packed.split(sizes)
+        # the KV slot of each new token is its entry in the request table, where input_index points
+        out_slots = self.table.table.view(-1).index_select(0, input_index_t)
         sampled = [reqs[i] for i in sample_rows]
         batch = ForwardBatch(
             kind=kind, reqs=reqs, sample_rows=sample_rows, num_decode=len(decode),
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev) if input_ids else None,
-            input_index=torch.tensor(input_index, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            logits_index=torch.tensor(logits_at, dtype=torch.int64, device=dev),
-            out_index=torch.tensor(out_index, dtype=torch.int64, device=dev),
-            attn=build_metadata(q_lens, kv_lens, rows, self.table.table),
+            input_ids=input_ids_t if input_ids else None, input_index=input_index_t, positions=positions_t,
+            logits_index=logits_index, out_index=out_index_t,
+            attn=build_metadata(q_lens, kv_lens, rows, self.table.table, out_slots),
             sampling=SamplingBatch([r.params for r in sampled], [r.generator for r in sampled]),
             num_tokens=len(positions))
         for req in reqs:

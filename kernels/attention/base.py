@@ -9,6 +9,16 @@ import torch
 
 
 @dataclass
+class RaggedIndices:
+    """A step's batch in CSR form, for kernels that walk it flat (Triton, FlashInfer, CUDA graphs)."""
+
+    qo_indptr: torch.Tensor  # int32 [B + 1]
+    kv_indptr: torch.Tensor  # int32 [B + 1]
+    kv_indices: torch.Tensor  # int32 [sum(kv_lens)]
+    prefix_lens: torch.Tensor  # int32 [B]
+
+
+@dataclass
 class AttentionMetadata:
     """One step's ragged batch at page size 1, built once per step and read by every layer.
 
@@ -19,17 +29,17 @@ class AttentionMetadata:
     positions 0..kv_lens[b]-1, as the request table maps them (so kernels never see the page size);
     `out_slots` are where this step's new K/V are written. `rows` and `table` are the request-table
     rows and the table itself, for backends that gather by row.
+
+    The CSR tensors (`RaggedIndices`) are built on first use: the torch and cpu backends read the
+    table by row and never need them, and building them is a third of the scheduler's per-step work.
     """
 
     q_lens: list[int]
     kv_lens: list[int]
-    qo_indptr: torch.Tensor  # int32 [B + 1]
-    kv_indptr: torch.Tensor  # int32 [B + 1]
-    kv_indices: torch.Tensor  # int32 [sum(kv_lens)]
-    prefix_lens: torch.Tensor  # int32 [B]
     out_slots: torch.Tensor  # int64 [T]
     rows: torch.Tensor  # int64 [B]
     table: torch.Tensor  # int64 [slots, max_len]
+    indices: RaggedIndices | None = None  # given (CUDA-graph static buffers) or built by `ragged`
 
     @property
     def is_decode(self) -> bool:
@@ -39,22 +49,51 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.out_slots.numel()
 
+    @property
+    def ragged(self) -> RaggedIndices:
+        if self.indices is None:
+            self.indices = ragged_indices(self.q_lens, self.kv_lens, self.rows, self.table)
+        return self.indices
 
-def build_metadata(q_lens: list[int], kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> AttentionMetadata:
-    """Index tensors for a batch whose request `b` sits in table row `rows[b]` (all on the table's device)."""
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        return self.ragged.qo_indptr
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self.ragged.kv_indptr
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        return self.ragged.kv_indices
+
+    @property
+    def prefix_lens(self) -> torch.Tensor:
+        return self.ragged.prefix_lens
+
+
+def ragged_indices(q_lens: list[int], kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> RaggedIndices:
     device = table.device
     q = torch.tensor(q_lens, dtype=torch.int32, device=device)
     kv = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     zero = torch.zeros(1, dtype=torch.int32, device=device)
-    qo_indptr = torch.cat((zero, torch.cumsum(q, 0, dtype=torch.int32)))
-    kv_indptr = torch.cat((zero, torch.cumsum(kv, 0, dtype=torch.int32)))
     window = table[rows, : max(kv_lens)]
     positions = torch.arange(window.shape[1], device=device)
-    kv_indices = window[positions[None, :] < kv[:, None]].to(torch.int32)
-    is_new = (positions[None, :] >= (kv - q)[:, None]) & (positions[None, :] < kv[:, None])
-    return AttentionMetadata(q_lens=q_lens, kv_lens=kv_lens, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                             kv_indices=kv_indices, prefix_lens=kv - q, out_slots=window[is_new], rows=rows,
-                             table=table)
+    return RaggedIndices(qo_indptr=torch.cat((zero, torch.cumsum(q, 0, dtype=torch.int32))),
+                         kv_indptr=torch.cat((zero, torch.cumsum(kv, 0, dtype=torch.int32))),
+                         kv_indices=window[positions[None, :] < kv[:, None]].to(torch.int32), prefix_lens=kv - q)
+
+
+def build_metadata(q_lens: list[int], kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor,
+                   out_slots: torch.Tensor | None = None) -> AttentionMetadata:
+    """The metadata of a batch whose request `b` sits in table row `rows[b]` (all on the table's device).
+    `out_slots` may be given by a caller that has them already (the scheduler reads them off the table)."""
+    if out_slots is None:
+        window = table[rows, : max(kv_lens)]
+        q, kv = (torch.tensor(x, device=table.device) for x in (q_lens, kv_lens))
+        positions = torch.arange(window.shape[1], device=table.device)
+        out_slots = window[(positions[None, :] >= (kv - q)[:, None]) & (positions[None, :] < kv[:, None])]
+    return AttentionMetadata(q_lens=q_lens, kv_lens=kv_lens, out_slots=out_slots, rows=rows, table=table)
 
 
 @dataclass(frozen=True)
