@@ -27,9 +27,8 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import msgspec
 import zmq
@@ -54,7 +53,6 @@ from engine.service.protocol import (
 
 Output = Delta | Final
 _Key = tuple[str, object]
-T = TypeVar("T")
 AUTH_USER = "minichat"  # the ZeroMQ PLAIN user name; the auth token is the password
 AUTH_ENV = "MINICHAT_AUTH_TOKEN"
 LAST_WORDS_MS = 100  # after a disconnect, how long replies the engine sent before it went may still take
@@ -433,9 +431,10 @@ class AsyncEngineClient:
         if not queue.empty():  # a fast stream's next message is usually here already
             msg = queue.get_nowait()
         else:
-            try:
-                msg = await _within(queue.get(), timeout)
-            except asyncio.TimeoutError:
+            try:  # a timer on this task, not a task per message: a stream of 32 requests gets 32 per step
+                async with asyncio.timeout(timeout):
+                    msg = await queue.get()
+            except TimeoutError:
                 raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s") from None
         if msg is _GONE:
             raise _lost(self.address)
@@ -499,29 +498,16 @@ class AsyncEngineClient:
         if self._sub is None:
             self._sub = _subscriber(self._ctx, self.address, self._token)
         try:
-            return protocol.decode_stats(await _within(self._sub.recv(), timeout))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                data = await self._sub.recv()
+        except TimeoutError:
             raise EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s") from None
+        return protocol.decode_stats(data)
 
     async def watch_stats(self, timeout: float = 5.0) -> AsyncIterator[Stats]:
         """Snapshots as they come, newest only."""
         while True:
             yield await self.stats(timeout)
-
-
-async def _within(awaitable: Awaitable[T], timeout: float) -> T:
-    """`awaitable`'s result, or TimeoutError after `timeout` seconds. Unlike `asyncio.wait_for` before
-    Python 3.12, a cancellation that arrives together with the result is never swallowed: a
-    cancelled stream reader stops instead of going on reading (and a Textual worker that cancelled
-    it waiting for ever)."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        done, _ = await asyncio.wait((task,), timeout=timeout)
-    finally:
-        task.cancel()  # nothing if it is done; otherwise it must not go on without us
-    if not done:
-        raise asyncio.TimeoutError
-    return task.result()
 
 
 def _collect(outputs: list[Output]) -> Completion:
