@@ -161,6 +161,18 @@ def test_prepacked_weights(checkpoints, hf, family, prepack):
     assert_matches_hf(llm, path, hf, mixed_prompts(6, seed=9), max_tokens=8)
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c_kernels", "torch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_kernels(checkpoints, hf, family, cpu_kernels):
+    """RMSNorm, RoPE and decode attention in minichat's C kernels (the CPU default) or in torch ops:
+    the same tokens as transformers either way, through prefill, mixed and decode steps."""
+    path = checkpoints[family]
+    llm = LLM(str(path), cpu_kernels=cpu_kernels)
+    assert (llm.model.kernels is not None) == cpu_kernels
+    assert type(llm.runner.backend).__name__ == ("CpuBackend" if cpu_kernels else "TorchRefBackend")
+    assert_matches_hf(llm, path, hf, mixed_prompts(8, seed=11), max_tokens=12)
+
+
 @pytest.mark.parametrize("linear_dtype", ["model", "float32"])
 def test_bfloat16_logprobs_close_to_transformers(llama_ckpt, linear_dtype):
     """bf16 rounds differently from transformers, so compare log-probabilities with a tolerance; with
