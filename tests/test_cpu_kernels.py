@@ -65,6 +65,20 @@ def test_rope_is_bit_identical_to_transformers(kernels, dtype):
     assert torch.equal(qk[:, q_heads:], k_ref[0].transpose(0, 1))
 
 
+def test_silu_mul_rounds_as_transformers_bf16_mlp(kernels):
+    """From the float32 gate/up GEMM output: bf16 rounding of it, SiLU, the product, as transformers'
+    bf16 MLP rounds. SiLU's float32 value may differ from torch's by an ulp, which rounding to bf16
+    hides unless it lands on a tie."""
+    g = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(37, 2 * 300, generator=g) * 4
+    gate, up = gate_up.to(torch.bfloat16).chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up).float()
+    ours = kernels.silu_mul(gate_up)
+    assert (ours == expected).float().mean() > 0.999
+    assert ((ours - expected).abs() <= torch.finfo(torch.bfloat16).eps * expected.abs()).all()
+    assert torch.equal(ours, ours.to(torch.bfloat16).float())  # bf16 values, in float32
+
+
 def naive_decode(q, k_cache, v_cache, table, rows, kv_lens, scale):
     out = []
     for b, row in enumerate(rows.tolist()):

@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.kv.pool import KVPool
-from engine.model.ops import can_prepack, linear_binary, linear_swish, prepack
+from engine.model.ops import can_prepack, linear, linear_binary, linear_swish, prepack
 from engine.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -171,6 +171,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, tp)
         self.scale = spec.head_dim**-0.5
         self.fused_mlp: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate, up) prepacked; see fuse_cpu_mlp
+        self.kernels: CpuKernels | None = None  # the C activation for bf16 on float32 GEMMs (CausalLM.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor, rope: Rope, layer: int, kv: KVPool, backend: AttentionBackend,
                 meta: object) -> torch.Tensor:
@@ -191,7 +192,11 @@ class DecoderLayer(nn.Module):
         if self.fused_mlp is not None:
             return self._fused_tail(attn, residual)
         x = residual + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        h = self.post_attention_layernorm(x)
+        if self.kernels is not None:  # SiLU, product and both bf16 roundings in one pass between float32 GEMMs
+            act = self.kernels.silu_mul(linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, torch.float32))
+            return x + linear(act, self.down_proj.weight, self.down_proj.bias, x.dtype)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
     def _fused_tail(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -301,11 +306,17 @@ class CausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run RMSNorm and RoPE through minichat's C kernels (kernels/cpu): one pass each instead of five
-        and four eager ops, rounding where transformers rounds, so greedy output stays token-identical."""
+        and four eager ops, rounding where transformers rounds, so greedy output stays token-identical.
+        A bf16 model whose GEMMs run in float32 (on one rank: a row-parallel down projection is summed
+        across ranks before rounding) also gets the MLP activation in C."""
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernels = kernels
+        for layer in self.layers:
+            if (layer.fused_mlp is None and self.norm.weight.dtype == torch.bfloat16
+                    and layer.gate_up_proj.weight.dtype == torch.float32 and layer.down_proj.tp.size == 1):
+                layer.kernels = kernels
 
     def _rope(self, positions: torch.Tensor) -> Rope:
         if self.kernels is not None:

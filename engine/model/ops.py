@@ -71,10 +71,13 @@ def linear_binary(x: torch.Tensor, other: torch.Tensor, packed: torch.Tensor, op
     return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, None, op)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b in the weight's storage dtype (through oneDNN for a prepacked weight), returned in `x`'s dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x W^T + b in the weight's storage dtype (through oneDNN for a prepacked weight), returned in
+    `out_dtype` (default: `x`'s dtype)."""
+    out_dtype = out_dtype or x.dtype
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "").to(x.dtype)
-    if weight.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "").to(out_dtype)
+    if weight.dtype == x.dtype == out_dtype:
         return F.linear(x, weight, bias)
-    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    return F.linear(x.to(weight.dtype), weight, bias).to(out_dtype)

@@ -1,4 +1,5 @@
-"""minichat's C kernels for the CPU step: decode attention over the paged pool, RMSNorm and RoPE.
+"""minichat's C kernels for the CPU step: decode attention over the paged pool, RMSNorm, RoPE, and the
+MLP activation of bf16 models whose GEMMs run in float32.
 
 They take float32 and bfloat16 tensors (the dtypes a CPU model runs in) and are called through ctypes
 with raw pointers, so every wrapper checks layout before handing a pointer over. `load_cpu_kernels`
@@ -39,6 +40,8 @@ class CpuKernels:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
+        self._silu_mul = lib.silu_mul_bf16
+        self._silu_mul.argtypes, self._silu_mul.restype = [_P, _P, _I, _I], None
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -65,6 +68,17 @@ class CpuKernels:
         _check(positions, torch.int64, "rope positions")
         self._fns["rope", x.dtype](x.data_ptr(), tokens, heads, x.stride(0), positions.data_ptr(), cos.data_ptr(),
                                    signed_sin.data_ptr(), dim)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a float32 gate/up GEMM output [rows, 2 * inter], with the bf16 roundings of
+        transformers' bf16 MLP (the GEMM output, SiLU, the product), as float32 [rows, inter]."""
+        _check(gate_up, torch.float32, "silu_mul input")
+        if not gate_up.is_contiguous():
+            raise ValueError("silu_mul needs a contiguous [rows, 2 * inter] input")
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=torch.float32)
+        self._silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, width // 2)
+        return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                          rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
