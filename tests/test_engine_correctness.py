@@ -185,7 +185,7 @@ def test_bfloat16_logprobs_close_to_transformers(llama_ckpt, linear_dtype):
     assert weight_dtype == (torch.bfloat16 if linear_dtype == "model" else torch.float32)
     assert llm.model.layers[0].fused_mlp is None  # bf16 activations round between the MLP's ops
     # with float32 GEMMs the activation between them runs in one C pass (kernels/cpu/activation.c)
-    assert (llm.model.layers[0].kernels is not None) == (linear_dtype == "float32")
+    assert (llm.model.layers[0].mlp_kernels is not None) == (linear_dtype == "float32")
     llm.add_request(prompt, SamplingParams(max_tokens=1))
     ours = torch.log_softmax(llm.runner.forward(llm.scheduler.schedule())[0], -1)
     ref_model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.bfloat16).eval()

@@ -171,7 +171,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, tp)
         self.scale = spec.head_dim**-0.5
         self.fused_mlp: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate, up) prepacked; see fuse_cpu_mlp
-        self.kernels: CpuKernels | None = None  # the C activation for bf16 on float32 GEMMs (CausalLM.use_cpu_kernels)
+        self.mlp_kernels: CpuKernels | None = None  # C activation for bf16 on float32 GEMMs (CausalLM.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor, rope: Rope, layer: int, kv: KVPool, backend: AttentionBackend,
                 meta: object) -> torch.Tensor:
@@ -193,8 +193,8 @@ class DecoderLayer(nn.Module):
             return self._fused_tail(attn, residual)
         x = residual + self.o_proj(attn)
         h = self.post_attention_layernorm(x)
-        if self.kernels is not None:  # SiLU, product and both bf16 roundings in one pass between float32 GEMMs
-            act = self.kernels.silu_mul(linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, torch.float32))
+        if self.mlp_kernels is not None:  # SiLU, product and their bf16 roundings in one pass between float32 GEMMs
+            act = self.mlp_kernels.silu_mul(linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, torch.float32))
             return x + linear(act, self.down_proj.weight, self.down_proj.bias, x.dtype)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
@@ -316,7 +316,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             if (layer.fused_mlp is None and self.norm.weight.dtype == torch.bfloat16
                     and layer.gate_up_proj.weight.dtype == torch.float32 and layer.down_proj.tp.size == 1):
-                layer.kernels = kernels
+                layer.mlp_kernels = kernels
 
     def _rope(self, positions: torch.Tensor) -> Rope:
         if self.kernels is not None:
