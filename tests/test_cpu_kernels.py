@@ -118,6 +118,8 @@ def test_layout_errors_are_clear(kernels):
         kernels.rms_norm(x, torch.ones(32, dtype=torch.float64), 1e-6)
     with pytest.raises(ValueError, match="unit-stride rows"):
         kernels.rms_norm(x.t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="expected a CPU float32 or bfloat16 tensor"):
+        kernels.rms_norm(x.half(), torch.ones(32, dtype=torch.float16), 1e-6)
 
 
 def test_library_is_built_once_and_cached(tmp_path, monkeypatch):

@@ -48,6 +48,12 @@ class CpuKernels:
         """Whether activations of `dtype` can run here."""
         return dtype in SUPPORTED_DTYPES
 
+    def _fn(self, name: str, x: torch.Tensor) -> ctypes._CFuncPtr:
+        """The entry point for x's dtype, after checking that x is a CPU tensor of a supported dtype."""
+        if x.device.type != "cpu" or x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}: expected a CPU float32 or bfloat16 tensor, got {x.device} {x.dtype}")
+        return self._fns[name, x.dtype]
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each row of x ([rows, dim], rows may be strided), rounded as transformers rounds."""
         _check(weight, x.dtype, "rms_norm weight")
@@ -55,7 +61,7 @@ class CpuKernels:
         if x.stride(1) != 1 or not weight.is_contiguous():
             raise ValueError("rms_norm needs unit-stride rows and a contiguous weight")
         out = torch.empty((rows, dim), dtype=x.dtype)
-        self._fns["rms_norm", x.dtype](out.data_ptr(), x.data_ptr(), x.stride(0), weight.data_ptr(), rows, dim, eps)
+        self._fn("rms_norm", x)(out.data_ptr(), x.data_ptr(), x.stride(0), weight.data_ptr(), rows, dim, eps)
         return out
 
     def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
@@ -66,7 +72,7 @@ class CpuKernels:
             raise ValueError("rope_ needs heads contiguous within a token and contiguous tables")
         _check(cos, x.dtype, "rope cos table")
         _check(positions, torch.int64, "rope positions")
-        self._fns["rope", x.dtype](x.data_ptr(), tokens, heads, x.stride(0), positions.data_ptr(), cos.data_ptr(),
+        self._fn("rope", x)(x.data_ptr(), tokens, heads, x.stride(0), positions.data_ptr(), cos.data_ptr(),
                                    signed_sin.data_ptr(), dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -95,7 +101,7 @@ class CpuKernels:
         for t, what in ((table, "request table"), (rows, "rows"), (kv_lens, "kv_lens")):
             _check(t, torch.int64, what)
         out = torch.empty((batch, num_heads, dim), dtype=q.dtype)
-        self._fns["decode_attention", q.dtype](
+        self._fn("decode_attention", q)(
             out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
             table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), batch, num_heads, num_kv_heads, dim, scale)
         return out
