@@ -139,6 +139,14 @@ def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
         load_library()
 
 
+def test_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MINICHAT_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(KernelBuildError, match="cannot build into"):
+        load_library()
+
+
 def test_engine_without_a_compiler_runs_the_torch_paths(tmp_path):
     """A machine with no C compiler (and nothing cached) still serves: auto picks the torch backend and
     the model its torch norms, with the same tokens as with the kernels."""

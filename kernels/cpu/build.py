@@ -103,7 +103,10 @@ def load_library() -> ctypes.CDLL:
     if not target.is_file():
         log.info("building minichat's CPU kernels into %s (once per CPU and compiler)", target)
         start = time.perf_counter()
-        _compile(cc, target)
+        try:
+            _compile(cc, target)
+        except OSError as e:  # an unwritable cache directory, say: the torch paths run instead
+            raise KernelBuildError(f"cannot build into {target.parent}: {e}") from e
         log.info("CPU kernels built in %.1f s", time.perf_counter() - start)
     try:
         return ctypes.CDLL(str(target))
