@@ -214,6 +214,16 @@ class LLM:
         """Requests in the waiting queue (what the server's overload limit counts), without a snapshot."""
         return self.scheduler.num_waiting
 
+    @property
+    def execution(self) -> dict[str, str]:
+        """What the execution options resolved to on this machine: `auto` choices and any fallback
+        (the C kernels off where no compiler builds them, say)."""
+        weight = self.model.layers[0].qkv_proj.weight
+        gemm = str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
+        return {"attention_backend": self.runner.backend.name, "gemm": gemm,
+                "cpu_kernels": "on" if self.model.kernels is not None else "off",
+                "overlap": "on" if self.config.use_overlap else "off"}
+
     def stats(self) -> SchedulerSnapshot:
         """A read-only snapshot of the scheduler: waiting queue, running set, slots, pages, counters."""
         return self.scheduler.snapshot()

@@ -43,6 +43,7 @@ def test_short_bench_reports_every_metric_and_valid_json(engine_address, tmp_pat
                   "peak concurrency", "TTFT", "TPOT", "ITL", "E2E"):
         assert label in run.stderr
     report = json.loads(out.read_text())
+    assert report["config"]["engine_execution"]["attention_backend"] == "cpu"  # what the run really used
     engine = report["engine"]
     assert engine["completed"] == 6 and engine["failed"] == 0
     assert len(report["records"]) == 6

@@ -153,7 +153,8 @@ class Pong(_EngineMsg, tag="pong"):
 
 
 class Info(_EngineMsg, tag="info"):
-    """What the engine runs: `config` holds every engine option plus the server's limits."""
+    """What the engine runs: `config` holds every engine option plus the server's limits; `execution`
+    what the options resolved to here (`LLM.execution`: `auto` choices and fallbacks)."""
 
     version: str
     pid: int
@@ -164,6 +165,7 @@ class Info(_EngineMsg, tag="info"):
     max_seq_len: int
     num_pages: int
     config: dict[str, Any]
+    execution: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class ShuttingDown(_EngineMsg, tag="shutting_down"):

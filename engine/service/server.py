@@ -382,7 +382,7 @@ class EngineServer:
         return protocol.Info(version=engine.__version__, pid=os.getpid(), host=socket.gethostname(),
                              model=str(self.llm.model_path), address=self.sockets.address,
                              stats_address=self.sockets.stats_address, max_seq_len=self.llm.max_seq_len,
-                             num_pages=self.llm.num_pages, config=config)
+                             num_pages=self.llm.num_pages, config=config, execution=self.llm.execution)
 
     # -- sending ----------------------------------------------------------------------------------
     def _send(self, identity: bytes, msg: msgspec.Struct) -> bool:

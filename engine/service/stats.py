@@ -106,10 +106,12 @@ def format_stats(stats: Stats, info: Info | None = None, max_rows: int = 20) -> 
     c, p = stats.counters, stats.pages
     busy = sum(h is not None for h in stats.slots)
     head = f"model {stats.model}, up {stats.uptime:.1f}s"
+    lines = [head]
     if info is not None:
-        head = f"minichat {info.version} at {info.address} (pid {info.pid}): {head}, max {info.max_seq_len} tokens"
-    lines = [
-        head,
+        lines = [f"minichat {info.version} at {info.address} (pid {info.pid}): {head}, max {info.max_seq_len} tokens"]
+        if info.execution:
+            lines.append("running: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in info.execution.items()))
+    lines += [
         f"request slots {busy}/{len(stats.slots)} busy; waiting {len(stats.waiting)}; running {len(stats.running)}",
         f"KV pages ({p.page_size} tokens each): {p.free} free, {p.held} held, {p.cached} cached, "
         f"{p.locked} locked, {p.total} total; {p.reserved} reserved for admitted output",

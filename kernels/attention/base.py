@@ -110,6 +110,9 @@ class AttentionShape:
 class AttentionBackend(ABC):
     """Writes new K/V into the paged pool and attends over each request's cached tokens."""
 
+    name: str = ""
+    """The registry name (`kernels.attention.BACKENDS`), as reported by a running engine."""
+
     def setup(self, shape: AttentionShape, device: torch.device) -> None:  # noqa: B027 - optional hook
         """Called once with the model's attention shape before the first step; most backends need nothing."""
 

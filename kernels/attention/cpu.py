@@ -28,6 +28,7 @@ class PoolDecodeMeta:
 class CpuBackend(TorchRefBackend):
     """TorchRefBackend with its decode half replaced by the C kernel."""
 
+    name = "cpu"
     kernels: CpuKernels | None = None
 
     def setup(self, shape: AttentionShape, device: torch.device) -> None:

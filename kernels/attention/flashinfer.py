@@ -32,6 +32,7 @@ class FlashInferStep:
 class FlashInferBackend(AttentionBackend):
     """Needs `setup()` (head counts, dtype, scale) before the first `prepare()`."""
 
+    name = "flashinfer"
     supports_cuda_graph = True
 
     def __init__(self) -> None:

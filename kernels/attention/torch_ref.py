@@ -62,6 +62,7 @@ def gather(x: torch.Tensor, index: torch.Tensor | None, batch_size: int) -> torc
 class TorchRefBackend(AttentionBackend):
     """Gather each request's K/V by its table row; one attention call per layer for the whole step."""
 
+    name = "torch"
     num_kv_heads: int | None = None
 
     def setup(self, shape: AttentionShape, device: torch.device) -> None:

@@ -30,6 +30,7 @@ class TritonStep:
 class TritonBackend(AttentionBackend):
     """`num_splits` KV slices per decode request, each at least `min_split_len` keys long."""
 
+    name = "triton"
     supports_cuda_graph = True
 
     def __init__(self, num_splits: int = 8, min_split_len: int = 64) -> None:

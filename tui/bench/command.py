@@ -132,7 +132,8 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
             with EngineClient(handle.address, timeout=10.0) as client:
                 info = client.info()
             target = Target(f"minichat engine ({Path(info.model).name})", info.model, info.max_seq_len,
-                            {"backend": "minichat", "engine_config": info.config})
+                            {"backend": "minichat", "engine_config": info.config,
+                             "engine_execution": info.execution})
             engine_address = handle.address
 
             def launch(workload: list[BenchRequest], warm: int) -> Awaitable[tuple[list[RequestRecord], float, int]]:
