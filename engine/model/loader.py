@@ -18,7 +18,7 @@ from engine.model.llama import CausalLM, ModelSpec
 from engine.model.ops import resolve_linear_dtype
 from engine.model.parallel import TensorSlice, prepack_linear_weights, set_linear_dtype
 from kernels.attention.base import AttentionShape
-from kernels.cpu import CpuKernels, KernelBuildError, load_cpu_kernels
+from kernels.cpu import KernelBuildError, load_cpu_kernels, supported
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -115,7 +115,7 @@ def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: Tensor
         for layer in model.layers:
             layer.fuse_cpu_mlp()
         prepack_linear_weights(model)
-    if cpu_kernels and device == "cpu" and CpuKernels.supports(TORCH_DTYPES[dtype]):
+    if cpu_kernels and supported(device, TORCH_DTYPES[dtype]):
         try:
             model.use_cpu_kernels(load_cpu_kernels())
         except KernelBuildError as e:

@@ -6,6 +6,8 @@ import importlib
 import importlib.util
 import os
 
+import torch
+
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape, build_metadata
 
 BACKENDS = {
@@ -32,19 +34,17 @@ def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16", cpu_ke
             if half and _installed("flashinfer"):
                 return "flashinfer"
             return "triton" if _installed("triton") else "torch"
-        if device == "cpu" and cpu_kernels and dtype in ("float32", "bfloat16"):
-            from kernels.cpu import cpu_kernels_available
+        from kernels.cpu import cpu_kernels_available, supported
 
+        if cpu_kernels and supported(device, getattr(torch, dtype)):
             return "cpu" if cpu_kernels_available() else "torch"
         return "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
     if name == "cpu":
-        if device != "cpu" or dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"the cpu attention backend runs float32 or bfloat16 on the CPU; got {device} {dtype} "
-                             "(use attention_backend='torch')")
-        from kernels.cpu import KernelBuildError, load_cpu_kernels
+        from kernels.cpu import KernelBuildError, load_cpu_kernels, require_supported
 
+        require_supported(device, getattr(torch, dtype))
         try:
             load_cpu_kernels()
         except KernelBuildError as e:

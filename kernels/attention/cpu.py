@@ -13,7 +13,7 @@ import torch
 
 from kernels.attention.base import AttentionShape
 from kernels.attention.torch_ref import TorchRefBackend
-from kernels.cpu import CpuKernels, load_cpu_kernels
+from kernels.cpu import CpuKernels, load_cpu_kernels, require_supported
 
 
 @dataclass
@@ -32,9 +32,7 @@ class CpuBackend(TorchRefBackend):
     kernels: CpuKernels | None = None
 
     def setup(self, shape: AttentionShape, device: torch.device) -> None:
-        if device.type != "cpu" or not CpuKernels.supports(shape.dtype):
-            raise ValueError(f"the cpu attention backend runs float32 or bfloat16 on the CPU; got {device} "
-                             f"{shape.dtype} (use attention_backend='torch')")
+        require_supported(device.type, shape.dtype)
         super().setup(shape, device)
         self.kernels = load_cpu_kernels()
 

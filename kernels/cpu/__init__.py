@@ -25,6 +25,18 @@ _SIGNATURES = {
 }
 
 
+def supported(device: str, dtype: torch.dtype) -> bool:
+    """Whether the kernels take activations of `dtype` on `device` (float32 or bfloat16, on the CPU)."""
+    return device == "cpu" and dtype in SUPPORTED_DTYPES
+
+
+def require_supported(device: str, dtype: torch.dtype) -> None:
+    """ValueError naming the torch backend, for the cpu attention backend asked for where it cannot run."""
+    if not supported(device, dtype):
+        raise ValueError(f"the cpu attention backend runs float32 or bfloat16 on the CPU; got {device} "
+                         f"{str(dtype).removeprefix('torch.')} (use attention_backend='torch')")
+
+
 def _check(t: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     if t.device.type != "cpu" or t.dtype != dtype:
         raise ValueError(f"{what}: expected a CPU {dtype} tensor, got {t.device} {t.dtype}")
@@ -42,11 +54,6 @@ class CpuKernels:
                 self._fns[name, dtype] = fn
         self._silu_mul = lib.silu_mul_bf16
         self._silu_mul.argtypes, self._silu_mul.restype = [_P, _P, _I, _I], None
-
-    @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        """Whether activations of `dtype` can run here."""
-        return dtype in SUPPORTED_DTYPES
 
     def _fn(self, name: str, x: torch.Tensor) -> ctypes._CFuncPtr:
         """The entry point for x's dtype, after checking that x is a CPU tensor of a supported dtype."""
@@ -129,4 +136,5 @@ def cpu_kernels_available() -> bool:
     return not isinstance(_load(), KernelBuildError)
 
 
-__all__ = ["SUPPORTED_DTYPES", "CpuKernels", "KernelBuildError", "cpu_kernels_available", "load_cpu_kernels"]
+__all__ = ["SUPPORTED_DTYPES", "CpuKernels", "KernelBuildError", "cpu_kernels_available", "load_cpu_kernels",
+           "require_supported", "supported"]
