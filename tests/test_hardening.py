@@ -285,8 +285,25 @@ def test_11_sockets_are_owner_only_and_need_the_token(locked: EngineHandle, base
     for p in (path, Path(f"{path}.stats")):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, oct(p.stat().st_mode)
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    with EngineClient(locked.address, timeout=1, auth_token="wrong") as intruder, pytest.raises(EngineUnavailable):
-        intruder.ping()
+    with EngineClient(locked.address, timeout=5, auth_token="wrong") as intruder:
+        for _ in range(3):  # the first try meets the handshake; later ones a connection already refused
+            with pytest.raises(EngineUnavailable, match="refused this client: wrong or missing auth token"):
+                intruder.ping()
+
+    async def async_intruder() -> None:
+        async with AsyncEngineClient(locked.address, timeout=5, auth_token="wrong") as client:
+            for _ in range(3):
+                with pytest.raises(EngineUnavailable, match="refused this client: wrong or missing auth token"):
+                    await client.ping()
+
+    asyncio.run(async_intruder())
+    wrong = {**os.environ, AUTH_ENV: "wrong"}
+    status = subprocess.run([sys.executable, "-m", "tui.cli", "status", "--address", locked.address],
+                            capture_output=True, text=True, timeout=60, env=wrong)
+    assert status.returncode == 1 and "refused this client: wrong or missing auth token" in status.stderr
+    squatter = subprocess.run([sys.executable, "-m", "tui.cli", "serve", "--address", locked.address],
+                              capture_output=True, text=True, timeout=60, env=wrong)  # must not take the address
+    assert squatter.returncode == 1 and "an engine already answers there" in squatter.stderr, squatter.stderr
     raw = zmq.Context.instance().socket(zmq.DEALER)  # no PLAIN handshake at all
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(locked.address)

@@ -73,7 +73,7 @@ def status(
 
     An engine started with --auth-token needs it here too: set MINICHAT_AUTH_TOKEN."""
     from engine.service.addresses import AddressError
-    from engine.service.client import EngineClient, EngineUnavailable
+    from engine.service.client import EngineClient, EngineRefused, EngineUnavailable
     from engine.service.stats import format_stats
 
     try:
@@ -83,7 +83,11 @@ def status(
         raise typer.Exit(2) from e
     with client:
         try:
-            typer.echo(format_stats(client.stats(timeout), client.info()))
+            info = client.info()  # first: a refused token says so here, where stats would only time out
+            typer.echo(format_stats(client.stats(timeout), info))
+        except EngineRefused as e:
+            typer.echo(f"minichat status: error: {e}", err=True)
+            raise typer.Exit(1) from e
         except EngineUnavailable as e:
             typer.echo(f"minichat status: no engine answers at {client.address} ({e})", err=True)
             raise typer.Exit(1) from e
@@ -98,12 +102,13 @@ def stop(
 
     It asks through the protocol; a process is signalled only if it verifiably is this user's engine."""
     from engine.service.addresses import AddressError, default_address
+    from engine.service.client import EngineRefused
     from engine.service.launcher import stop_engine
 
     address = address or default_address()
     try:
         pid = stop_engine(address, timeout)
-    except (AddressError, RuntimeError) as e:
+    except (AddressError, EngineRefused, RuntimeError) as e:
         typer.echo(f"minichat stop: error: {e}", err=True)
         raise typer.Exit(2) from e
     if pid is None:

@@ -169,7 +169,7 @@ def api(address: str | None, host: str, port: int, allow_remote: bool, log_level
         served_model_name: str | None) -> None:
     """Serve the OpenAI-compatible HTTP API for the engine running at --address."""
     from engine.service.addresses import AddressError, default_address
-    from engine.service.client import probe
+    from engine.service.client import EngineRefused, probe
     from engine.service.http import ApiOptions, check_host, run_api
 
     address = address or default_address()
@@ -178,7 +178,12 @@ def api(address: str | None, host: str, port: int, allow_remote: bool, log_level
     except AddressError as e:
         typer.echo(f"minichat api: error: {e}", err=True)
         raise typer.Exit(2) from e
-    if probe(address, timeout=2.0) is None:
+    try:
+        pong = probe(address, timeout=2.0)
+    except EngineRefused as e:
+        typer.echo(f"minichat api: error: {e}", err=True)
+        raise typer.Exit(1) from e
+    if pong is None:
         typer.echo(f"minichat api: error: no engine answers at {address}; start one with "
                    f"`minichat serve --address {address}`", err=True)
         raise typer.Exit(1)

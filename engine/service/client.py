@@ -22,6 +22,7 @@ with `--auth-token` needs the same token: pass `auth_token=` or set MINICHAT_AUT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from engine.prompt import Prompt
 from engine.service import protocol
@@ -56,6 +58,7 @@ _Key = tuple[str, object]
 AUTH_USER = "minichat"  # the ZeroMQ PLAIN user name; the auth token is the password
 AUTH_ENV = "MINICHAT_AUTH_TOKEN"
 LAST_WORDS_MS = 100  # after a disconnect, how long replies the engine sent before it went may still take
+_REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _GONE = "the connection to the engine was lost"  # queued to async waiters when the engine disconnects
 
 
@@ -69,6 +72,10 @@ class EngineError(Exception):
 
 class EngineUnavailable(ConnectionError):
     """No engine answered in time (not started, stopped, or wedged)."""
+
+
+class EngineRefused(EngineUnavailable):
+    """An engine answers at the address but refused this client's auth token."""
 
 
 @dataclass
@@ -159,13 +166,33 @@ def _subscriber(ctx: zmq.Context, address: str, token: str | None = None) -> zmq
     return sock
 
 
-def _lost(address: str) -> EngineUnavailable:
-    return EngineUnavailable(f"the engine at {address} closed the connection (it stopped or died, or dropped "
-                             f"this client); requests in flight are lost")
+def _watch(sock: zmq.Socket) -> zmq.Socket:
+    """A monitor of `sock`'s connection: disconnects, and the engine refusing this client's handshake
+    (a wrong token fails PLAIN's; no token, where the engine wants one, fails the protocol's)."""
+    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _REFUSALS)
+
+
+def _is_refusal(frames: list[bytes]) -> bool:
+    return bool(parse_monitor_message(frames)["event"] & _REFUSALS)
+
+
+def _lost(address: str, refused: bool) -> EngineUnavailable:
+    if refused:
+        return EngineRefused(f"the engine at {address} refused this client: wrong or missing auth token (give "
+                             f"the engine's --auth-token, or set {AUTH_ENV})")
+    return EngineUnavailable(f"the engine at {address} closed the connection (it stopped or died, dropped "
+                             f"this client, or wants an auth token); requests in flight are lost")
+
+
+def _unsendable(address: str, timeout: float) -> EngineUnavailable:
+    return EngineUnavailable(f"could not hand a message to the engine at {address} for {timeout:g}s "
+                             f"(no connection to it)")
 
 
 def probe(address: str | None = None, timeout: float = 0.5, auth_token: str | None = None) -> Pong | None:
-    """The engine's Pong if one answers at `address` within `timeout` seconds, else None."""
+    """The engine's Pong if one answers at `address` within `timeout` seconds, else None.
+
+    An engine that refuses the token is there all the same: EngineRefused, not None."""
     address = address or default_address()
     scheme, path = split(address)
     if scheme == "ipc" and not ipc_listening(path):
@@ -173,6 +200,8 @@ def probe(address: str | None = None, timeout: float = 0.5, auth_token: str | No
     with EngineClient(address, timeout=timeout, auth_token=auth_token) as client:
         try:
             return client.ping(timeout)
+        except EngineRefused:
+            raise
         except EngineUnavailable:
             return None
 
@@ -192,7 +221,8 @@ class EngineClient:
         self._token = resolve_auth_token(auth_token)
         self._ctx = zmq.Context.instance()
         self._sock = _dealer(self._ctx, self.address, self._token)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = _watch(self._sock)
+        self._refused = False
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -217,12 +247,19 @@ class EngineClient:
             self._sub.close(linger=0)
 
     # -- plumbing ---------------------------------------------------------------------------------
-    def _send(self, msg: msgspec.Struct) -> None:
-        self._sock.send(protocol.encode(msg))
+    def _send(self, msg: msgspec.Struct, timeout: float | None = None) -> None:
+        """Queue `msg` for the engine. Without a connection (a refused token ends it for good) a DEALER
+        would block forever, so this waits at most `timeout` seconds; a refused token fails at once."""
+        timeout = self.timeout if timeout is None else timeout
+        self._count_disconnects()
+        if self._refused or not self._sock.poll(int(timeout * 1000), zmq.POLLOUT):
+            self._count_disconnects()
+            raise _lost(self.address, True) if self._refused else _unsendable(self.address, timeout)
+        self._sock.send(protocol.encode(msg), zmq.NOBLOCK)
 
     def _count_disconnects(self) -> None:
         while self._monitor.poll(0):
-            self._monitor.recv_multipart()
+            self._refused |= _is_refusal(self._monitor.recv_multipart())
             self._disconnects += 1
 
     def _register(self, key: _Key) -> None:
@@ -247,7 +284,8 @@ class EngineClient:
                 while not box and self._sock.poll(LAST_WORDS_MS):  # what the engine sent before it went
                     self._file(self._sock.recv())
                 if not box:
-                    raise _lost(self.address)
+                    self._count_disconnects()  # a refusal's event may trail the disconnect's
+                    raise _lost(self.address, self._refused)
                 break
             ready = dict(self._poller.poll(int(timeout * 1000)))
             if not ready:
@@ -265,7 +303,7 @@ class EngineClient:
     def _call(self, key: _Key, msg: msgspec.Struct, timeout: float | None) -> protocol.EngineMessage:
         self._register(key)
         try:
-            self._send(msg)
+            self._send(msg, timeout)
             return self._wait(key, timeout)
         finally:
             self._unregister(key)
@@ -310,7 +348,8 @@ class EngineClient:
         finally:
             self._unregister(key)
             if not finished and not self._sock.closed:
-                self._send(protocol.Abort(rid=rid))
+                with contextlib.suppress(EngineUnavailable):  # no connection: nothing left to stop
+                    self._send(protocol.Abort(rid=rid), LAST_WORDS_MS / 1000)
 
     def generate(self, prompt: Prompt, params: Params | None = None, *, rid: str | None = None,
                  **overrides: object) -> Iterator[Output]:
@@ -367,7 +406,8 @@ class AsyncEngineClient:
         self._token = resolve_auth_token(auth_token)
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = _dealer(self._ctx, self.address, self._token)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = _watch(self._sock)
+        self._refused = False
         self._sub: zmq.asyncio.Socket | None = None
         self._queues: dict[_Key, asyncio.Queue[protocol.EngineMessage]] = {}
         self._waiters: dict[_Key, int] = {}
@@ -401,7 +441,7 @@ class AsyncEngineClient:
             if self._sock in ready:
                 self._file(await self._sock.recv())
             if self._monitor in ready:  # the connection broke: every waiter's request is lost
-                await self._monitor.recv_multipart()
+                self._refused |= _is_refusal(await self._monitor.recv_multipart())
                 while await self._sock.poll(LAST_WORDS_MS):  # what the engine sent before it went
                     self._file(await self._sock.recv())
                 for queue in self._queues.values():
@@ -437,13 +477,24 @@ class AsyncEngineClient:
             except TimeoutError:
                 raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s") from None
         if msg is _GONE:
-            raise _lost(self.address)
+            raise _lost(self.address, self._refused)
         return msg
+
+    async def _send(self, msg: msgspec.Struct, timeout: float | None) -> None:
+        """Queue `msg` for the engine, waiting at most `timeout` seconds (see EngineClient._send)."""
+        timeout = self.timeout if timeout is None else timeout
+        if self._refused:
+            raise _lost(self.address, True)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._sock.send(protocol.encode(msg))
+        except TimeoutError:
+            raise _lost(self.address, True) if self._refused else _unsendable(self.address, timeout) from None
 
     async def _call(self, key: _Key, msg: msgspec.Struct, timeout: float | None) -> protocol.EngineMessage:
         queue = self._open(key)
         try:
-            await self._sock.send(protocol.encode(msg))
+            await self._send(msg, timeout)
             return await self._get(queue, timeout)
         finally:
             self._close(key)
@@ -470,7 +521,7 @@ class AsyncEngineClient:
         queue = self._open(key)
         finished = False
         try:
-            await self._sock.send(protocol.encode(msg))
+            await self._send(msg, None)
             while not finished:
                 out = await self._get(queue, None)
                 _raise_if_error(out)

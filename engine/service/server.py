@@ -43,7 +43,7 @@ from engine.service.addresses import (
     split,
     stats_address,
 )
-from engine.service.client import AUTH_USER, probe
+from engine.service.client import AUTH_USER, EngineRefused, probe
 from engine.service.connections import ConnectionCap, connection_cap, raise_fd_limit
 from engine.service.stats import StatsRecorder
 from engine.tokenizer import max_prompt_chars
@@ -118,7 +118,10 @@ class Sockets:
 
     def __init__(self, address: str, options: ServerOptions) -> None:
         check_bindable(address, options.allow_remote, options.auth_token is not None)
-        running = probe(address, auth_token=options.auth_token)
+        try:
+            running = probe(address, auth_token=options.auth_token)
+        except EngineRefused as e:
+            raise AddressError(f"{e}: an engine already answers there; stop it or choose another --address") from e
         if running is not None:
             raise AddressError(f"an engine (pid {running.pid}, minichat {running.version}) already answers at "
                                f"{address}; stop it with `minichat stop` or choose another --address")

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.service.addresses import default_address
-from engine.service.client import EngineClient, probe
+from engine.service.client import EngineClient, EngineRefused, probe
 from engine.service.launcher import EngineHandle, find_or_start
 from tui.bench.engine_run import run_engine_bench
 from tui.bench.metrics import RequestRecord, Summary, summarize
@@ -44,7 +44,10 @@ def ordinary_vocab(model_path: str) -> list[int]:
 def connect(address: str | None, engine_options: dict[str, object]) -> EngineHandle:
     """Attach to the engine at `address`; start one only when given engine options (or no address)."""
     if address is not None and not engine_options:
-        pong = probe(address, timeout=2.0)
+        try:
+            pong = probe(address, timeout=2.0)
+        except EngineRefused as e:
+            raise BenchError(str(e)) from e
         if pong is None:
             raise BenchError(f"no engine answers at {address}; start one with `minichat serve --address {address}` "
                              f"or pass --model to let bench start it")
