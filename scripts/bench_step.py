@@ -134,11 +134,8 @@ def floor_rounds(args: argparse.Namespace, linear_dtype: str, prepack: bool) -> 
     dtype = model.lm_head.weight.dtype
     hidden = model.spec.hidden_size
     layers = []
-    for layer in model.layers:  # a fused MLP (engine/model/llama.py fuse_cpu_mlp) has gate and up apart
-        mlp = [(w, None) for w in layer.fused_mlp] if layer.fused_mlp else [(layer.gate_up_proj.weight,
-                                                                              layer.gate_up_proj.bias)]
-        layers += [(m.weight, m.bias) for m in (layer.qkv_proj, layer.o_proj)] + mlp
-        layers.append((layer.down_proj.weight, layer.down_proj.bias))
+    for layer in model.layers:
+        layers += [(m.weight, m.bias) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
     head = model.lm_head.weight
 
     def run(rows: int, heads: int) -> Callable[[], None]:

@@ -26,7 +26,7 @@ def naive_attention(q, k_cache, v_cache, table, rows, q_lens, kv_lens, scale):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "cpu_split"])
 @pytest.mark.parametrize(("q_lens", "kv_lens"), [
     ([1, 1, 1], [5, 17, 1]),  # decode, ragged
     ([7, 3, 12], [7, 20, 12]),  # fresh prefill, chunk continuing over a cached prefix, fresh prefill
@@ -43,7 +43,9 @@ def test_backend_matches_naive(backend_name, q_lens, kv_lens, heads):
     t = sum(q_lens)
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     out_slots = torch.cat([table[r, kl - ql : kl] for r, ql, kl in zip(rows.tolist(), q_lens, kv_lens, strict=True)])
-    backend = make_backend(backend_name, "cpu")
+    backend = make_backend(backend_name.removesuffix("_split"), "cpu")
+    if backend_name == "cpu_split":  # long prompt chunks: the reference's layout, decode tokens in C
+        backend.max_per_token_queries = 2
     backend.setup(AttentionShape(hq, hkv, d, torch.float32, d**-0.5), torch.device("cpu"))
     meta = build_metadata(q_lens, kv_lens, rows, table)
     assert torch.equal(meta.out_slots, out_slots)

@@ -73,13 +73,27 @@ def test_silu_mul_rounds_as_transformers_bf16_mlp(kernels):
     gate_up = torch.randn(37, 2 * 300, generator=g) * 4
     gate, up = gate_up.to(torch.bfloat16).chunk(2, dim=-1)
     expected = (torch.nn.functional.silu(gate) * up).float()
-    ours = kernels.silu_mul(gate_up)
+    ours = kernels.silu_mul(gate_up, torch.bfloat16)
     assert (ours == expected).float().mean() > 0.999
     assert ((ours - expected).abs() <= torch.finfo(torch.bfloat16).eps * expected.abs()).all()
     assert torch.equal(ours, ours.to(torch.bfloat16).float())  # bf16 values, in float32
 
 
-def naive_decode(q, k_cache, v_cache, table, rows, kv_lens, scale):
+def test_silu_mul_float32_within_an_ulp_of_torch(kernels):
+    """A float32 model's activation: torch's silu(gate) * up to within SiLU's own ulp (vector expf),
+    on rows large enough to run on several threads."""
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(300, 2 * 344, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    ours = kernels.silu_mul(gate_up, torch.float32)
+    assert ((ours - expected).abs() <= 4 * torch.finfo(torch.float32).eps * expected.abs()).all()
+    assert (ours == expected).float().mean() > 0.5
+    with pytest.raises(ValueError, match="model dtype must be float32 or bfloat16"):
+        kernels.silu_mul(gate_up, torch.float16)
+
+
+def naive_paged(q, k_cache, v_cache, table, rows, kv_lens, scale):
     out = []
     for b, row in enumerate(rows.tolist()):
         slots = table[row, : kv_lens[b]]
@@ -94,7 +108,7 @@ def naive_decode(q, k_cache, v_cache, table, rows, kv_lens, scale):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 64), (14, 2, 64), (6, 3, 40)],
                          ids=["mha", "gqa4", "gqa7", "dim40"])
-def test_decode_attention_matches_naive(kernels, dtype, heads, kv_heads, dim):
+def test_paged_attention_matches_naive(kernels, dtype, heads, kv_heads, dim):
     """One query per request over permuted pool slots, lengths from 1 past one key block (128), q a
     strided view of the projection output; float32 accumulation in any dtype."""
     g = torch.Generator().manual_seed(heads * dim)
@@ -106,8 +120,8 @@ def test_decode_attention_matches_naive(kernels, dtype, heads, kv_heads, dim):
     kv_lens = torch.tensor([1, 37, 129, 300])
     qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     q = qkv[:, : heads * dim].view(4, heads, dim)
-    ours = kernels.decode_attention(q, k_cache, v_cache, table, rows, kv_lens, dim**-0.5)
-    expected = naive_decode(q, k_cache, v_cache, table, rows, kv_lens, dim**-0.5)
+    ours = kernels.paged_attention(q, k_cache, v_cache, table, rows, kv_lens, dim**-0.5)
+    expected = naive_paged(q, k_cache, v_cache, table, rows, kv_lens, dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ours.float(), expected, atol=tol, rtol=tol)
 

@@ -149,14 +149,15 @@ def test_eos_mid_batch(llama_ckpt, hf, tmp_path, overlap):
 @pytest.mark.parametrize("prepack", [True, False], ids=["onednn", "f_linear"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prepacked_weights(checkpoints, hf, family, prepack):
-    """Projections on oneDNN-prepacked weights (the CPU default; in float32 the MLP's SiLU and product
-    and both residual adds run fused into its GEMMs) or through `F.linear`: the same tokens as
-    transformers either way; a tied embedding keeps its dense rows for lookups."""
+    """Projections on oneDNN-prepacked weights (the CPU default; in float32 both residual adds run
+    inside the o and down GEMMs) or through `F.linear`: the same tokens as transformers either way; a
+    tied embedding keeps its dense rows for lookups. The MLP's activation runs in C either way."""
     path = checkpoints[family]
     llm = LLM(str(path), prepack_weights=prepack)
     model = llm.model
     assert model.layers[0].qkv_proj.weight.is_mkldnn == prepack and model.lm_head.weight.is_mkldnn == prepack
-    assert all((layer.fused_mlp is not None) == prepack for layer in model.layers)
+    assert all(layer.residual_in_gemm == prepack for layer in model.layers)
+    assert all(layer.mlp_kernels is not None for layer in model.layers)
     assert not model.embed_tokens.weight.is_mkldnn
     assert_matches_hf(llm, path, hf, mixed_prompts(6, seed=9), max_tokens=8)
 
@@ -164,11 +165,12 @@ def test_prepacked_weights(checkpoints, hf, family, prepack):
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c_kernels", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cpu_kernels(checkpoints, hf, family, cpu_kernels):
-    """RMSNorm, RoPE and decode attention in minichat's C kernels (the CPU default) or in torch ops:
-    the same tokens as transformers either way, through prefill, mixed and decode steps."""
+    """RMSNorm, RoPE, the MLP activation and decode attention in minichat's C kernels (the CPU default)
+    or in torch ops: the same tokens as transformers either way, through prefill, mixed and decode steps."""
     path = checkpoints[family]
     llm = LLM(str(path), cpu_kernels=cpu_kernels)
     assert (llm.model.kernels is not None) == cpu_kernels
+    assert all((layer.mlp_kernels is not None) == cpu_kernels for layer in llm.model.layers)
     assert type(llm.runner.backend).__name__ == ("CpuBackend" if cpu_kernels else "TorchRefBackend")
     assert_matches_hf(llm, path, hf, mixed_prompts(8, seed=11), max_tokens=12)
 
@@ -183,7 +185,7 @@ def test_bfloat16_logprobs_close_to_transformers(llama_ckpt, linear_dtype):
     llm = LLM(str(llama_ckpt), dtype="bfloat16", linear_dtype=linear_dtype)
     weight_dtype = llm.model.layers[0].qkv_proj.weight.dtype
     assert weight_dtype == (torch.bfloat16 if linear_dtype == "model" else torch.float32)
-    assert llm.model.layers[0].fused_mlp is None  # bf16 activations round between the MLP's ops
+    assert not llm.model.layers[0].residual_in_gemm  # bf16 activations round before the residual add
     # with float32 GEMMs the activation between them runs in one C pass (kernels/cpu/activation.c)
     assert (llm.model.layers[0].mlp_kernels is not None) == (linear_dtype == "float32")
     llm.add_request(prompt, SamplingParams(max_tokens=1))

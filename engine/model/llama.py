@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.kv.pool import KVPool
-from engine.model.ops import can_prepack, linear, linear_binary, linear_swish, prepack
+from engine.model.ops import linear, linear_binary
 from engine.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -170,8 +170,8 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [inter, inter], spec.mlp_bias, tp)
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, tp)
         self.scale = spec.head_dim**-0.5
-        self.fused_mlp: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate, up) prepacked; see fuse_cpu_mlp
-        self.mlp_kernels: CpuKernels | None = None  # C activation for bf16 on float32 GEMMs (CausalLM.use_cpu_kernels)
+        self.residual_in_gemm = False  # both residual adds as oneDNN post-ops (see fuse_residual_adds)
+        self.mlp_kernels: CpuKernels | None = None  # C activation between float32 GEMMs (CausalLM.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor, rope: Rope, layer: int, kv: KVPool, backend: AttentionBackend,
                 meta: object) -> torch.Tensor:
@@ -189,40 +189,32 @@ class DecoderLayer(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, spec.head_dim))
             q, k = rope(q), rope(k)
         attn = backend.forward(q, k, v, kv.k(layer), kv.v(layer), meta, self.scale).reshape(tokens, self.q_size)
-        if self.fused_mlp is not None:
-            return self._fused_tail(attn, residual)
-        x = residual + self.o_proj(attn)
+        x = self._add_projection(residual, self.o_proj, attn)
         h = self.post_attention_layernorm(x)
-        if self.mlp_kernels is not None:  # SiLU, product and their bf16 roundings in one pass between float32 GEMMs
-            act = self.mlp_kernels.silu_mul(linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, torch.float32))
-            return x + linear(act, self.down_proj.weight, self.down_proj.bias, x.dtype)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        if self.mlp_kernels is not None:  # SiLU and product (with a bf16 model's roundings) in one C pass
+            act = self.mlp_kernels.silu_mul(linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, torch.float32),
+                                            x.dtype)
+        else:
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self._add_projection(x, self.down_proj, act)
 
-    def _fused_tail(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The same as the unfused tail, with every elementwise op after a GEMM done inside it."""
-        gate, up = self.fused_mlp
-        x = linear_binary(attn, residual, self.o_proj.weight, "add")
-        h = self.post_attention_layernorm(x)
-        return linear_binary(linear_binary(h, linear_swish(h, gate), up, "mul"), x, self.down_proj.weight, "add")
+    def _add_projection(self, residual: torch.Tensor, proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        """residual + proj(x), rounded to the residual's dtype first (x may be a float32 activation of a
+        bf16 model); inside the GEMM where `residual_in_gemm` allows."""
+        if self.residual_in_gemm:
+            return linear_binary(x, residual, proj.weight, "add")
+        return residual + proj(x).to(residual.dtype)
 
-    def fuse_cpu_mlp(self) -> None:
-        """Pack the MLP's gate and up weights apart so its SiLU and product run as oneDNN post-ops of
-        their GEMMs, and both residual adds as post-ops of the o and down GEMMs (engine/model/ops.py).
-        Called at load before `prepack_linear_weights`, which packs o_proj and down_proj.
-
-        Only for float32 activations (a half-precision model must round between those ops, as
-        transformers does), one rank (a row-parallel output is all-reduced before the residual) and no
-        biases. At prefill sizes the MLP runs 1.6x faster (the [tokens, 2 x intermediate] output is never
-        written); at decode sizes it is the same."""
-        gate_up = self.gate_up_proj
-        if not (can_prepack(gate_up.weight) and self.post_attention_layernorm.weight.dtype == torch.float32
-                and self.o_proj.tp.size == 1
-                and gate_up.bias is None and self.o_proj.bias is None and self.down_proj.bias is None):
-            return
-        inter = gate_up.sizes[0]
-        self.fused_mlp = (prepack(gate_up.weight.data[:inter]), prepack(gate_up.weight.data[inter:]))
-        self.gate_up_proj = None
+    def fuse_residual_adds(self) -> None:
+        """Run both residual adds as binary post-ops of the o and down GEMMs (engine/model/ops.py), once
+        their weights are prepacked: for float32 activations (a half-precision model rounds the GEMM's
+        output before adding, as transformers does), one rank (a row-parallel output is all-reduced
+        before the add) and no biases."""
+        self.residual_in_gemm = (self.o_proj.weight.is_mkldnn and self.down_proj.weight.is_mkldnn
+                                 and self.post_attention_layernorm.weight.dtype == torch.float32
+                                 and self.o_proj.tp.size == 1 and self.o_proj.bias is None
+                                 and self.down_proj.bias is None)
 
 
 class CausalLM(nn.Module):
@@ -307,15 +299,15 @@ class CausalLM(nn.Module):
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run RMSNorm and RoPE through minichat's C kernels (kernels/cpu): one pass each instead of five
         and four eager ops, rounding where transformers rounds, so greedy output stays token-identical.
-        A bf16 model whose GEMMs run in float32 (on one rank: a row-parallel down projection is summed
-        across ranks before rounding) also gets the MLP activation in C."""
+        A model whose GEMMs run in float32 (on one rank: a row-parallel down projection is summed across
+        ranks before rounding) also gets the MLP activation in C: for float32 one pass that beat oneDNN's
+        SiLU and multiply post-ops, for bf16 one pass that rounds where transformers' four ops round."""
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernels = kernels
         for layer in self.layers:
-            if (layer.fused_mlp is None and self.norm.weight.dtype == torch.bfloat16
-                    and layer.gate_up_proj.weight.dtype == torch.float32 and layer.down_proj.tp.size == 1):
+            if layer.gate_up_proj.weight.dtype == torch.float32 and layer.down_proj.tp.size == 1:
                 layer.mlp_kernels = kernels
 
     def _rope(self, positions: torch.Tensor) -> Rope:

@@ -112,9 +112,9 @@ def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: Tensor
         raise ValueError(f"{path}: {e}") from e
     set_linear_dtype(model, resolve_linear_dtype(linear_dtype, TORCH_DTYPES[dtype], torch.device(device)))
     if prepack_weights:
-        for layer in model.layers:
-            layer.fuse_cpu_mlp()
         prepack_linear_weights(model)
+        for layer in model.layers:
+            layer.fuse_residual_adds()
     if cpu_kernels and supported(device, TORCH_DTYPES[dtype]):
         try:
             model.use_cpu_kernels(load_cpu_kernels())

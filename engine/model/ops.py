@@ -61,13 +61,9 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
 
 
-def linear_swish(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """silu(x W^T) in one oneDNN call (an eltwise post-op on the GEMM's output)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "swish", [], "")
-
-
 def linear_binary(x: torch.Tensor, other: torch.Tensor, packed: torch.Tensor, op: str) -> torch.Tensor:
-    """(x W^T) `op` other, op "add" or "mul", in one oneDNN call (a binary post-op on the GEMM's output)."""
+    """(x W^T) `op` other, op "add" or "mul", in one oneDNN call (a binary post-op on the GEMM's output);
+    the residual adds use it."""
     return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, None, op)
 
 

@@ -1,5 +1,5 @@
-"""minichat's C kernels for the CPU step: decode attention over the paged pool, RMSNorm, RoPE, and the
-MLP activation of bf16 models whose GEMMs run in float32.
+"""minichat's C kernels for the CPU step: attention over the paged pool, RMSNorm, RoPE, and the
+MLP activation between float32 GEMMs.
 
 They take float32 and bfloat16 tensors (the dtypes a CPU model runs in) and are called through ctypes
 with raw pointers, so every wrapper checks layout before handing a pointer over. `load_cpu_kernels`
@@ -19,9 +19,10 @@ SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F],
+    "paged_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F],
     "rms_norm": [_P, _P, _I, _P, _I, _I, _F],
     "rope": [_P, _I, _I, _I, _P, _P, _P, _I],
+    "silu_mul": [_P, _P, _I, _I],  # by the model dtype whose roundings it keeps; always float32 data
 }
 
 
@@ -52,8 +53,6 @@ class CpuKernels:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
-        self._silu_mul = lib.silu_mul_bf16
-        self._silu_mul.argtypes, self._silu_mul.restype = [_P, _P, _I, _I], None
 
     def _fn(self, name: str, x: torch.Tensor) -> ctypes._CFuncPtr:
         """The entry point for x's dtype, after checking that x is a CPU tensor of a supported dtype."""
@@ -82,33 +81,37 @@ class CpuKernels:
         self._fn("rope", x)(x.data_ptr(), tokens, heads, x.stride(0), positions.data_ptr(), cos.data_ptr(),
                                    signed_sin.data_ptr(), dim)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of a float32 gate/up GEMM output [rows, 2 * inter], with the bf16 roundings of
-        transformers' bf16 MLP (the GEMM output, SiLU, the product), as float32 [rows, inter]."""
+    def silu_mul(self, gate_up: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+        """silu(gate) * up of a float32 gate/up GEMM output [rows, 2 * inter] as float32 [rows, inter],
+        rounded where transformers' MLP in `model_dtype` rounds (for bf16: the GEMM output, SiLU, the
+        product; for float32 nowhere extra)."""
         _check(gate_up, torch.float32, "silu_mul input")
         if not gate_up.is_contiguous():
             raise ValueError("silu_mul needs a contiguous [rows, 2 * inter] input")
+        if model_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"silu_mul: model dtype must be float32 or bfloat16, got {model_dtype}")
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=torch.float32)
-        self._silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, width // 2)
+        self._fns["silu_mul", model_dtype](out.data_ptr(), gate_up.data_ptr(), rows, width // 2)
         return out
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                         rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """softmax(q K^T * scale) V for one query per request, K/V read from the pool where request b's
-        positions 0..kv_lens[b]-1 sit in slots table[rows[b]]. q: [B, Hq, D]; caches: [slots, Hkv, D]."""
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                        rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """softmax(q K^T * scale) V for each query token b over keys 0..kv_lens[b]-1 of the request whose
+        positions sit in slots table[rows[b]] (a causal mask is a token's kv_lens). q: [B, Hq, D];
+        caches: [slots, Hkv, D]."""
         batch, num_heads, dim = q.shape
         num_kv_heads = k_cache.shape[1]
         if q.stride(2) != 1 or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("decode_attention needs q's heads contiguous and contiguous caches")
+            raise ValueError("paged_attention needs q's heads contiguous and contiguous caches")
         if table.stride(1) != 1 or not (rows.is_contiguous() and kv_lens.is_contiguous()):
-            raise ValueError("decode_attention needs unit-stride table rows and contiguous rows / kv_lens")
+            raise ValueError("paged_attention needs unit-stride table rows and contiguous rows / kv_lens")
         for t, what in ((k_cache, "k cache"), (v_cache, "v cache")):
             _check(t, q.dtype, what)
         for t, what in ((table, "request table"), (rows, "rows"), (kv_lens, "kv_lens")):
             _check(t, torch.int64, what)
         out = torch.empty((batch, num_heads, dim), dtype=q.dtype)
-        self._fn("decode_attention", q)(
+        self._fn("paged_attention", q)(
             out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
             table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), batch, num_heads, num_kv_heads, dim, scale)
         return out

@@ -1,7 +1,8 @@
-/* Decode attention straight from the paged KV pool: one query per request, no gather into a padded
- * tensor, no mask.
+/* Attention straight from the paged KV pool, one query token per item: no gather into a padded tensor,
+ * no mask. A decode step has one token per request; a prompt chunk's tokens are items of their own,
+ * each with its causal key count (kernels/attention/cpu.py).
  *
- * For request b and KV head h the keys are pool rows table[rows[b], 0 .. kv_lens[b]-1], taken in blocks
+ * For item b and KV head h the keys are pool rows table[rows[b], 0 .. kv_lens[b]-1], taken in blocks
  * of KEY_BLOCK rows: float32 rows are read where they lie, bfloat16 rows are widened into a small buffer
  * first; each block serves every query head of h's group. Scores are eight keys at a time, softmax runs
  * online across blocks in float32, and the output is rounded to the activation dtype at the end.
@@ -139,12 +140,14 @@ static inline const float *row_bf16(const uint16_t *src, float *buf, int64_t hea
     return buf;
 }
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, ROW)                                                        \
+/* Items are dealt to threads round robin: a prompt's items grow longer token by token, so contiguous
+ * ranges would give one thread the short half; the two KV heads of a decode request split evenly. */
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, ROW)                                                        \
 void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool, const int64_t *table, \
           int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t batch,                \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {                        \
     const int64_t group = num_heads / num_kv_heads;                                                       \
-    _Pragma("omp parallel for schedule(static)")                                                          \
+    _Pragma("omp parallel for schedule(static, 1)")                                                       \
     for (int64_t item = 0; item < batch * num_kv_heads; item++) {                                         \
         const int64_t b = item / num_kv_heads, h = item % num_kv_heads;                                  \
         const int64_t *slots = table + rows[b] * table_stride;                                           \
@@ -184,5 +187,5 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
     }                                                                                                    \
 }
 
-DEFINE_DECODE(decode_attention_f32, float, F32_LOAD, F32_STORE, row_f32)
-DEFINE_DECODE(decode_attention_bf16, uint16_t, BF16_LOAD, BF16_STORE, row_bf16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, F32_LOAD, F32_STORE, row_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, BF16_LOAD, BF16_STORE, row_bf16)

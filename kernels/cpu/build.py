@@ -1,6 +1,6 @@
 """Compile minichat's C kernels for this CPU once, cache the shared library, and load it with ctypes.
 
-No maintained library gives a torch-2.13 CPU paged decode attention or fused RMSNorm/RoPE (IPEX
+No maintained library gives a torch-2.13 CPU paged attention or fused RMSNorm/RoPE (IPEX
 pins older torch releases and is retired; vLLM and sgl-kernel ship theirs inside their own wheels), and
 a torch C++ extension compiles against torch's headers for about a minute on two cores. These
 kernels are plain C over raw pointers: `cc` builds them in about a second, with `-march=native` and
