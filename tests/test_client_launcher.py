@@ -27,7 +27,7 @@ from engine.service.addresses import (
     runtime_dir,
     stats_address,
 )
-from engine.service.client import AsyncEngineClient, EngineError
+from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.launcher import EngineStartError, find, find_or_start, start
 from engine.service.protocol import Delta, Final, Params
 from tui.cli import app
@@ -111,6 +111,22 @@ def test_async_client_streams_aborts_and_reads_stats(runtime: Path, llama_ckpt: 
 
         asyncio.run(asyncio.wait_for(scenario(), 60))
     assert find(handle.address) is None
+
+
+def test_async_waits_end_when_the_engine_stays_silent(tmp_path: Path) -> None:
+    """Nothing answers: a stream fails after the client's timeout (watched by its reader task, for
+    every waiter at once), a call given its own shorter timeout after that one."""
+
+    async def scenario() -> None:
+        async with AsyncEngineClient(f"ipc://{tmp_path}/nobody.sock", timeout=0.5) as client:
+            with pytest.raises(EngineUnavailable, match=r"for 0\.2s"):
+                await client.ping(timeout=0.2)
+            started = time.monotonic()
+            with pytest.raises(EngineUnavailable, match=r"no message from the engine .* for 0\.5s"):
+                await asyncio.gather(*(client.complete("hi", rid=f"r{i}") for i in range(3)))
+            assert 0.5 <= time.monotonic() - started < 5
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 def test_async_stream_cancelled_as_a_message_arrives_stops(tmp_path: Path) -> None:

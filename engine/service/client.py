@@ -60,6 +60,7 @@ AUTH_ENV = "MINICHAT_AUTH_TOKEN"
 LAST_WORDS_MS = 100  # after a disconnect, how long replies the engine sent before it went may still take
 _REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _GONE = "the connection to the engine was lost"  # queued to async waiters when the engine disconnects
+_SILENT = "the engine sent nothing for the client's timeout"  # queued to async waiters when it stays silent
 
 
 class EngineError(Exception):
@@ -149,13 +150,15 @@ def _secure(sock: zmq.Socket, token: str | None) -> zmq.Socket:
     return sock
 
 
-def _dealer(ctx: zmq.Context, address: str, token: str | None = None) -> zmq.Socket:
+def _dealer(ctx: zmq.Context, address: str, token: str | None = None) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connected to the engine, and the monitor of its connection (see `_watch`)."""
     sock = _secure(ctx.socket(zmq.DEALER), token)
     sock.setsockopt(zmq.RCVHWM, 0)  # never make the engine's send fail because we read slowly
     sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+    monitor = _watch(sock)  # before connecting: a refusal can come back before the next line would run
     sock.connect(address)
-    return sock
+    return sock, monitor
 
 
 def _subscriber(ctx: zmq.Context, address: str, token: str | None = None) -> zmq.Socket:
@@ -182,6 +185,10 @@ def _lost(address: str, refused: bool) -> EngineUnavailable:
                              f"the engine's --auth-token, or set {AUTH_ENV})")
     return EngineUnavailable(f"the engine at {address} closed the connection (it stopped or died, dropped "
                              f"this client, or wants an auth token); requests in flight are lost")
+
+
+def _silent(address: str, timeout: float) -> EngineUnavailable:
+    return EngineUnavailable(f"no message from the engine at {address} for {timeout:g}s")
 
 
 def _unsendable(address: str, timeout: float) -> EngineUnavailable:
@@ -220,8 +227,7 @@ class EngineClient:
         self.timeout = timeout
         self._token = resolve_auth_token(auth_token)
         self._ctx = zmq.Context.instance()
-        self._sock = _dealer(self._ctx, self.address, self._token)
-        self._monitor = _watch(self._sock)
+        self._sock, self._monitor = _dealer(self._ctx, self.address, self._token)
         self._refused = False
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -289,7 +295,7 @@ class EngineClient:
                 break
             ready = dict(self._poller.poll(int(timeout * 1000)))
             if not ready:
-                raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s")
+                raise _silent(self.address, timeout)
             if self._sock in ready:
                 self._file(self._sock.recv())
         return box.popleft()
@@ -397,7 +403,10 @@ class EngineClient:
 class AsyncEngineClient:
     """asyncio client (zmq.asyncio), safe to share between tasks of one event loop, e.g. a Textual app.
 
-    A background task reads the socket and hands each reply to the task waiting for it.
+    A background task reads the socket and hands each reply to the task waiting for it. As in
+    EngineClient, `timeout` is how long the connection may stay silent while someone waits: that task
+    watches it for every waiter at once (a stream of 32 requests would otherwise arm 32 timers a
+    step); a call given its own timeout (`ping(0.5)`) also has its own timer.
     """
 
     def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None) -> None:
@@ -405,13 +414,13 @@ class AsyncEngineClient:
         self.timeout = timeout
         self._token = resolve_auth_token(auth_token)
         self._ctx = zmq.asyncio.Context.instance()
-        self._sock = _dealer(self._ctx, self.address, self._token)
-        self._monitor = _watch(self._sock)
+        self._sock, self._monitor = _dealer(self._ctx, self.address, self._token)
         self._refused = False
         self._sub: zmq.asyncio.Socket | None = None
         self._queues: dict[_Key, asyncio.Queue[protocol.EngineMessage]] = {}
         self._waiters: dict[_Key, int] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._heard = 0.0  # loop time of the last message, or of a new waiter (it restarts the clock)
         self._nonce = itertools.count(1)
 
     async def __aenter__(self) -> AsyncEngineClient:
@@ -436,9 +445,19 @@ class AsyncEngineClient:
         poller = zmq.asyncio.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        loop = asyncio.get_running_loop()
         while True:
-            ready = dict(await poller.poll())
+            # with waiters, wake when the silence would run out; a waiter that opens meanwhile moves that
+            left = self.timeout - (loop.time() - self._heard) if self._queues else self.timeout
+            ready = dict(await poller.poll(int(min(max(left, 0.0), 3600.0) * 1000)))
+            if not ready:
+                if self._queues and loop.time() - self._heard >= self.timeout:  # silent too long: fail every waiter
+                    self._heard = loop.time()
+                    for queue in self._queues.values():
+                        queue.put_nowait(_SILENT)  # type: ignore[arg-type]
+                continue
             if self._sock in ready:
+                self._heard = loop.time()
                 self._file(await self._sock.recv())
             if self._monitor in ready:  # the connection broke: every waiter's request is lost
                 self._refused |= _is_refusal(await self._monitor.recv_multipart())
@@ -456,8 +475,10 @@ class AsyncEngineClient:
     def _open(self, key: _Key) -> asyncio.Queue[protocol.EngineMessage]:
         """The queue replies for `key` land in. Tasks waiting on the same key (two `info()` calls) share
         it: each sent its own request, so each gets one reply."""
+        loop = asyncio.get_running_loop()
+        self._heard = loop.time()
         if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+            self._reader = loop.create_task(self._read_forever())
         self._waiters[key] = self._waiters.get(key, 0) + 1
         return self._queues.setdefault(key, asyncio.Queue())
 
@@ -467,17 +488,21 @@ class AsyncEngineClient:
             del self._waiters[key], self._queues[key]
 
     async def _get(self, queue: asyncio.Queue[protocol.EngineMessage], timeout: float | None) -> protocol.EngineMessage:
-        timeout = self.timeout if timeout is None else timeout
+        """The next message in `queue`; `timeout` None leaves the watching to the reader (see the class)."""
         if not queue.empty():  # a fast stream's next message is usually here already
             msg = queue.get_nowait()
+        elif timeout is None:
+            msg = await queue.get()
         else:
-            try:  # a timer on this task, not a task per message: a stream of 32 requests gets 32 per step
+            try:
                 async with asyncio.timeout(timeout):
                     msg = await queue.get()
             except TimeoutError:
-                raise EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s") from None
+                raise _silent(self.address, timeout) from None
         if msg is _GONE:
             raise _lost(self.address, self._refused)
+        if msg is _SILENT:
+            raise _silent(self.address, self.timeout)
         return msg
 
     async def _send(self, msg: msgspec.Struct, timeout: float | None) -> None:
