@@ -95,9 +95,9 @@ from pathlib import Path
 rows = []
 for path in sorted(Path(sys.argv[1]).glob("*.json"), key=lambda p: p.stat().st_mtime):
     r = json.loads(path.read_text())
-    cfg, e = r["config"]["engine_config"], r["engine"]
-    rows.append((cfg["attention_backend"], str(cfg.get("tensor_parallel_size", 1)), "on" if cfg.get("cuda_graph") else "off",
-                 "on" if cfg.get("overlap", True) else "off", f"{e['output_throughput']:.0f}",
+    cfg, ran, e = r["config"]["engine_config"], r["config"]["engine_execution"], r["engine"]
+    rows.append((ran["attention_backend"], str(cfg.get("tensor_parallel_size", 1)), "on" if cfg.get("cuda_graph") else "off",
+                 ran["overlap"], f"{e['output_throughput']:.0f}",
                  f"{e['ttft_ms']['median']:.1f}", f"{e['tpot_ms']['median']:.2f}", f"{e['itl_ms']['median']:.2f}",
                  f"{e['completed']}/{e['failed']}"))
 head = ("backend", "tp", "cuda graph", "overlap", "output tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", "ok/failed")
