@@ -191,7 +191,10 @@ def _silent(address: str, timeout: float) -> EngineUnavailable:
     return EngineUnavailable(f"no message from the engine at {address} for {timeout:g}s")
 
 
-def _unsendable(address: str, timeout: float) -> EngineUnavailable:
+def _unsendable(address: str, timeout: float, refused: bool) -> EngineUnavailable:
+    """Why a send found no connection for `timeout` seconds: the engine refused this client, or none."""
+    if refused:
+        return _lost(address, True)
     return EngineUnavailable(f"could not hand a message to the engine at {address} for {timeout:g}s "
                              f"(no connection to it)")
 
@@ -255,12 +258,12 @@ class EngineClient:
     # -- plumbing ---------------------------------------------------------------------------------
     def _send(self, msg: msgspec.Struct, timeout: float | None = None) -> None:
         """Queue `msg` for the engine. Without a connection (a refused token ends it for good) a DEALER
-        would block forever, so this waits at most `timeout` seconds; a refused token fails at once."""
+        would block forever, so this waits at most `timeout` seconds; a refusal already seen (callers
+        `_register` first, which reads the monitor) fails at once."""
         timeout = self.timeout if timeout is None else timeout
-        self._count_disconnects()
         if self._refused or not self._sock.poll(int(timeout * 1000), zmq.POLLOUT):
             self._count_disconnects()
-            raise _lost(self.address, True) if self._refused else _unsendable(self.address, timeout)
+            raise _unsendable(self.address, timeout, self._refused)
         self._sock.send(protocol.encode(msg), zmq.NOBLOCK)
 
     def _count_disconnects(self) -> None:
@@ -514,7 +517,7 @@ class AsyncEngineClient:
             async with asyncio.timeout(timeout):
                 await self._sock.send(protocol.encode(msg))
         except TimeoutError:
-            raise _lost(self.address, True) if self._refused else _unsendable(self.address, timeout) from None
+            raise _unsendable(self.address, timeout, self._refused) from None
 
     async def _call(self, key: _Key, msg: msgspec.Struct, timeout: float | None) -> protocol.EngineMessage:
         queue = self._open(key)
