@@ -22,7 +22,7 @@ class EngineConfig:
     a CPU without native half-precision GEMM, where it is several times faster; see engine/model/ops.py);
     `prepack_weights` reorders float32 CPU projection weights once at load into oneDNN's layout and runs
     them through oneDNN instead of MKL's `F.linear` (faster at every row count measured; see ops.py).
-    `cpu_kernels` runs RMSNorm, RoPE and (with attention_backend auto or cpu) decode attention through
+    `cpu_kernels` runs RMSNorm, RoPE, the MLP activation and (with attention_backend auto or cpu) attention through
     minichat's C kernels on a float32/bfloat16 CPU model, built once with the system's C compiler
     (kernels/cpu); where none builds, the torch paths run instead.
     `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).

@@ -31,7 +31,7 @@ ENGINE_HELP = {
     "prefix_cache": "radix (reuse cached prompt prefixes) or naive.",
     "linear_dtype": "GEMM dtype: model, float32, or auto (float32 for bf16/fp16 on CPUs without native support).",
     "prepack_weights": "On CPU, float32 weights prepacked once for oneDNN matmuls (faster than F.linear).",
-    "cpu_kernels": "On CPU, RMSNorm, RoPE and decode attention in minichat's C kernels (built once with cc).",
+    "cpu_kernels": "On CPU, RMSNorm, RoPE, attention and the MLP activation in minichat's C kernels (built with cc).",
     "cuda_graph": "Replay decode steps from CUDA graphs (triton and flashinfer backends on CUDA).",
     "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph; bigger ones run eagerly.",
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
