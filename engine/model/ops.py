@@ -18,22 +18,11 @@ summation order differs from `F.linear`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from engine.config import LINEAR_DTYPES
-
-
-@functools.cache
-def has_native_half_gemm(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `dtype` matmuls run natively on `device` (always on GPUs; on CPUs only with bf16/fp16 ISA)."""
-    if device.type != "cpu" or dtype == torch.float32:
-        return True
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+from kernels.gemm import has_native_half_gemm
 
 
 def resolve_linear_dtype(choice: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

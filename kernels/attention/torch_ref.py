@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.ops import has_native_half_gemm
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape, store_kv
+from kernels.gemm import has_native_half_gemm
 
 
 @dataclass
