@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.service.protocol import Delta, Final, Timings, Usage
+from engine.outputs import Delta, Final, Timings, Usage
 from tui.session import Session
 from tui.store import REPLY_FIELDS, SCHEMA_VERSION, Store, StoreError
 

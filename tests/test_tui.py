@@ -21,11 +21,12 @@ from textual.command import CommandPalette
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Label, Markdown, Static
 
+from engine.outputs import Delta, Final, Timings, Usage
 from engine.service.client import AsyncEngineClient
 from engine.service.launcher import EngineHandle, start
-from engine.service.protocol import Delta, Final, Timings, Usage
 from tui.app import MinichatApp
 from tui.chat import ChatPane, PromptInput, ReplyView
+from tui.commands import COMMANDS
 from tui.dialogs import AskScreen, ConfirmScreen
 from tui.help import HelpScreen
 from tui.link import EngineLink
@@ -375,6 +376,11 @@ def test_keys_and_commands_manage_sessions_and_panels(tmp_path: Path) -> None:
     run(scenario)
 
 
+def test_every_command_names_an_app_handler() -> None:
+    """The table names handlers as strings: a typo would only show when the command is run."""
+    assert not [c.name for c in COMMANDS if not callable(getattr(MinichatApp, c.handler, None))]
+
+
 # -- issue 12: keys in order, context, queued messages, ops selection, scrolling, quitting, saving ------
 
 def burst(app: MinichatApp, *keys: str) -> None:
@@ -608,8 +614,8 @@ def test_a_damaged_database_is_reported_and_the_console_runs_on(tmp_path: Path, 
         app = MinichatApp(EngineLink(address=f"ipc://{tmp_path}/nobody.sock", autostart=False))
         async with app.run_test(size=SIZE) as pilot:
             await pilot.pause()
-            assert app.store is None and "not saving" in status(app)
-            assert "is damaged or not a minichat database" in app.store_problem
+            assert app.conversations.store is None and "not saving" in status(app)
+            assert "is damaged or not a minichat database" in app.conversations.problem
             await type_and_send(pilot, "still works")
             assert last_reply(app).state == "queued"
             await pilot.press("escape")

@@ -1,9 +1,9 @@
 """The minichat app: chat sessions in tabs beside live ops panels, over one link to an engine.
 
-The app owns layout, keys and commands; sessions stream their own replies (tui/chat.py), panels
-draw stats snapshots (tui/panels/), the link finds, watches and re-finds the engine (tui/link.py),
-and the store keeps conversations across restarts (tui/store.py). Nothing the engine or the
-database does or fails to do is allowed to end the app.
+The app owns layout and keys, and runs the commands tui/commands.py lists; sessions stream their
+own replies (tui/chat.py), panels draw stats snapshots (tui/panels/), the link finds, watches and
+re-finds the engine (tui/link.py), and tui/conversations.py keeps conversations across restarts
+(tui/store.py). Nothing the engine or the database does or fails to do is allowed to end the app.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from textual.widgets import Footer, Static, TabbedContent, TabPane, Tabs
 from engine.service.protocol import Stats
 from tui.chat import ChatPane, PromptInput
 from tui.commands import BY_NAME, COMMANDS, Command, parse_fanout, parse_slash
+from tui.conversations import Conversations
 from tui.dialogs import AskScreen, ConfirmScreen
 from tui.help import HelpScreen
 from tui.link import EngineLink, LinkState
@@ -38,7 +39,7 @@ from tui.panels import PANELS, OpsPanels, RequestTable
 from tui.panels.base import update_text
 from tui.session import SETTINGS, Session, parse_setting
 from tui.sessions import Choice, SessionsScreen
-from tui.store import DB_NAME, Store, StoreError, data_dir
+from tui.store import data_dir
 
 WIDE = 120  # columns from which the ops panels open beside the chat at start
 OPS_STEP = 10  # percent of the width that f7 / f8 move the split by
@@ -96,12 +97,9 @@ class MinichatApp(App[None]):
         super().__init__()
         self.link = link
         link.on_stats, link.on_state = self.on_engine_stats, self.on_engine_state
-        self.store_path = store_path or data_dir() / DB_NAME
-        self.store: Store | None = None
-        self.store_problem = ""
+        self.conversations = Conversations(self.notify, store_path)
         self.last_stats: Stats | None = None
         self.stats_at = 0.0  # monotonic time of the last snapshot
-        self._opened = 0
         self._ops_restore = 50
 
     # -- layout -----------------------------------------------------------------------------------
@@ -118,8 +116,9 @@ class MinichatApp(App[None]):
         self.set_reactive(MinichatApp.ops_width, 50 if wide else 0)
         self.watch_ops_width(self.ops_width)
         self.run_worker(self.link.run(), name="engine link")
-        self.open_store()
-        reopened = await self.reopen_sessions()
+        reopened = self.conversations.open()  # the tabs that were open when the console last ran
+        for session in reopened:
+            await self.open_session(session, activate=session is reopened[-1])
         if not reopened:
             await self.new_session()
         self.show_status()
@@ -127,8 +126,7 @@ class MinichatApp(App[None]):
 
     async def on_unmount(self) -> None:
         await self.link.close()
-        if self.store is not None:
-            self.store.close()
+        self.conversations.close()
 
     @property
     def tabs(self) -> SessionTabs:
@@ -175,7 +173,7 @@ class MinichatApp(App[None]):
                         f"{c.decode_tokens_per_s:.0f} tok/s", "dim")
             if (age := time.monotonic() - self.stats_at) > STALE_AFTER:
                 line.append(f"  stale: {age:.0f} s old", "bold yellow")
-        if self.store_problem:
+        if self.conversations.problem:
             line.append("  │  not saving", "bold red")
         for status in self.query("#status").results(Static):  # none while the app is closing
             update_text(status, line)
@@ -226,52 +224,11 @@ class MinichatApp(App[None]):
 
         self.push_screen(ConfirmScreen(f"Abort the request {label}?"), abort)
 
-    # -- conversations ------------------------------------------------------------------------------
-    def open_store(self) -> None:
-        try:
-            self.store = Store(self.store_path)
-        except StoreError as e:
-            self.store_failed(e)
-
-    def store_failed(self, e: StoreError) -> None:
-        """Go on without saving, and say so once (the status line keeps saying it)."""
-        if self.store is not None:
-            self.store.close()
-        self.store, self.store_problem = None, str(e)
-        self.notify(str(e), title="conversations", severity="error", timeout=20)
-
-    def save(self, session: Session, is_open: bool = True) -> None:
-        """Store the session (once it has something worth keeping)."""
-        if self.store is not None and session.turns:
-            try:
-                self.store.save(session, is_open)
-            except StoreError as e:
-                self.store_failed(e)
-
-    @property
-    def unsaved(self) -> list[Session]:
-        return [] if self.store is not None else [p.session for p in self.query(ChatPane) if p.session.turns]
-
-    async def reopen_sessions(self) -> int:
-        """Bring back the tabs that were open when the console last ran."""
-        if self.store is None:
-            return 0
-        try:
-            sessions = [self.store.load(uid) for uid in self.store.open_uids()]
-            self._opened = len(self.store.sessions())  # new chats go on numbering after the saved ones
-        except StoreError as e:
-            self.store_failed(e)
-            return 0
-        for session in sessions:
-            await self.open_session(session, activate=session is sessions[-1])
-        return len(sessions)
-
     # -- sessions ---------------------------------------------------------------------------------
     async def new_session(self, name: str | None = None, activate: bool = True,
                           like: Session | None = None) -> ChatPane:
         """Open a session in a new tab, with `like`'s system prompt and sampling settings if given."""
-        self._opened += 1
-        session = Session(name or f"chat {self._opened}")
+        session = Session(self.conversations.new_name(name))
         if like is not None:
             session.system_prompt, session.params = like.system_prompt, like.params
         return await self.open_session(session, activate)
@@ -293,7 +250,7 @@ class MinichatApp(App[None]):
     def on_chat_pane_state_changed(self, event: ChatPane.StateChanged) -> None:
         self.label_tab(event.pane)
         event.pane.session.updated = time.time()
-        self.save(event.pane.session)
+        self.conversations.save(event.pane.session)
 
     def label_tab(self, pane: ChatPane) -> None:
         """The tab shows the session's name, with a dot while its reply is generating."""
@@ -320,45 +277,60 @@ class MinichatApp(App[None]):
             await pane.send(text.removeprefix("/"))
 
     async def run_command(self, command: Command, arg: str, pane: ChatPane | None = None) -> None:
-        """Carry out a session command on `pane` (the current session by default)."""
+        """Carry out a session command on `pane` (the current session by default) with the handler its
+        row in tui/commands.py names."""
         pane = pane or self.current
         if pane is None:
             return
-        session = pane.session
         try:
-            if command.name == "new":
-                await self.new_session(arg or None)
-            elif command.name == "close":
-                self.action_close_session()
-            elif command.name == "rename":
-                session.name = arg or session.name
-                self.label_tab(pane)
-            elif command.name == "system":
-                session.system_prompt = arg
-            elif command.name == "max_tokens" and pane.context is not None \
-                    and parse_setting("max_tokens", arg) >= pane.context:
-                raise ValueError(f"max_tokens must be below the model's context of {pane.context} tokens; got {arg}")
-            elif command.name in SETTINGS:
-                session.set(command.name, arg)
-            elif command.name == "clear":
-                await pane.clear()
-            elif command.name == "sessions":
-                self.action_list_sessions(arg)
-            elif command.name == "export":
-                self.export(session, arg)
-            elif command.name == "fanout":
-                await self.fan_out(parse_fanout(arg), like=session)
-            elif command.name == "abort":
-                await self.action_abort()
-            elif command.name == "reconnect":
-                self.notify(self.link.retry(), title="reconnect")
-            elif command.name == "help":
-                self.action_help()
+            await getattr(self, command.handler)(command, arg, pane)
         except ValueError as e:
             self.notify(str(e), severity="error")
         pane.show_settings()
-        session.updated = time.time()
-        self.save(session)
+        pane.session.updated = time.time()
+        self.conversations.save(pane.session)
+
+    # -- command handlers, named in tui/commands.py ---------------------------------------------------
+    async def do_new(self, command: Command, arg: str, pane: ChatPane) -> None:
+        await self.new_session(arg or None)
+
+    async def do_close(self, command: Command, arg: str, pane: ChatPane) -> None:
+        self.action_close_session()
+
+    async def do_rename(self, command: Command, arg: str, pane: ChatPane) -> None:
+        pane.session.name = arg or pane.session.name
+        self.label_tab(pane)
+
+    async def do_system(self, command: Command, arg: str, pane: ChatPane) -> None:
+        pane.session.system_prompt = arg
+
+    async def do_setting(self, command: Command, arg: str, pane: ChatPane) -> None:
+        """Every sampling setting (tui/session.py's SETTINGS); max_tokens must also fit the model's context."""
+        if command.name == "max_tokens" and pane.context is not None \
+                and parse_setting("max_tokens", arg) >= pane.context:
+            raise ValueError(f"max_tokens must be below the model's context of {pane.context} tokens; got {arg}")
+        pane.session.set(command.name, arg)
+
+    async def do_clear(self, command: Command, arg: str, pane: ChatPane) -> None:
+        await pane.clear()
+
+    async def do_sessions(self, command: Command, arg: str, pane: ChatPane) -> None:
+        self.action_list_sessions(arg)
+
+    async def do_export(self, command: Command, arg: str, pane: ChatPane) -> None:
+        self.export(pane.session, arg)
+
+    async def do_fanout(self, command: Command, arg: str, pane: ChatPane) -> None:
+        await self.fan_out(parse_fanout(arg), like=pane.session)
+
+    async def do_abort(self, command: Command, arg: str, pane: ChatPane) -> None:
+        await self.action_abort()
+
+    async def do_reconnect(self, command: Command, arg: str, pane: ChatPane) -> None:
+        self.notify(self.link.retry(), title="reconnect")
+
+    async def do_help(self, command: Command, arg: str, pane: ChatPane) -> None:
+        self.action_help()
 
     def export(self, session: Session, path: str = "") -> None:
         """Write the conversation as Markdown (to `path`, default a file named after it in the data directory)."""
@@ -425,29 +397,22 @@ class MinichatApp(App[None]):
 
     # -- the session list -----------------------------------------------------------------------------
     def action_list_sessions(self, search: str = "") -> None:
-        if self.store is None:
-            self.notify(self.store_problem or "conversations are not saved", severity="error")
+        if (store := self.conversations.store) is None:
+            self.notify(self.conversations.problem or "conversations are not saved", severity="error")
             return
-        try:
-            screen = SessionsScreen(self.store, search)
-        except StoreError as e:
-            self.store_failed(e)
-            return
-        self.push_screen(screen, self.on_session_chosen)
+        self.push_screen(SessionsScreen(store, search), self.on_session_chosen)
 
     async def on_session_chosen(self, choice: Choice | None) -> None:
-        if choice is None or self.store is None:
+        if choice is None or self.conversations.store is None:
             return
         action, uid = choice
         open_pane = next((p for p in self.query(ChatPane) if p.session.uid == uid), None)
-        try:
-            session = open_pane.session if open_pane is not None else self.store.load(uid)
-        except StoreError as e:
-            self.notify(str(e), severity="error")
+        session = open_pane.session if open_pane is not None else self.conversations.load(uid)
+        if session is None:
             return
         if action == "open":
             await self.open_session(session)
-            self.save(session)
+            self.conversations.save(session)
         elif action == "export":
             self.export(session)
         elif action == "rename":
@@ -456,19 +421,16 @@ class MinichatApp(App[None]):
                     session.name = name.strip()
                     if open_pane is not None:
                         self.label_tab(open_pane)
-                    self.save(session, is_open=open_pane is not None)
+                    self.conversations.save(session, is_open=open_pane is not None)
                 self.action_list_sessions()
 
             self.push_screen(AskScreen(f"Rename {session.name!r} to:", session.name, select=True), renamed)
         elif action == "delete":
             async def delete(yes: bool | None) -> None:
-                if yes and self.store is not None:
+                if yes and self.conversations.store is not None:
                     if open_pane is not None:
                         await self.close_pane(open_pane, forget=True)
-                    try:
-                        self.store.delete(uid)
-                    except StoreError as e:
-                        self.store_failed(e)
+                    self.conversations.delete(uid)
                 self.action_list_sessions()
 
             self.push_screen(ConfirmScreen(f"Delete {session.name!r} and its {len(session.turns)} turns for "
@@ -479,7 +441,7 @@ class MinichatApp(App[None]):
         """Quit, after asking if replies are still streaming (the engine aborts them) or conversations
         would be lost (the database is unusable)."""
         streaming = [p for p in self.query(ChatPane) if p.session.live is not None]
-        unsaved = self.unsaved
+        unsaved = self.conversations.unsaved(p.session for p in self.query(ChatPane))
         if not streaming and not unsaved:
             await self.quit_now()
             return
@@ -499,7 +461,7 @@ class MinichatApp(App[None]):
         """Wind down the replies still streaming (the engine aborts them) and save, then exit."""
         for pane in self.query(ChatPane):
             await pane.stop_streaming()
-            self.save(pane.session)
+            self.conversations.save(pane.session)
         self.exit()
 
     async def action_new_session(self) -> None:
@@ -509,7 +471,7 @@ class MinichatApp(App[None]):
         """Close a session's tab (stopping its reply); it stays in the store unless `forget`."""
         await pane.stop_streaming()
         if not forget:
-            self.save(pane.session, is_open=False)
+            self.conversations.save(pane.session, is_open=False)
         await self.tabs.remove_pane(pane.parent.id)  # type: ignore[union-attr, arg-type]
         if self.current is None:
             await self.new_session()
@@ -527,7 +489,7 @@ class MinichatApp(App[None]):
 
         if pane.session.live is not None:
             self.push_screen(ConfirmScreen(f"Close {pane.session.name!r} and stop its reply?"), close)
-        elif pane.session.turns and self.store is None:
+        elif self.conversations.unsaved([pane.session]):
             self.push_screen(ConfirmScreen(f"Close {pane.session.name!r}? It is not saved: its conversation is "
                                            f"lost."), close)
         else:

@@ -1,44 +1,54 @@
 """Session commands, one table for three doors: `/slash` commands typed in the prompt box, entries in
 the command palette (ctrl+p), and the help screen. Adding a command here makes it appear in all three.
+
+Each command names the app method that carries it out, by name, so this table imports no widgets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Command:
-    """`arg` names the argument, if the command takes one; the palette asks for it in a dialog."""
+    """`arg` names the argument, if the command takes one; the palette asks for it in a dialog.
+    `handler` is the MinichatApp method run as `handler(command, arg, pane)`."""
 
     name: str
     title: str
     help: str
     arg: str | None = None
+    handler: str = field(kw_only=True)
 
 
 COMMANDS = (
-    Command("new", "New chat session", "open another session (optionally named)", "name"),
-    Command("close", "Close chat session", "close this session's tab, stopping its reply (it stays saved)"),
-    Command("rename", "Rename chat session", "give this session a new name", "name"),
+    Command("new", "New chat session", "open another session (optionally named)", "name", handler="do_new"),
+    Command("close", "Close chat session", "close this session's tab, stopping its reply (it stays saved)",
+            handler="do_close"),
+    Command("rename", "Rename chat session", "give this session a new name", "name", handler="do_rename"),
     Command("sessions", "List saved conversations", "search, reopen, rename, delete or export them (ctrl+o)",
-            "search"),
+            "search", handler="do_sessions"),
     Command("export", "Export conversation as Markdown", "write this session to a Markdown file (default: "
-            "exports/ in the data directory)", "path"),
+            "exports/ in the data directory)", "path", handler="do_export"),
     Command("clear", "Clear the context", "start afresh: the model sees none of the turns so far (they stay "
-            "on screen and saved)"),
-    Command("system", "Set system prompt", "the system message sent before the history (empty: none)", "text"),
-    Command("temperature", "Set temperature", "sampling temperature; 0 is greedy", "value"),
-    Command("top_p", "Set top-p", "nucleus sampling: keep the smallest set of tokens with this much mass", "value"),
-    Command("top_k", "Set top-k", "sample among the k likeliest tokens; -1 turns it off", "value"),
-    Command("max_tokens", "Set max tokens", "the longest reply, in tokens (below the model's context)", "value"),
+            "on screen and saved)", handler="do_clear"),
+    Command("system", "Set system prompt", "the system message sent before the history (empty: none)", "text",
+            handler="do_system"),
+    Command("temperature", "Set temperature", "sampling temperature; 0 is greedy", "value", handler="do_setting"),
+    Command("top_p", "Set top-p", "nucleus sampling: keep the smallest set of tokens with this much mass", "value",
+            handler="do_setting"),
+    Command("top_k", "Set top-k", "sample among the k likeliest tokens; -1 turns it off", "value",
+            handler="do_setting"),
+    Command("max_tokens", "Set max tokens", "the longest reply, in tokens (below the model's context)", "value",
+            handler="do_setting"),
     Command("ignore_eos", "Set ignore EOS", "on: keep generating past the end-of-text token, up to max tokens "
-            "(long replies, to watch batching)", "on|off"),
+            "(long replies, to watch batching)", "on|off", handler="do_setting"),
     Command("fanout", "Fan out a prompt", "open N sessions that all send the prompt at once, or one per "
-            "variation when the prompts are separated by |", "N prompt [| prompt …]"),
-    Command("abort", "Stop generation", "abort this session's reply; the text so far is kept"),
-    Command("reconnect", "Reconnect to the engine", "look for the engine again, starting one if allowed"),
-    Command("help", "Help: keys and commands", "list every key binding and command"),
+            "variation when the prompts are separated by |", "N prompt [| prompt …]", handler="do_fanout"),
+    Command("abort", "Stop generation", "abort this session's reply; the text so far is kept", handler="do_abort"),
+    Command("reconnect", "Reconnect to the engine", "look for the engine again, starting one if allowed",
+            handler="do_reconnect"),
+    Command("help", "Help: keys and commands", "list every key binding and command", handler="do_help"),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
 ALIASES = {"temp": "temperature", "top-p": "top_p", "top-k": "top_k", "max": "max_tokens", "fan": "fanout",

@@ -16,9 +16,11 @@ from typing import Any
 
 import msgspec
 
-from engine.service.protocol import Delta, Final, Params
+from engine.outputs import Delta, Final
+from engine.params import SamplingParams
 
-DEFAULT_PARAMS = Params(max_tokens=256, temperature=0.8, top_p=0.95, top_k=-1)
+DEFAULT_PARAMS = SamplingParams(max_tokens=256, temperature=0.8, top_p=0.95, top_k=-1)
+
 
 def _flag(text: str) -> bool:
     if text.lower() in ("on", "true", "yes", "1"):
@@ -28,25 +30,25 @@ def _flag(text: str) -> bool:
     raise ValueError(text)
 
 
-# The settings a person may change per session: name -> (parse, valid?, what is allowed).
-SETTINGS: dict[str, tuple[Callable[[str], Any], Callable[[Any], bool], str]] = {
-    "temperature": (float, lambda v: v >= 0, "0 or more (0 = greedy)"),
-    "top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (int, lambda v: v == -1 or v >= 1, "-1 (off) or at least 1"),
-    "max_tokens": (int, lambda v: v >= 1, "at least 1"),
-    "ignore_eos": (_flag, lambda v: True, "on or off"),
+# The settings a person may change per session: name -> (parse, what is allowed). The range itself is
+# SamplingParams' to check, as the engine checks it.
+SETTINGS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "temperature": (float, "a number, 0 or more (0 = greedy)"),
+    "top_p": (float, "a number in (0, 1]"),
+    "top_k": (int, "-1 (off) or an integer of at least 1"),
+    "max_tokens": (int, "an integer of at least 1"),
+    "ignore_eos": (_flag, "on or off"),
 }
 
 
 def parse_setting(name: str, text: str) -> Any:
     """The value of setting `name` written as `text`; ValueError naming the allowed range otherwise."""
-    parse, valid, allowed = SETTINGS[name]
+    parse, allowed = SETTINGS[name]
     try:
         value = parse(text.strip())
     except ValueError:
         raise ValueError(f"{name} must be {allowed}; got {text.strip()!r}") from None
-    if not valid(value):
-        raise ValueError(f"{name} must be {allowed}; got {value}")
+    SamplingParams(**{name: value})  # InvalidParams (a ValueError) in the engine's words
     return value
 
 
@@ -141,7 +143,7 @@ class Session:
 
     name: str
     system_prompt: str = ""
-    params: Params = DEFAULT_PARAMS
+    params: SamplingParams = DEFAULT_PARAMS
     turns: list[Turn] = field(default_factory=list)
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: float = field(default_factory=time.time)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.service.protocol import Params
+from engine.params import SamplingParams
 from tui.session import Reply, Session, Turn
 
 SCHEMA_VERSION = 1
@@ -28,7 +28,7 @@ CREATE TABLE sessions (
     uid TEXT PRIMARY KEY,
     name TEXT NOT NULL,
     system_prompt TEXT NOT NULL,
-    params TEXT NOT NULL,          -- the sampling Params as JSON
+    params TEXT NOT NULL,          -- the SamplingParams as JSON
     context_start INTEGER NOT NULL, -- turns before this one are no longer sent (trimmed or /clear)
     created REAL NOT NULL,         -- seconds since the epoch
     updated REAL NOT NULL,
@@ -98,10 +98,6 @@ class Store:
         except sqlite3.Error as e:
             self.db.close()
             raise _explain(path, e) from e
-
-    @classmethod
-    def open_default(cls) -> Store:
-        return cls(data_dir() / DB_NAME)
 
     def _migrate(self) -> None:
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
@@ -185,8 +181,8 @@ class Store:
             turns = self.db.execute("SELECT prompt, reply FROM turns WHERE session_uid = ? ORDER BY position",
                                     (uid,)).fetchall()
         name, system_prompt, params, context_start, created, updated = row
-        session = Session(name, system_prompt, msgspec.json.decode(params, type=Params), uid=uid, created=created,
-                          updated=updated, context_start=context_start)
+        session = Session(name, system_prompt, msgspec.json.decode(params, type=SamplingParams), uid=uid,
+                          created=created, updated=updated, context_start=context_start)
         for prompt, reply_json in turns:
             reply = Reply(**json.loads(reply_json))
             if reply.live:  # the console closed while it streamed

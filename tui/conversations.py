@@ -1,0 +1,80 @@
+"""The app's side of the store: whether conversations are being saved, and what to do when not.
+
+The database is optional to the console: a StoreError closes it, is told once through `notify`
+(the app's), and from then on nothing is saved and `problem` says why. The app never handles a
+StoreError itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from tui.session import Session
+from tui.store import DB_NAME, Store, StoreError, data_dir
+
+
+class Conversations:
+    """The conversations at `path` (default: conversations.sqlite3 in `data_dir()`)."""
+
+    def __init__(self, notify: Callable[..., object], path: Path | None = None) -> None:
+        self.notify = notify
+        self.path = path or data_dir() / DB_NAME
+        self.store: Store | None = None
+        self.problem = ""
+        self._numbered = 0  # new chats are numbered after the saved ones
+
+    def open(self) -> list[Session]:
+        """Open the database; the sessions that were in tabs when the console last ran, oldest first."""
+        try:
+            self.store = Store(self.path)
+            sessions = [self.store.load(uid) for uid in self.store.open_uids()]
+            self._numbered = len(self.store.sessions())
+        except StoreError as e:
+            self.failed(e)
+            return []
+        return sessions
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def failed(self, e: StoreError) -> None:
+        """Go on without saving, and say so once (the status line keeps saying it)."""
+        self.close()
+        self.store, self.problem = None, str(e)
+        self.notify(str(e), title="conversations", severity="error", timeout=20)
+
+    def new_name(self, name: str | None = None) -> str:
+        """`name`, or else `chat N`; every new chat takes a number, named or not."""
+        self._numbered += 1
+        return name or f"chat {self._numbered}"
+
+    def save(self, session: Session, is_open: bool = True) -> None:
+        """Store the session (once it has something worth keeping)."""
+        if self.store is not None and session.turns:
+            try:
+                self.store.save(session, is_open)
+            except StoreError as e:
+                self.failed(e)
+
+    def unsaved(self, sessions: Iterable[Session]) -> list[Session]:
+        """Those of `sessions` that would be lost on closing: all with turns, while nothing is saved."""
+        return [] if self.store is not None else [s for s in sessions if s.turns]
+
+    def load(self, uid: str) -> Session | None:
+        """A saved session, or None if it cannot be read (said, but saving goes on: it may just be gone)."""
+        if self.store is None:
+            return None
+        try:
+            return self.store.load(uid)
+        except StoreError as e:
+            self.notify(str(e), severity="error")
+            return None
+
+    def delete(self, uid: str) -> None:
+        if self.store is not None:
+            try:
+                self.store.delete(uid)
+            except StoreError as e:
+                self.failed(e)
