@@ -6,18 +6,18 @@ import importlib
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.outputs import Delta, RequestOutput, StepResult
+from engine.outputs import Delta, Final, RequestOutput, StepResult
+from engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.llm import LLM
-    from engine.request import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "Delta", "EngineConfig", "RequestOutput", "SamplingParams", "StepResult", "__version__"]
+__all__ = ["LLM", "Delta", "EngineConfig", "Final", "RequestOutput", "SamplingParams", "StepResult", "__version__"]
 
-# Imported on first use: they pull in torch, which clients (engine.service.client, the CLI, the TUI) never need.
-_LAZY = {"LLM": "engine.llm", "SamplingParams": "engine.request"}
+# Imported on first use: it pulls in torch, which clients (engine.service.client, the CLI, the TUI) never need.
+_LAZY = {"LLM": "engine.llm"}
 
 
 def __getattr__(name: str) -> object:

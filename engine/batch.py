@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.request import Req, SamplingParams
+from engine.params import SamplingParams
+from engine.request import Req
 from kernels.attention.base import AttentionMetadata
 
 

@@ -28,9 +28,10 @@ from engine.model.loader import (
     load_model,
     resolve_model_path,
 )
-from engine.outputs import RequestOutput, StepResult
+from engine.outputs import Final, RequestOutput, StepResult
+from engine.params import SamplingParams
 from engine.prompt import Prompt
-from engine.request import PromptTooLong, Req, SamplingParams
+from engine.request import PromptTooLong, Req
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
@@ -160,8 +161,10 @@ class LLM:
             raise ValueError("the prompt is empty; give at least one token")
         return ids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
-        """Queue a request at the back of the waiting queue; returns its request id."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request at the back of the waiting queue; returns its request id. `arrival_time`
+        (time.monotonic()) is when it arrived, if earlier than now: its timings count from there."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
@@ -184,6 +187,8 @@ class LLM:
         self._uid += 1
         req = Req(rid=rid, uid=self._uid, input_ids=ids, params=params, max_output=max_output, generator=generator,
                   detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         self._live[rid] = req
         self.scheduler.add_request(req)
         return rid
@@ -272,18 +277,20 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         reqs = {rid: self._live[rid] for rid in rids}
-        wanted = set(rids)
+        finals: dict[str, Final] = {}
         with tqdm(total=len(rids), desc="generate", disable=not use_tqdm) as bar:
-            while wanted:
-                done = wanted.intersection(self.step(self.config.use_overlap).finished)
-                wanted -= done
-                bar.update(len(done))
+            while len(finals) < len(rids):
+                for out in self.step(self.config.use_overlap).outputs:
+                    if isinstance(out, Final) and out.rid in reqs:
+                        finals[out.rid] = out
+                        bar.update()
         if self.loop.has_inflight:  # settle: the batch scheduled ahead may still hold finished requests' pages
             self.step()
-        return [self._output(reqs[rid]) for rid in rids]
+        return [_output(reqs[rid], finals[rid]) for rid in rids]
 
-    @staticmethod
-    def _output(req: Req) -> RequestOutput:
-        return RequestOutput(rid=req.rid, prompt_token_ids=req.input_ids, token_ids=list(req.output_ids),
-                             text=req.detokenizer.text if req.detokenizer else "",
-                             finish_reason=req.finish_reason or "", cached_tokens=req.prefix_len)
+
+def _output(req: Req, final: Final) -> RequestOutput:
+    """The whole request: its Final's accounting with every token and the whole text."""
+    return RequestOutput(rid=req.rid, text=req.detokenizer.text if req.detokenizer else "",
+                         token_ids=list(req.output_ids), finish_reason=final.finish_reason, usage=final.usage,
+                         timings=final.timings, prompt_token_ids=req.input_ids)

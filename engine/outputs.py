@@ -1,22 +1,60 @@
-"""What the engine hands back: per-step results, streamed deltas and finished outputs."""
+"""What the engine hands back: per-step results, streamed outputs and finished requests.
+
+`Delta` and `Final` are msgspec Structs tagged by "type" because they are also the wire's messages
+(engine/service/protocol.py carries them in `Outputs` unchanged); nothing here imports torch, so the
+clients share these definitions.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass
-class Delta:
-    """New tokens and text for one request from one step; the last one carries `finish_reason`."""
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Seconds since the engine received the request; None for a stage the request never reached."""
+
+    queue: float | None
+    ttft: float | None
+    total: float
+
+
+class Delta(msgspec.Struct, tag_field="type", tag="delta", kw_only=True):
+    """New output of a running request from one step: token ids and the text they completed (may be empty)."""
 
     rid: str
-    token_ids: list[int]
     text: str
-    finish_reason: str | None = None
+    token_ids: list[int]
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return False
+
+
+class Final(msgspec.Struct, tag_field="type", tag="final", kw_only=True):
+    """The last output of a request: its last new tokens and text (like a Delta's), why it ended
+    ("stop", "length", "abort"), token usage and timings."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+
+Output = Delta | Final
 
 
 @dataclass
@@ -24,14 +62,15 @@ class StepResult:
     """One scheduler step: a prefill, decode or mixed batch (`kind`), or nothing to do ("idle").
 
     `rids` lists the batch members in batch order (decoding ones first); `finished` the requests that
-    ended during the step (including aborts since the previous step); `deltas` the streamed output.
-    Of `num_tokens`, `num_decode_tokens` were decode tokens (one per running request), the rest prompt.
+    ended during the step (including aborts since the previous step); `outputs` the streamed output,
+    a request's Final last. Of `num_tokens`, `num_decode_tokens` were decode tokens (one per running
+    request), the rest prompt.
     """
 
     kind: str
     rids: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
-    deltas: list[Delta] = field(default_factory=list)
+    outputs: list[Output] = field(default_factory=list)
     num_tokens: int = 0
     duration: float = 0.0
     num_decode_tokens: int = 0
@@ -41,13 +80,25 @@ class StepResult:
         return self.num_tokens - self.num_decode_tokens
 
 
-@dataclass
-class RequestOutput:
-    """A finished request, as `LLM.generate` returns it."""
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """A whole finished request: what `LLM.generate` and the clients' `complete` return.
+
+    `prompt_token_ids` is None where the prompt was tokenized elsewhere (a client over the wire)."""
 
     rid: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
     text: str
+    token_ids: list[int]
     finish_reason: str
-    cached_tokens: int = 0
+    usage: Usage
+    timings: Timings
+    prompt_token_ids: list[int] | None = None
+
+    @classmethod
+    def collect(cls, outputs: list[Output], prompt_token_ids: list[int] | None = None) -> RequestOutput:
+        """Join one request's outputs, which end with its Final."""
+        final = outputs[-1]
+        if not isinstance(final, Final):
+            raise ValueError(f"request {final.rid!r} has not finished: its outputs end without a Final")
+        return cls(rid=final.rid, text="".join(o.text for o in outputs),
+                   token_ids=[t for o in outputs for t in o.token_ids], finish_reason=final.finish_reason,
+                   usage=final.usage, timings=final.timings, prompt_token_ids=prompt_token_ids)

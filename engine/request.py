@@ -1,75 +1,21 @@
-"""Requests and their sampling parameters: the unit the scheduler moves between queues."""
+"""Requests: the unit the scheduler moves between queues."""
 
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.kv.cache import PrefixMatch
+from engine.outputs import Final, Timings, Usage
+from engine.params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
-
-# Stop strings are checked on every new piece of text; these caps keep one request's list from
-# costing every other request time and memory (vLLM has none; OpenAI allows 4 strings).
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
-
 
 
 class PromptTooLong(ValueError):
     """The prompt alone does not fit the context (or the KV pool): the caller must shorten it."""
-
-@dataclass
-class SamplingParams:
-    """How to pick tokens and when to stop. `temperature == 0` means greedy."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    ignore_eos: bool = False
-    stop: list[str] | None = None
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError saying what to change; called on construction and again on submit."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1; got {self.top_k!r}")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64); got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None:
-            if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
-                raise ValueError(f"stop must be a list of non-empty strings; got {self.stop!r}"[:300])
-            if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
-                raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
-                                 f"characters each; got {len(self.stop)} (longest {max(map(len, self.stop))})")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class ReqState(enum.Enum):
@@ -147,3 +93,13 @@ class Req:
         if start >= n:  # decode: only output tokens, without copying the prompt every step
             return self.output_ids[start - n : end - n]
         return self.input_ids[start:] + self.output_ids[: end - n]
+
+    def final(self, token_ids: list[int], text: str) -> Final:
+        """The request's last output (it has finished): new tokens and text, usage and timings."""
+        arrival = self.arrival_time
+        return Final(rid=self.rid, text=text, token_ids=token_ids, finish_reason=self.finish_reason or "",
+                     usage=Usage(prompt_tokens=self.input_len, completion_tokens=len(self.output_ids),
+                                 cached_tokens=self.prefix_len),
+                     timings=Timings(queue=None if self.admit_time is None else self.admit_time - arrival,
+                                     ttft=None if self.first_token_time is None else self.first_token_time - arrival,
+                                     total=(self.finish_time or time.monotonic()) - arrival))

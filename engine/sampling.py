@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from engine.request import SamplingParams
+from engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ client, and the address rules. Engines here are real background processes."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import socket
 import stat
@@ -18,6 +17,9 @@ import pytest
 from typer.testing import CliRunner
 
 from engine import SamplingParams
+from engine.outputs import Delta, Final
+from engine.params import InvalidParams, invalid_params
+from engine.service import protocol
 from engine.service.addresses import (
     AddressError,
     check_bindable,
@@ -29,7 +31,6 @@ from engine.service.addresses import (
 )
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.launcher import EngineStartError, find, find_or_start, start
-from engine.service.protocol import Delta, Final, Params
 from tui.cli import app
 
 ENGINE = dict(num_pages=64, max_running_requests=4)
@@ -143,11 +144,12 @@ def test_async_stream_cancelled_as_a_message_arrives_stops(tmp_path: Path) -> No
                     got.append(out)
 
             reader = asyncio.create_task(read())
-            while ("req", "r1") not in client._queues:
+            while ("req", "r1") not in client._mail.boxes:
                 await asyncio.sleep(0)
             await asyncio.sleep(0.01)  # the reader is waiting for its next message
-            for i in range(3):
-                client._queues[("req", "r1")].put_nowait(Delta(rid="r1", text=str(i), token_ids=[i]))
+            for i in range(3):  # filed as the reader task files what the engine sends
+                item = Delta(rid="r1", text=str(i), token_ids=[i])
+                client._mail.file(protocol.encode(protocol.Outputs(items=[item])))
                 if i == 0:
                     await asyncio.sleep(0.01)  # one message read
             reader.cancel()
@@ -253,8 +255,22 @@ def test_stale_ipc_socket_is_removed_and_a_live_one_is_not(runtime: Path) -> Non
     assert path.read_text() == "not a socket"
 
 
-def test_wire_params_mirror_sampling_params() -> None:
-    """protocol.Params is SamplingParams on the wire (without importing torch into clients)."""
-    wire = {f: getattr(Params(), f) for f in Params.__struct_fields__}
-    assert wire == dataclasses.asdict(SamplingParams())
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(Params(stop=["\n"])), type=Params) == Params(stop=["\n"])
+def test_sampling_params_are_the_wire_params() -> None:
+    """One SamplingParams in process and on the wire: it round-trips, a Submit whose parameters cannot work
+    fails to decode with the constructor's own InvalidParams, and the clients import no torch for it."""
+    params = SamplingParams(max_tokens=4, temperature=0.5, stop="\n", seed=7)
+    assert params.stop == ["\n"]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams) == params
+    with pytest.raises(InvalidParams) as direct:
+        SamplingParams(top_p=0.0)
+    bad = msgspec.msgpack.encode({"type": "submit", "rid": "r", "prompt": "hi", "params": {"top_p": 0.0}})
+    with pytest.raises(msgspec.ValidationError) as wire:
+        protocol.decode_client(bad)
+    cause = invalid_params(wire.value)
+    assert cause is not None and str(cause) == str(direct.value)
+    typo = msgspec.msgpack.encode({"type": "submit", "rid": "r", "prompt": "hi", "params": {"top_pp": 0.5}})
+    with pytest.raises(msgspec.ValidationError) as malformed:
+        protocol.decode_client(typo)
+    assert invalid_params(malformed.value) is None  # a malformed message, not parameters that cannot work
+    probe = "import sys, engine.service.client, engine.service.protocol; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", probe], check=True)

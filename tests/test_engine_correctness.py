@@ -110,7 +110,7 @@ def test_mixed_batches(checkpoints, hf, family, mixed, overlap):
     while llm.has_unfinished():
         res = llm.step(overlap)
         kinds.add(res.kind)
-        for d in res.deltas:
+        for d in res.outputs:
             tokens[d.rid] += d.token_ids
     assert ("mixed" in kinds) == mixed and {"prefill", "decode"} <= kinds
     for rid, (prompt, n) in budgets.items():

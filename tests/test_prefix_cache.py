@@ -19,10 +19,10 @@ def test_shared_prefix_is_reused_and_output_stays_exact(llama_ckpt, hf):
     llm = LLM(str(llama_ckpt))
     system = ids(40, 1)
     first = llm.generate([system + ids(5, 2)], greedy(6))[0]
-    assert first.cached_tokens == 0
+    assert first.usage.cached_tokens == 0
     follow = system + ids(9, 3)
     second = llm.generate([follow], greedy(6))[0]
-    assert second.cached_tokens == 32  # two full pages of 16 shared tokens
+    assert second.usage.cached_tokens == 32  # two full pages of 16 shared tokens
     assert second.token_ids == hf.greedy(llama_ckpt, follow, 6)
     llm.check_integrity()
 
@@ -33,7 +33,7 @@ def test_fully_cached_prompt_still_computes_its_last_token(llama_ckpt, hf):
         prompt = ids(n, 10 + n)
         llm.generate([prompt], greedy(4))
         again = llm.generate([prompt], greedy(4))[0]
-        assert again.cached_tokens == cached
+        assert again.usage.cached_tokens == cached
         assert again.token_ids == hf.greedy(llama_ckpt, prompt, 4)
 
 
@@ -76,7 +76,7 @@ def test_many_requests_sharing_a_prefix_at_once(checkpoints, hf):
     prompts = [system + ids(k, 40 + k) for k in range(1, 9)]
     outs = llm.generate(prompts, greedy(6))
     for p, o in zip(prompts, outs, strict=True):
-        assert o.cached_tokens == 28
+        assert o.usage.cached_tokens == 28
         assert o.token_ids == hf.greedy(path, p, 6)
     llm.check_integrity()
 
@@ -85,5 +85,5 @@ def test_naive_policy_caches_nothing(llama_ckpt):
     llm = LLM(str(llama_ckpt), prefix_cache="naive")
     prompt = ids(40, 6)
     llm.generate([prompt], greedy(3))
-    assert llm.generate([prompt], greedy(3))[0].cached_tokens == 0
+    assert llm.generate([prompt], greedy(3))[0].usage.cached_tokens == 0
     assert llm.stats().pages.free == llm.num_pages

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from engine import LLM, SamplingParams
@@ -32,7 +33,7 @@ each request's streamed tokens.
     llm.add_request([8, 9], greedy(2), rid="C")
     while llm.has_unfinished():
         steps.append(llm.step())
-    outputs = {rid: [t for s in steps for d in s.deltas if d.rid == rid for t in d.token_ids] for rid in "ABC"}
+    outputs = {rid: [t for s in steps for d in s.outputs if d.rid == rid for t in d.token_ids] for rid in "ABC"}
     return llm, [(s.kind, s.rids, s.finished) for s in steps], outputs
 
 
@@ -97,14 +98,14 @@ def test_chunked_request_continues_first_and_commits_no_token(llama_ckpt):
     long = llm.add_request(list(range(1, 21)), greedy(3))
     res = llm.step()
     assert res.kind == "prefill" and res.rids == [long] and res.num_tokens == 8
-    assert llm.request(long).output_ids == [] and not res.deltas
+    assert llm.request(long).output_ids == [] and not res.outputs
     assert long not in llm.scheduler.decode_manager.running
     short = llm.add_request([5, 6], greedy(3))
     res = llm.step()  # the chunked request goes first, the newcomer takes what budget is left
     assert res.rids == [long] and res.num_tokens == 8
     res = llm.step()
     assert res.rids == [long, short] and res.num_tokens == 4 + 2
-    assert [d.rid for d in res.deltas] == [long, short]
+    assert [d.rid for d in res.outputs] == [long, short]
     assert llm.request(long).cached_len == 20  # positions 0..19 all in the cache
 
 
@@ -124,7 +125,7 @@ def test_abort_in_every_state_frees_slot_and_pages(llama_ckpt, state):
     llm.abort(target)
     res = llm.step()
     assert target in res.finished
-    final = next(d for d in res.deltas if d.rid == target)
+    final = next(d for d in res.outputs if d.rid == target)
     assert final.finish_reason == "abort"
     llm.cache.check_integrity()
     assert target not in llm.table.holder
@@ -171,7 +172,7 @@ def test_streamed_text_never_shows_a_stop_string(llm):
     rid = llm.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop]))
     pieces = []
     while llm.has_unfinished():
-        pieces += [d.text for d in llm.step().deltas if d.rid == rid]
+        pieces += [d.text for d in llm.step().outputs if d.rid == rid]
     assert "".join(pieces) == full[: full.index(stop)]
 
 
@@ -181,7 +182,7 @@ def test_sampling_with_seed_is_reproducible(llm):
     alone = llm.generate(prompts[:1], params)[0].token_ids
     batched = llm.generate(prompts, params)
     assert batched[0].token_ids == alone  # same seed, same output, whatever else is in the batch
-    other = llm.generate(prompts[:1], SamplingParams(**{**params.__dict__, "seed": 99}))[0].token_ids
+    other = llm.generate(prompts[:1], msgspec.structs.replace(params, seed=99))[0].token_ids
     greedy_out = llm.generate(prompts[:1], greedy(12))[0].token_ids
     assert alone != other or alone != greedy_out
 

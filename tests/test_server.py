@@ -15,9 +15,10 @@ import pytest
 import zmq
 
 from engine import LLM, SamplingParams
+from engine.outputs import Delta, Final
 from engine.service.client import EngineClient, EngineError
 from engine.service.launcher import EngineHandle, start
-from engine.service.protocol import Delta, Final, Stats
+from engine.service.protocol import Stats
 from tests.wire import pack, reply
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -52,22 +52,22 @@ def test_abort_in_every_state_through_the_snapshot(llama_ckpt, state, overlap):
         assert_consistent(snap)
         if state_of(snap, target) == state and (state != "running" or snap.running[0].generated > 0):
             break
-        deltas += llm.step(overlap).deltas
+        deltas += llm.step(overlap).outputs
     else:
         pytest.fail(f"{target} never reached state {state}")
     llm.abort(target)
     snap = llm.stats()
     assert_consistent(snap)
     assert state_of(snap, target) is None and snap.counters.aborted == 1
-    deltas += llm.step(overlap).deltas  # a batch in flight that still used its slot has now been processed
+    deltas += llm.step(overlap).outputs  # a batch in flight that still used its slot has now been processed
     snap = llm.stats()
     assert_consistent(snap)
     assert target not in snap.slots and target not in snap.pages.owners.values()
     while llm.has_unfinished():
-        deltas += llm.step(overlap).deltas
+        deltas += llm.step(overlap).outputs
         assert_consistent(llm.stats())
     mine = [d for d in deltas if d.rid == target]
-    assert [d.finish_reason for d in mine][-1] == "abort" and all(not d.finished for d in mine[:-1])
+    assert mine[-1].finish_reason == "abort" and all(not d.finished for d in mine[:-1])
     other = [d for d in deltas if d.rid != target]
     assert other[-1].finish_reason == "length" and sum(len(d.token_ids) for d in other) == (5 if target == first
                                                                                              else 50)
@@ -90,7 +90,7 @@ def test_request_finished_by_eos_while_the_next_step_runs_keeps_its_pages_until_
     deltas = []
     while llm.has_unfinished():
         result = llm.step(True)
-        deltas += result.deltas
+        deltas += result.outputs
         snap = llm.stats()
         assert_consistent(snap)
         if rid in result.finished:

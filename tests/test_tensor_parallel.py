@@ -64,7 +64,7 @@ def test_llama_chunks_prefix_cache_abort_and_a_killed_rank(llama_ckpt, hf):
         assert_idle_everywhere(llm)
 
         outs = llm.generate(followups, greedy(4))
-        assert [o.cached_tokens for o in outs] == [48] * 3  # the system prompt's 12 pages, on both ranks
+        assert [o.usage.cached_tokens for o in outs] == [48] * 3  # the system prompt's 12 pages, on both ranks
         assert [o.token_ids for o in outs] == [hf.greedy(llama_ckpt, p, 4) for p in followups]
 
         held = llm.add_request(prompts(1, seed=6, max_len=30)[0] + [1], greedy(100))

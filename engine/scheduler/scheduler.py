@@ -17,7 +17,7 @@ import torch
 from engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
 from engine.kv.cache import CacheManager
 from engine.kv.table import RequestTable
-from engine.outputs import Delta, StepResult
+from engine.outputs import Delta, Output, StepResult
 from engine.request import Req, ReqState
 from engine.runner import ModelRunner
 from engine.scheduler.budget import pages_for
@@ -40,7 +40,7 @@ class Scheduler:
         self.prefill_manager = PrefillManager(table, cache)
         self.decode_manager = DecodeManager(self.page_size)
         self.reqs: dict[str, Req] = {}
-        self._pending: list[Delta] = []
+        self._pending: list[Output] = []
         self._unreleased: set[Req] = set()  # finished, but a batch in flight still uses their slot/pages
         self.inflight_batches = 0
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0}
@@ -204,12 +204,12 @@ class Scheduler:
                 reason = "length"
         if reason is None:
             text = req.detokenizer.take(final=False) if req.detokenizer else ""
-            self._pending.append(Delta(req.rid, [token], text))
+            self._pending.append(Delta(rid=req.rid, text=text, token_ids=[token]))
         else:
             self._finish(req, reason, last_token=token)
 
     def _finish(self, req: Req, reason: str, last_token: int | None = None) -> None:
-        """The one way out: leave every queue, emit the final delta, release now or after the batches in flight."""
+        """The one way out: leave every queue, emit the Final, release now or after the batches in flight."""
         self.prefill_manager.remove_req(req)
         self.decode_manager.remove_req(req)
         req.state = ReqState.FINISHED
@@ -221,7 +221,7 @@ class Scheduler:
         if req.inflight == 0:
             self._release(req)
         text = req.detokenizer.take(final=True) if req.detokenizer else ""
-        self._pending.append(Delta(req.rid, [] if last_token is None else [last_token], text, reason))
+        self._pending.append(req.final([] if last_token is None else [last_token], text))
 
     def _release(self, req: Req) -> None:
         """Free the request slot and hand the KV pages to the cache manager (only whole, known tokens are cached)."""
@@ -234,6 +234,6 @@ class Scheduler:
         req.pages = []
 
     def _result(self, kind: str, rids: list[str], num_tokens: int, duration: float, num_decode: int) -> StepResult:
-        deltas, self._pending = self._pending, []
-        return StepResult(kind=kind, rids=rids, finished=[d.rid for d in deltas if d.finished], deltas=deltas,
+        outputs, self._pending = self._pending, []
+        return StepResult(kind=kind, rids=rids, finished=[o.rid for o in outputs if o.finished], outputs=outputs,
                           num_tokens=num_tokens, duration=duration, num_decode_tokens=num_decode)

@@ -98,7 +98,8 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
     API in the foreground; stopping the API stops that engine.
     """
     from engine.distributed.workers import WorkerFailed
-    from engine.service.server import ServerOptions, StartupError, run_server
+    from engine.service.options import ServerOptions
+    from engine.service.server import StartupError, run_server
 
     if http is not None:
         server_options = {"allow_remote": allow_remote, "max_waiting_requests": max_waiting_requests,

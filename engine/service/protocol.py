@@ -3,7 +3,9 @@
 Every message is a MessagePack map with a "type" field naming its kind (a tagged union), so a
 client in any language can speak it; docs/protocol.md is the reference. Nothing here imports torch,
 so clients stay light. Incoming messages are validated against these schemas (unknown fields are
-refused, to catch typos); anything that does not decode gets an `Error` reply.
+refused, to catch typos); anything that does not decode gets an `Error` reply. The engine's own types
+are the wire's where they meet: a Submit carries `engine.SamplingParams` (validated as it decodes), and
+an `Outputs` message the engine's `Delta` and `Final` (engine/outputs.py) as the scheduler made them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+from engine.outputs import Delta, Final
+from engine.params import SamplingParams
 
 
 class _ClientMsg(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
@@ -22,18 +27,6 @@ class _EngineMsg(msgspec.Struct, tag_field="type", kw_only=True):
 
 
 # -- client -> engine ---------------------------------------------------------------------------
-class Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Sampling parameters; the same fields and defaults as engine.SamplingParams (temperature 0 = greedy)."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    ignore_eos: bool = False
-    stop: list[str] | None = None
-    seed: int | None = None
-
-
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str
@@ -49,7 +42,7 @@ class Submit(_ClientMsg, tag="submit"):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     token_ids: list[int] | None = None
-    params: Params = msgspec.field(default_factory=Params)
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
 
 
 class Abort(_ClientMsg, tag="abort"):
@@ -77,48 +70,6 @@ ClientMessage = Submit | Abort | Ping | GetInfo | Shutdown
 
 
 # -- engine -> client ---------------------------------------------------------------------------
-class Delta(_EngineMsg, tag="delta"):
-    """New output of a running request: token ids and the text they completed (may be empty)."""
-
-    rid: str
-    text: str
-    token_ids: list[int]
-
-    @property
-    def finished(self) -> bool:
-        return False
-
-
-class Usage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-class Timings(msgspec.Struct, kw_only=True):
-    """Seconds since the engine received the request; None for a stage the request never reached."""
-
-    queue: float | None
-    ttft: float | None
-    total: float
-
-
-class Final(_EngineMsg, tag="final"):
-    """The last message of a request: its last output, why it ended ("stop", "length", "abort"),
-    token usage and timings. `text`/`token_ids` are new output, like a Delta's."""
-
-    rid: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    usage: Usage
-    timings: Timings
-
-    @property
-    def finished(self) -> bool:
-        return True
-
-
 class Outputs(_EngineMsg, tag="outputs"):
     """What one engine step produced for this client: a `Delta` or the `Final` of each of its requests
     that advanced, in step order. One message per client per step, however many requests it runs;

@@ -27,11 +27,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from engine.outputs import Final, Output
+from engine.params import InvalidParams, SamplingParams
 from engine.prompt import Prompt
-from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable, Output
+from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.http.metrics import CONTENT_TYPE, Metrics, RequestTimer
-from engine.service.http.schemas import ChatCompletionRequest, CompletionRequest, error_body
-from engine.service.protocol import Final, Info, Params
+from engine.service.http.schemas import ChatCompletionRequest, CompletionRequest, Sampling, error_body
+from engine.service.protocol import Info
 
 log = logging.getLogger("minichat.http")
 T = TypeVar("T")
@@ -113,6 +115,14 @@ async def engine_call(awaitable: Awaitable[T]) -> T:
                        code=e.code) from e
 
 
+def sampling(body: Sampling, default_max_tokens: int) -> SamplingParams:
+    """The body's sampling parameters; a 400 in the engine's words for values it cannot use."""
+    try:
+        return body.params(default_max_tokens)
+    except InvalidParams as e:
+        raise ApiError(400, str(e), code="invalid_params") from e
+
+
 async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     """`awaitable`'s result, unless the client disconnects first: then it is cancelled (an engine stream's
     cancellation aborts its request) and ClientGone is raised."""
@@ -172,7 +182,7 @@ class Generation:
 
     @classmethod
     async def start(cls, state: ApiState, request: Request, endpoint: str, prompt: Prompt,
-                    params: Params) -> Generation:
+                    params: SamplingParams) -> Generation:
         """Submit, and wait for the first output: a refusal (bad prompt, too long) is still an HTTP error then."""
         timer = RequestTimer(state.metrics)
         outputs = state.client.generate(prompt, params, rid=f"http-{uuid.uuid4().hex[:16]}")
@@ -285,7 +295,7 @@ def create_app(options: ApiOptions) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state = api(request)
         model = await state.check_model(body.model)
-        params = body.params((await state.info()).max_seq_len)
+        params = sampling(body, (await state.info()).max_seq_len)
         gen = await Generation.start(state, request, "chat", body.chat(), params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
@@ -301,7 +311,7 @@ def create_app(options: ApiOptions) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state = api(request)
         model = await state.check_model(body.model)
-        gen = await Generation.start(state, request, "completions", body.prompt, body.params(16))
+        gen = await Generation.start(state, request, "completions", body.prompt, sampling(body, 16))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _EventStream(_completion_events(gen, rid, created, model, _include_usage(body)))

@@ -3,7 +3,7 @@
 Field names and shapes follow the OpenAI reference; `top_k` and `ignore_eos` are accepted as vLLM
 accepts them. Unknown fields are ignored, as OpenAI-compatible servers do, but fields whose meaning
 we cannot honour (`n` > 1, `logprobs`, `echo`, `best_of` > 1, tools) are refused with a 400 rather
-than silently dropped. Everything here turns into one `protocol.Params` for the engine.
+than silently dropped. Everything here turns into one `engine.SamplingParams` for the engine.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.service.protocol import Params
+from engine.params import SamplingParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class Sampling(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -46,9 +46,10 @@ class _Sampling(BaseModel):
     def budget(self) -> int | None:  # the endpoints name the output budget differently
         raise NotImplementedError
 
-    def params(self, default_max_tokens: int) -> Params:
-        """The engine's sampling parameters (temperature defaults to 1.0, as in the OpenAI API)."""
-        return Params(max_tokens=self.budget() or default_max_tokens,
+    def params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters (temperature defaults to 1.0, as in the OpenAI API);
+        InvalidParams for values the engine cannot use."""
+        return SamplingParams(max_tokens=self.budget() or default_max_tokens,
                       temperature=1.0 if self.temperature is None else self.temperature,
                       top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
                       top_p=1.0 if self.top_p is None else self.top_p,
@@ -70,7 +71,7 @@ class Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -85,7 +86,7 @@ class ChatCompletionRequest(_Sampling):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(Sampling):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     echo: Literal[False] = False

@@ -1,0 +1,187 @@
+"""AsyncEngineClient: the asyncio transport over the protocol core (core.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.outputs import Output, RequestOutput
+from engine.params import SamplingParams
+from engine.prompt import Prompt
+from engine.service import protocol
+from engine.service.addresses import default_address, stats_address
+from engine.service.client import sockets
+from engine.service.client.core import (
+    LAST_WORDS_MS,
+    Box,
+    EngineUnavailable,
+    Key,
+    Mailroom,
+    Reply,
+    Stream,
+    reply_as,
+    resolve_auth_token,
+    submit_message,
+)
+from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats
+
+T = TypeVar("T")
+
+
+class AsyncEngineClient:
+    """asyncio client (zmq.asyncio), safe to share between tasks of one event loop, e.g. a Textual app.
+
+    A background task reads the socket and files each reply in its waiter's box. As in EngineClient,
+    `timeout` is how long the connection may stay silent while someone waits: that task watches it
+    for every waiter at once (a stream of 32 requests would otherwise arm 32 timers a step); a call
+    given its own timeout (`ping(0.5)`) also has its own timer.
+    """
+
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None) -> None:
+        self.address = address or default_address()
+        self.timeout = timeout
+        self._token = resolve_auth_token(auth_token)
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock, self._monitor = sockets.dealer(self._ctx, self.address, self._token)
+        self._mail = Mailroom(self.address, timeout)
+        self._sub: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._heard = 0.0  # loop time of the last message, or of a new waiter (it restarts the clock)
+        self._nonce = itertools.count(1)
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        sockets.close(self._sock, self._monitor, self._sub)
+
+    # -- transport --------------------------------------------------------------------------------
+    async def _read_forever(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        loop = asyncio.get_running_loop()
+        while True:
+            # with waiters, wake when the silence would run out; a waiter that opens meanwhile moves that
+            left = self.timeout - (loop.time() - self._heard) if self._mail.boxes else self.timeout
+            ready = dict(await poller.poll(int(min(max(left, 0.0), 3600.0) * 1000)))
+            if not ready:
+                if self._mail.boxes and loop.time() - self._heard >= self.timeout:  # silent too long
+                    self._heard = loop.time()
+                    self._mail.fail_all("silent")
+                continue
+            if self._sock in ready:
+                self._heard = loop.time()
+                self._mail.file(await self._sock.recv())
+            if self._monitor in ready:  # the connection broke: every waiter's request is lost
+                self._mail.refused |= sockets.is_refusal(await self._monitor.recv_multipart())
+                while await self._sock.poll(LAST_WORDS_MS):  # what the engine sent before it went
+                    self._mail.file(await self._sock.recv())
+                self._mail.fail_all("lost")
+
+    def _open(self, key: Key) -> Box:
+        loop = asyncio.get_running_loop()
+        self._heard = loop.time()
+        if self._reader is None or self._reader.done():
+            self._reader = loop.create_task(self._read_forever())
+        return self._mail.open(key, asyncio.Event())
+
+    async def _next(self, box: Box, timeout: float | None) -> Reply:
+        """The box's next reply; `timeout` None leaves the watching to the reader (see the class)."""
+        assert box.arrived is not None
+        while (msg := self._mail.take(box)) is None:  # a fast stream's next message is usually here already
+            box.arrived.clear()
+            if timeout is None:
+                await box.arrived.wait()
+                continue
+            try:
+                async with asyncio.timeout(timeout):
+                    await box.arrived.wait()
+            except TimeoutError:
+                raise self._mail.silent(timeout) from None
+        return msg
+
+    async def _send(self, msg: msgspec.Struct, timeout: float | None) -> None:
+        """Queue `msg` for the engine, waiting at most `timeout` seconds (see EngineClient._send)."""
+        timeout = self.timeout if timeout is None else timeout
+        if self._mail.refused:
+            raise self._mail.lost()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._sock.send(protocol.encode(msg))
+        except TimeoutError:
+            raise self._mail.unsendable(timeout) from None
+
+    async def _call(self, key: Key, msg: msgspec.Struct, expect: type[T], timeout: float | None) -> T:
+        box = self._open(key)
+        try:
+            await self._send(msg, timeout)
+            return reply_as(await self._next(box, timeout), expect)
+        finally:
+            self._mail.close(key)
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def ping(self, timeout: float | None = None) -> Pong:
+        nonce = next(self._nonce)
+        return await self._call(("pong", nonce), protocol.Ping(nonce=nonce), Pong, timeout)
+
+    async def info(self, timeout: float | None = None) -> Info:
+        return await self._call(("info", None), protocol.GetInfo(), Info, timeout)
+
+    async def shutdown(self, timeout: float | None = None) -> int:
+        """Ask the engine to stop; returns its pid once it agreed."""
+        return (await self._call(("shutdown", None), protocol.Shutdown(), ShuttingDown, timeout)).pid
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
+                       **overrides: object) -> AsyncIterator[Output]:
+        """Submit (at the first iteration) and stream: Deltas, then a Final. Same arguments as
+        EngineClient.submit. Left before its Final, the request is aborted (see core.Stream)."""
+        msg = submit_message(prompt, params, rid, overrides)
+        key = self._mail.check_new_stream(msg.rid)
+        box = self._open(key)
+        stream = Stream(msg.rid, box)
+        try:
+            await self._send(msg, None)
+            while not stream.done:
+                yield stream.accept(await self._next(box, None))
+        finally:
+            self._mail.close(key)
+            if stream.abandoned and not self._sock.closed:  # queued, not awaited: a closing generator may not wait
+                self._sock.send(protocol.encode(protocol.Abort(rid=msg.rid)))
+
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
+                       **overrides: object) -> RequestOutput:
+        return RequestOutput.collect([out async for out in self.generate(prompt, params, rid=rid, **overrides)])
+
+    async def abort(self, rid: str, timeout: float | None = None) -> None:
+        """Abort any live request; EngineError `unknown_request` if there is none by that id."""
+        await self._call(("abort", rid), protocol.Abort(rid=rid), Aborted, timeout)
+
+    # -- stats ------------------------------------------------------------------------------------
+    async def stats(self, timeout: float = 5.0) -> Stats:
+        """The next stats snapshot."""
+        if self._sub is None:
+            self._sub = sockets.subscriber(self._ctx, self.address, self._token)
+        try:
+            async with asyncio.timeout(timeout):
+                data = await self._sub.recv()
+        except TimeoutError:
+            raise EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s") from None
+        return protocol.decode_stats(data)
+
+    async def watch_stats(self, timeout: float = 5.0) -> AsyncIterator[Stats]:
+        """Snapshots as they come, newest only."""
+        while True:
+            yield await self.stats(timeout)

@@ -1,0 +1,217 @@
+"""EngineClient: the blocking transport over the protocol core (core.py), and `probe`."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import msgspec
+import zmq
+
+from engine.outputs import Output, RequestOutput
+from engine.params import SamplingParams
+from engine.prompt import Prompt
+from engine.service import protocol
+from engine.service.addresses import default_address, ipc_listening, split, stats_address
+from engine.service.client import sockets
+from engine.service.client.core import (
+    LAST_WORDS_MS,
+    Box,
+    EngineRefused,
+    EngineUnavailable,
+    Key,
+    Mailroom,
+    Reply,
+    Stream,
+    reply_as,
+    resolve_auth_token,
+    submit_message,
+)
+from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats
+
+T = TypeVar("T")
+
+
+def probe(address: str | None = None, timeout: float = 0.5, auth_token: str | None = None) -> Pong | None:
+    """The engine's Pong if one answers at `address` within `timeout` seconds, else None.
+
+    An engine that refuses the token is there all the same: EngineRefused, not None."""
+    address = address or default_address()
+    scheme, path = split(address)
+    if scheme == "ipc" and not ipc_listening(path):
+        return None  # nothing listens: answer at once instead of waiting for a connect that never happens
+    with EngineClient(address, timeout=timeout, auth_token=auth_token) as client:
+        try:
+            return client.ping(timeout)
+        except EngineRefused:
+            raise
+        except EngineUnavailable:
+            return None
+
+
+class EngineClient:
+    """Blocking client. Not thread-safe (ZeroMQ sockets are not); use one per thread.
+
+    Replies for requests other than the one being read are filed for later, so several `generate`
+    iterators may be interleaved. `timeout` is how long to wait for any message before deciding
+    the engine is gone (the engine sends a heartbeat every second while a request is live); a
+    closed connection is noticed at once.
+    """
+
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None) -> None:
+        self.address = address or default_address()
+        self.timeout = timeout
+        self._token = resolve_auth_token(auth_token)
+        self._ctx = zmq.Context.instance()
+        self._sock, self._monitor = sockets.dealer(self._ctx, self.address, self._token)
+        self._mail = Mailroom(self.address, timeout)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._sub: zmq.Socket | None = None
+        self._nonce = itertools.count(1)
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        sockets.close(self._sock, self._monitor, self._sub)
+
+    # -- transport --------------------------------------------------------------------------------
+    def _send(self, msg: msgspec.Struct, timeout: float | None = None) -> None:
+        """Queue `msg` for the engine. Without a connection (a refused token ends it for good) a DEALER
+        would block forever, so this waits at most `timeout` seconds; a refusal already seen fails at once."""
+        timeout = self.timeout if timeout is None else timeout
+        if self._mail.refused or not self._sock.poll(int(timeout * 1000), zmq.POLLOUT):
+            self._read_monitor()
+            raise self._mail.unsendable(timeout)
+        self._sock.send(protocol.encode(msg), zmq.NOBLOCK)
+
+    def _read_monitor(self) -> None:
+        """Take the connection's events: after a disconnect or a refusal, file what the engine sent
+        before it went, then fail every open box. A box opened after the event is not failed by it."""
+        broke = False
+        while self._monitor.poll(0):
+            self._mail.refused |= sockets.is_refusal(self._monitor.recv_multipart())
+            broke = True
+        if broke and self._mail.boxes:
+            while self._sock.poll(LAST_WORDS_MS):
+                self._mail.file(self._sock.recv())
+            while self._monitor.poll(0):  # a refusal's event may trail the disconnect's
+                self._mail.refused |= sockets.is_refusal(self._monitor.recv_multipart())
+            self._mail.fail_all("lost")
+
+    def _open(self, key: Key) -> Box:
+        self._read_monitor()  # an event from before this waiter opened is not its failure
+        return self._mail.open(key)
+
+    def _wait(self, box: Box, timeout: float | None = None) -> Reply:
+        """The box's next reply, reading (and filing) others meanwhile."""
+        timeout = self.timeout if timeout is None else timeout
+        while (msg := self._mail.take(box)) is None:
+            ready = dict(self._poller.poll(int(timeout * 1000)))
+            if not ready:
+                raise self._mail.silent(timeout)
+            if self._sock in ready:
+                self._mail.file(self._sock.recv())
+            if self._monitor in ready:
+                self._read_monitor()
+        return msg
+
+    def _call(self, key: Key, msg: msgspec.Struct, expect: type[T], timeout: float | None) -> T:
+        box = self._open(key)
+        try:
+            self._send(msg, timeout)
+            return reply_as(self._wait(box, timeout), expect)
+        finally:
+            self._mail.close(key)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def ping(self, timeout: float | None = None) -> Pong:
+        """Round trip to the engine; raises EngineUnavailable if it does not answer in time."""
+        nonce = next(self._nonce)
+        return self._call(("pong", nonce), protocol.Ping(nonce=nonce), Pong, timeout)
+
+    def info(self, timeout: float | None = None) -> Info:
+        """Model, configuration, limits and version of the engine."""
+        return self._call(("info", None), protocol.GetInfo(), Info, timeout)
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
+               **overrides: object) -> str:
+        """Queue a request and return its id without reading output; read it with `stream(rid)`.
+
+        `prompt` is text, token ids or chat messages; sampling options come from `params` and/or
+        keywords (max_tokens, temperature, top_k, top_p, ignore_eos, stop, seed).
+        """
+        msg = submit_message(prompt, params, rid, overrides)
+        key = self._mail.check_new_stream(msg.rid)
+        self._open(key)
+        try:
+            self._send(msg)
+        except EngineUnavailable:
+            self._mail.close(key)
+            raise
+        return msg.rid
+
+    def stream(self, rid: str) -> Iterator[Output]:
+        """Yield a submitted request's Deltas and then its Final; raises EngineError if refused.
+        Left before its Final, the request is aborted (see core.Stream)."""
+        key = ("req", rid)
+        box = self._mail.boxes.get(key) or self._open(key)
+        stream = Stream(rid, box)
+        try:
+            while not stream.done:
+                yield stream.accept(self._wait(box))
+        finally:
+            self._mail.close(key)
+            if stream.abandoned and not self._sock.closed:  # queued without waiting; no connection: nothing runs
+                with contextlib.suppress(zmq.Again):
+                    self._sock.send(protocol.encode(protocol.Abort(rid=rid)), zmq.NOBLOCK)
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
+                 **overrides: object) -> Iterator[Output]:
+        """Submit (at once) and stream: Deltas as tokens are produced, then a Final with usage and timings."""
+        return self.stream(self.submit(prompt, params, rid=rid, **overrides))
+
+    def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
+                 **overrides: object) -> RequestOutput:
+        """Submit and wait for the whole output."""
+        return RequestOutput.collect(list(self.generate(prompt, params, rid=rid, **overrides)))
+
+    def abort(self, rid: str, timeout: float | None = None) -> None:
+        """Abort any live request (not only this client's); EngineError `unknown_request` if none."""
+        self._call(("abort", rid), protocol.Abort(rid=rid), Aborted, timeout)
+
+    def shutdown(self, timeout: float | None = None) -> int:
+        """Ask the engine to stop (in-flight requests end with "abort"); returns its pid once it agreed."""
+        return self._call(("shutdown", None), protocol.Shutdown(), ShuttingDown, timeout).pid
+
+    # -- stats ------------------------------------------------------------------------------------
+    def stats(self, timeout: float = 5.0) -> Stats:
+        """The next stats snapshot (the engine publishes about ten a second)."""
+        if self._sub is None:
+            self._sub = sockets.subscriber(self._ctx, self.address, self._token)
+        if not self._sub.poll(int(timeout * 1000)):
+            raise EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s")
+        return protocol.decode_stats(self._sub.recv())
+
+    def watch_stats(self, timeout: float = 5.0) -> Iterator[Stats]:
+        """Snapshots as they come, newest only (a slow reader skips stale ones)."""
+        while True:
+            yield self.stats(timeout)
+
+    def wait_stats(self, predicate: Callable[[Stats], bool], timeout: float = 10.0) -> Stats:
+        """The first snapshot for which `predicate` holds; TimeoutError with the last one otherwise."""
+        end = time.monotonic() + timeout
+        last = None
+        while (left := end - time.monotonic()) > 0:
+            last = self.stats(left)
+            if predicate(last):
+                return last
+        raise TimeoutError(f"stats condition not met within {timeout:g}s; last snapshot: {last}")

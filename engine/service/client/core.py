@@ -1,0 +1,226 @@
+"""The protocol core both clients share: what to send, which waiter a reply belongs to, when a stream
+is over, and how a lost or silent connection fails every waiter at once.
+
+It does no I/O. A transport (blocking.py, aio.py) owns the sockets: it hands every frame it reads to
+`Mailroom.file`, tells it when the connection broke (`fail_all`), and waits on a `Box` until `take`
+gives it a reply or raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections import deque
+from typing import Literal, TypeVar
+
+import msgspec
+
+from engine.outputs import Delta, Final, Output
+from engine.params import SamplingParams
+from engine.prompt import Prompt
+from engine.service import protocol
+from engine.service.protocol import Aborted, Error, Info, Pong, ShuttingDown
+
+Key = tuple[str, object]  # ("req", rid), ("abort", rid), ("pong", nonce), ("info", None), ("shutdown", None)
+Reply = protocol.EngineMessage | Delta | Final
+T = TypeVar("T")
+AUTH_USER = "minichat"  # the ZeroMQ PLAIN user name; the auth token is the password
+AUTH_ENV = "MINICHAT_AUTH_TOKEN"
+LAST_WORDS_MS = 100  # after a disconnect, how long replies the engine sent before it went may still take
+Failure = Literal["lost", "silent"]
+
+
+class EngineError(Exception):
+    """The engine refused a message; `code` is one of protocol.Error's codes."""
+
+    def __init__(self, code: str, message: str, rid: str | None = None) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code, self.message, self.rid = code, message, rid
+
+
+class EngineUnavailable(ConnectionError):
+    """No engine answered in time (not started, stopped, or wedged)."""
+
+
+class EngineRefused(EngineUnavailable):
+    """An engine answers at the address but refused this client's auth token."""
+
+
+def resolve_auth_token(given: str | None = None) -> str | None:
+    """The token to present: the one given, else $MINICHAT_AUTH_TOKEN, else none."""
+    return given if given is not None else os.environ.get(AUTH_ENV) or None
+
+
+def submit_message(prompt: Prompt, params: SamplingParams | None, rid: str | None,
+                   overrides: dict[str, object]) -> protocol.Submit:
+    """A Submit for the prompt forms `LLM.add_request` takes (text, token ids, chat messages).
+
+    Parameters the engine would refuse are refused here, with the engine's code and sentence."""
+    rid = rid if rid is not None else uuid.uuid4().hex
+    try:
+        params = msgspec.structs.replace(params or SamplingParams(), **overrides)
+    except ValueError as e:  # SamplingParams validates on replace, as the engine does on decode
+        raise EngineError("invalid_params", str(e), rid) from None
+    if isinstance(prompt, str):
+        return protocol.Submit(rid=rid, prompt=prompt, params=params)
+    messages = [m for m in prompt if isinstance(m, dict)]
+    if prompt and len(messages) == len(prompt):
+        return protocol.Submit(rid=rid, params=params,
+                               messages=[protocol.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+    return protocol.Submit(rid=rid, token_ids=[t for t in prompt if not isinstance(t, dict)], params=params)
+
+
+def route(msg: Reply) -> Key | None:
+    """Which waiter a reply belongs to: a request's stream, an abort, a ping, an info (None: nobody)."""
+    if isinstance(msg, (Delta, Final)):
+        return ("req", msg.rid)
+    if isinstance(msg, Aborted):
+        return ("abort", msg.rid)
+    if isinstance(msg, Error):
+        return ("abort" if msg.code == "unknown_request" else "req", msg.rid) if msg.rid is not None else None
+    if isinstance(msg, Pong):
+        return ("pong", msg.nonce)
+    if isinstance(msg, Info):
+        return ("info", None)
+    if isinstance(msg, ShuttingDown):
+        return ("shutdown", None)
+    return None  # Heartbeat: its arrival alone is the point
+
+
+def decode(data: bytes) -> list[Reply]:
+    """The replies in one frame: a step's `Outputs` unpacked into its Deltas and Finals, any other reply
+    alone, nothing for bytes that are not a reply (skipped: only the engine should be talking)."""
+    try:
+        msg = protocol.decode_engine(data)
+    except protocol.DecodeError:
+        return []
+    return list(msg.items) if isinstance(msg, protocol.Outputs) else [msg]
+
+
+def reply_as(msg: Reply, expect: type[T]) -> T:
+    """`msg` as the reply a call expects; an Error reply (or a reply of another kind) raises EngineError."""
+    if isinstance(msg, expect):
+        return msg
+    raise _refusal(msg, expect.__name__)
+
+
+def _refusal(msg: Reply, expected: str) -> EngineError:
+    if isinstance(msg, Error):
+        return EngineError(msg.code, msg.message, msg.rid)
+    return EngineError("internal", f"expected {expected}, got a {type(msg).__name__} reply")
+
+
+class Box:
+    """Where the replies for one key wait. Callers waiting on the same key (two `info()` calls) share
+    it: each sent its own request, so each takes one reply. An asyncio transport waits on `arrived`
+    (set whenever there is something to take); a blocking one reads the socket itself."""
+
+    __slots__ = ("arrived", "failure", "items", "users")
+
+    def __init__(self, arrived: asyncio.Event | None) -> None:
+        self.items: deque[Reply] = deque()
+        self.users = 0
+        self.failure: Failure | None = None
+        self.arrived = arrived
+
+    def wake(self) -> None:
+        if self.arrived is not None:
+            self.arrived.set()
+
+
+class Mailroom:
+    """The open boxes and the connection's state as far as replies go."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout  # how long the connection may stay silent while someone waits
+        self.refused = False  # the engine refused this client's handshake: final for this connection
+        self.boxes: dict[Key, Box] = {}
+
+    def open(self, key: Key, arrived: asyncio.Event | None = None) -> Box:
+        """Start filing replies for `key`; a connection failure from now on fails its waits."""
+        box = self.boxes.get(key)
+        if box is None:
+            box = self.boxes[key] = Box(arrived)
+        box.users += 1
+        return box
+
+    def close(self, key: Key) -> None:
+        box = self.boxes.get(key)
+        if box is not None:
+            box.users -= 1
+            if not box.users:
+                del self.boxes[key]
+
+    def file(self, data: bytes) -> None:
+        for msg in decode(data):
+            key = route(msg)
+            box = self.boxes.get(key) if key is not None else None
+            if box is not None:
+                box.items.append(msg)
+                box.wake()
+
+    def fail_all(self, failure: Failure) -> None:
+        """Every open box fails once it is empty: the connection broke or stayed silent too long.
+        Boxes opened later are not touched (ZeroMQ reconnects by itself)."""
+        for box in self.boxes.values():
+            box.failure = failure
+            box.wake()
+
+    def take(self, box: Box) -> Reply | None:
+        """The box's next reply; None if there is none yet; raises its failure once it is empty."""
+        if box.items:
+            return box.items.popleft()
+        if box.failure == "lost":
+            raise self.lost()
+        if box.failure == "silent":
+            raise self.silent(self.timeout)
+        return None
+
+    def lost(self) -> EngineUnavailable:
+        if self.refused:
+            return EngineRefused(f"the engine at {self.address} refused this client: wrong or missing auth token "
+                                 f"(give the engine's --auth-token, or set {AUTH_ENV})")
+        return EngineUnavailable(f"the engine at {self.address} closed the connection (it stopped or died, "
+                                 f"dropped this client, or wants an auth token); requests in flight are lost")
+
+    def silent(self, timeout: float) -> EngineUnavailable:
+        return EngineUnavailable(f"no message from the engine at {self.address} for {timeout:g}s")
+
+    def unsendable(self, timeout: float) -> EngineUnavailable:
+        """Why a send found no connection for `timeout` seconds: the engine refused this client, or none."""
+        if self.refused:
+            return self.lost()
+        return EngineUnavailable(f"could not hand a message to the engine at {self.address} for {timeout:g}s "
+                                 f"(no connection to it)")
+
+    def check_new_stream(self, rid: str) -> Key:
+        """The key of a request about to be submitted; refused here if this client streams it already
+        (the engine's refusal would end the live stream)."""
+        key = ("req", rid)
+        if key in self.boxes:
+            raise EngineError("duplicate_request", f"request id {rid!r} is live on this client", rid)
+        return key
+
+
+class Stream:
+    """One request's stream: it is over at its Final or at a refusal. A stream left before that was
+    abandoned (a break, a cancelled task, a lost connection), and its transport aborts the request,
+    so an abandoned stream never keeps generating."""
+
+    def __init__(self, rid: str, box: Box) -> None:
+        self.rid, self.box = rid, box
+        self.done = False
+
+    def accept(self, msg: Reply) -> Output:
+        """The next output; EngineError if the engine refused the request (which ends the stream)."""
+        if isinstance(msg, (Delta, Final)):
+            self.done = isinstance(msg, Final)
+            return msg
+        self.done = True
+        raise _refusal(msg, "a Delta or a Final")
+
+    @property
+    def abandoned(self) -> bool:
+        return not self.done
