@@ -30,6 +30,9 @@ class EngineConfig:
     None picks per device: on for CUDA, off on CPU (see `use_overlap` and docs/architecture.md);
     `mixed_batches` lets running requests decode in the same step as a prefill (see `Scheduler.schedule`);
     off, a step is prefill only or decode only, as in the seed's walkthrough.
+    `threads` is how many CPU threads compute a step (torch's and the C kernels' one OpenMP team): None
+    is up to the cores this process may use, as many as measure fastest beside whatever else runs
+    (engine/threads.py); a number is that many, always. Under tensor parallelism each rank gets its share.
     `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
     (when the attention backend supports them and there is one rank; see engine/cuda_graph.py).
     """
@@ -54,6 +57,7 @@ class EngineConfig:
     mixed_batches: bool = True
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 64
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,6 +71,8 @@ class EngineConfig:
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1 (or None to size the pool automatically); "
                              f"got {self.num_pages}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1 (or None: as many as suit the machine); got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
 

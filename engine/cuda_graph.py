@@ -16,12 +16,16 @@ CPU (where there are no graphs) and how a capture problem is told apart from a p
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kv.pool import KVPool
 from engine.model.llama import CausalLM
 from kernels.attention.base import AttentionBackend, AttentionMetadata, RaggedIndices
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # what torch.cuda.graph_pool_handle returns (torch's own name for it)
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -43,14 +47,15 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_bs)
         self.scratch_slot = scratch_slot
         n = self.buckets[-1]
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.steps = torch.arange(n + 1, **i32)  # qo_indptr of every bucket, and the padding's kv_indptr steps
-        self.logits_index = torch.arange(n, **i64)  # every row of a decode step is sampled
-        self.kv_indptr = torch.arange(n + 1, **i32)
-        self.kv_indices = torch.full((n * max_seq_len,), scratch_slot, **i32)
-        self.out_slots = torch.full((n,), scratch_slot, **i64)
+        i32, i64 = torch.int32, torch.int64
+        self.input_ids = torch.zeros(n, dtype=i64, device=device)
+        self.positions = torch.zeros(n, dtype=i64, device=device)
+        # qo_indptr of every bucket, and the padding's kv_indptr steps
+        self.steps = torch.arange(n + 1, dtype=i32, device=device)
+        self.logits_index = torch.arange(n, dtype=i64, device=device)  # every row of a decode step is sampled
+        self.kv_indptr = torch.arange(n + 1, dtype=i32, device=device)
+        self.kv_indices = torch.full((n * max_seq_len,), scratch_slot, dtype=i32, device=device)
+        self.out_slots = torch.full((n,), scratch_slot, dtype=i64, device=device)
         self.metas = {bs: self._static_meta(bs) for bs in self.buckets}
         self.states = {bs: backend.capture_state(self.metas[bs]) for bs in self.buckets}
         self.runs: dict[int, Callable[[], torch.Tensor]] = {}
@@ -73,7 +78,7 @@ class DecodeGraphs:
     def _eager(self, bs: int) -> Callable[[], torch.Tensor]:
         return lambda: self._forward(bs)
 
-    def _capture(self, bs: int, pool: object) -> Callable[[], torch.Tensor]:
+    def _capture(self, bs: int, pool: _POOL_HANDLE | None) -> Callable[[], torch.Tensor]:
         # The static buffers start as an all-padding batch, which is valid to run.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -30,12 +31,13 @@ from engine.model.loader import (
 )
 from engine.outputs import Final, RequestOutput, StepResult
 from engine.params import SamplingParams
-from engine.prompt import Prompt
+from engine.prompt import Prompt, is_chat, is_token_ids
 from engine.request import PromptTooLong, Req
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
 from engine.scheduler.snapshot import SchedulerSnapshot
+from engine.threads import ThreadGovernor, usable_cores, wait_policy
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from kernels.attention import make_backend
 
@@ -60,14 +62,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", page_size: int = 16,
                  num_pages: int | None = None, max_running_requests: int = 32, max_prefill_tokens: int = 2048,
-                 seed: int = 0, **options: object) -> None:
+                 seed: int = 0, **options: Any) -> None:
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, device=device, dtype=dtype, page_size=page_size,
                                    num_pages=num_pages, max_running_requests=max_running_requests,
-                                   max_prefill_tokens=max_prefill_tokens, seed=seed, **options)  # type: ignore[arg-type]
+                                   max_prefill_tokens=max_prefill_tokens, seed=seed, **options)
         cfg = self.config
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {cfg.device!r} requested but CUDA is not available; use device='cpu'")
@@ -79,12 +81,19 @@ class LLM:
         self.model_path = resolve_model_path(cfg.model_path)
         self.tp = TensorParallel()
         self.workers: WorkerPool | None = None
+        # CPU threads per rank: the ones asked for, or the usable cores; only one rank adapts them to the load
+        threads = max(1, (cfg.threads or usable_cores()) // cfg.tensor_parallel_size)
+        self.governor = None
+        if self.device.type == "cpu":
+            torch.set_num_threads(threads)
+            if cfg.threads is None and cfg.tensor_parallel_size == 1:
+                self.governor = ThreadGovernor(threads)
         if cfg.tensor_parallel_size > 1:
             spec = ModelSpec.from_hf_config(load_hf_config(self.model_path))
             check_shardable(spec, cfg.tensor_parallel_size)
             self.tp, self.workers = launch(cfg.tensor_parallel_size, spec, str(self.model_path), cfg.dtype,
                                            cfg.device, cfg.page_size, cfg.attention_backend, cfg.linear_dtype,
-                                           cfg.prepack_weights, cfg.cpu_kernels)
+                                           cfg.prepack_weights, cfg.cpu_kernels, threads)
         try:
             self._build()
         except BaseException:
@@ -131,7 +140,7 @@ class LLM:
                                   self.max_seq_len, num_pages * cfg.page_size, self.device,
                                   capture=self.device.type == "cuda")
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, self.tp, self.workers,
-                                  graphs)
+                                  graphs, self.governor)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids,
                                    cfg.mixed_batches)
         self.loop = StepLoop(self.scheduler, self.runner)
@@ -146,9 +155,9 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer files; pass the prompt as a list of token ids")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = apply_chat_template(self.tokenizer, prompt)  # type: ignore[arg-type]
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif is_chat(prompt):
+            ids = apply_chat_template(self.tokenizer, prompt)
+        elif is_token_ids(prompt):
             vocab = self.model.spec.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
@@ -225,9 +234,22 @@ class LLM:
         (the C kernels off where no compiler builds them, say)."""
         weight = self.model.layers[0].qkv_proj.weight
         gemm = str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
-        return {"attention_backend": self.runner.backend.name, "gemm": gemm,
-                "cpu_kernels": "on" if self.model.kernels is not None else "off",
-                "overlap": "on" if self.config.use_overlap else "off"}
+        execution = {"attention_backend": self.runner.backend.name, "gemm": gemm,
+                     "cpu_kernels": "on" if self.model.kernels is not None else "off",
+                     "overlap": "on" if self.config.use_overlap else "off"}
+        if self.device.type == "cpu":
+            execution["threads"] = self._threads()
+            execution["omp_wait"] = wait_policy()
+        return execution
+
+    def _threads(self) -> str:
+        g = self.governor
+        if g is not None:
+            return f"up to {g.limit}, the team size that measures faster (now {g.current})"
+        if self.workers is not None:
+            ranks = zip(self.workers.ranks, self.workers.threads, strict=True)
+            return f"rank 0: {torch.get_num_threads()}; " + "; ".join(f"rank {r}: {t}" for r, t in ranks)
+        return str(torch.get_num_threads())
 
     def stats(self) -> SchedulerSnapshot:
         """A read-only snapshot of the scheduler: waiting queue, running set, slots, pages, counters."""
@@ -271,7 +293,7 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion through the scheduler; outputs come back in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")

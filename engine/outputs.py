@@ -38,9 +38,8 @@ class Delta(msgspec.Struct, tag_field="type", tag="delta", kw_only=True):
         return False
 
 
-class Final(msgspec.Struct, tag_field="type", tag="final", kw_only=True):
-    """The last output of a request: its last new tokens and text (like a Delta's), why it ended
-    ("stop", "length", "abort"), token usage and timings."""
+class _Ended(msgspec.Struct, kw_only=True):
+    """What a finished request reports: why it ended ("stop", "length", "abort"), usage and timings."""
 
     rid: str
     text: str
@@ -48,6 +47,10 @@ class Final(msgspec.Struct, tag_field="type", tag="final", kw_only=True):
     finish_reason: str
     usage: Usage
     timings: Timings
+
+
+class Final(_Ended, tag_field="type", tag="final"):
+    """The last output of a request: its last new tokens and text (like a Delta's), and how it ended."""
 
     @property
     def finished(self) -> bool:
@@ -80,17 +83,11 @@ class StepResult:
         return self.num_tokens - self.num_decode_tokens
 
 
-class RequestOutput(msgspec.Struct, kw_only=True):
-    """A whole finished request: what `LLM.generate` and the clients' `complete` return.
+class RequestOutput(_Ended):
+    """A whole finished request, all its tokens and text: what `LLM.generate` and the clients'
+    `complete` return. `prompt_token_ids` is None where the prompt was tokenized elsewhere (a client
+    over the wire)."""
 
-    `prompt_token_ids` is None where the prompt was tokenized elsewhere (a client over the wire)."""
-
-    rid: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    usage: Usage
-    timings: Timings
     prompt_token_ids: list[int] | None = None
 
     @classmethod

@@ -16,6 +16,7 @@ from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.model.llama import CausalLM
 from engine.sampling import sample
+from engine.threads import ThreadGovernor
 from kernels.attention.base import AttentionBackend
 
 
@@ -29,8 +30,9 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, kv: KVPool, table: RequestTable, backend: AttentionBackend,
                  device: torch.device, tp: TensorParallel | None = None, workers: WorkerPool | None = None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, governor: ThreadGovernor | None = None) -> None:
         self.model = model
+        self.governor = governor  # CPU: the thread team for each step (engine/threads.py)
         self.graphs = graphs
         self.kv = kv
         self.table = table
@@ -46,6 +48,7 @@ class ModelRunner:
         if batch.num_decode:  # decode tokens: what the previous step's sampler wrote to the token table
             sampled = self.table.token_ids.view(-1)[batch.input_index[: batch.num_decode]]
             input_ids = sampled if input_ids is None else torch.cat((sampled, input_ids))
+        assert input_ids is not None  # a batch without decode tokens has prompt tokens
         graphs = self.graphs  # never set under tensor parallelism
         if graphs is not None and batch.kind == "decode" and graphs.bucket(len(batch.attn.q_lens)) is not None:
             return graphs.run(input_ids, batch.positions, batch.attn)
@@ -65,7 +68,13 @@ class ModelRunner:
         """
         start = time.perf_counter()
         if self.stream is None:
-            next_tokens = self._forward_and_sample(batch)
+            if self.governor is None:
+                next_tokens = self._forward_and_sample(batch)
+            else:  # set here: torch's thread count is the calling thread's (the model's)
+                shape = (batch.kind, batch.num_tokens.bit_length())
+                torch.set_num_threads(self.governor.threads(shape))
+                next_tokens = self._forward_and_sample(batch)
+                self.governor.record(shape, (time.perf_counter() - start) / batch.num_tokens)
             return ForwardOutput(next_tokens=next_tokens, run_time=time.perf_counter() - start)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the batch was built on the default stream
         with torch.cuda.stream(self.stream):

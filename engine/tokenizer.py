@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -53,8 +55,9 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: lis
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # a template may raise anything (jinja's TemplateError, KeyError) for roles it rejects
         raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from e
-    ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-    return list(ids)
+    # token ids, in a BatchEncoding (or a dict) or as a list; transformers types the result for every set of flags
+    ids = out["input_ids"] if isinstance(out, Mapping) else out
+    return list(cast("list[int]", ids))
 
 
 def max_prompt_chars(tokenizer: PreTrainedTokenizerBase | None, max_tokens: int) -> int:
@@ -133,8 +136,9 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop: list[str] | None) -> None:
-        self._backend = tokenizer.backend_tokenizer if tokenizer is not None else None
-        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        backend = tokenizer.backend_tokenizer if tokenizer is not None else None
+        # the fast tokenizer with its decoding state; None without a tokenizer (no text then)
+        self._decoder = (backend, DecodeStream(skip_special_tokens=True)) if backend is not None else None
         self.stop = stop or []
         self._matcher = StopMatcher(self.stop) if self.stop else None
         self.text = ""
@@ -143,9 +147,10 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> None:
         """Feed one token; sets `stopped` (and truncates the text) when a stop string appears."""
-        if self._stream is None or self.stopped:
+        if self._decoder is None or self.stopped:
             return
-        piece = self._stream.step(self._backend, token_id)
+        backend, stream = self._decoder
+        piece = stream.step(backend, token_id)
         if not piece:
             return
         offset = len(self.text)

@@ -11,11 +11,24 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
+
+
+class Collectives(Protocol):
+    """The collectives of a c10d backend (ProcessGroupGloo, ProcessGroupNCCL) that the group runs. Every
+    backend has them, but torch's stubs leave them off the backends' base class."""
+
+    def allreduce(self, tensors: list[torch.Tensor], /) -> dist.Work: ...
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions, /) -> dist.Work: ...
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: dist.GatherOptions,
+               /) -> dist.Work: ...
 
 
 @dataclass
@@ -24,7 +37,7 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
-    backend: dist.Backend | None = None
+    backend: Collectives | None = None
     store: dist.Store | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,17 +87,18 @@ def join_group(rank: int, size: int, store: dist.Store, device: torch.device, ti
     A rank that dies closes its sockets and its peers' collectives fail at once.
     """
     limit = datetime.timedelta(seconds=timeout)
+    backend: dist.ProcessGroupNCCL | dist.ProcessGroupGloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = limit
-        backend = dist.ProcessGroupNCCL(store, rank, size, options)
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = limit
+        backend = dist.ProcessGroupNCCL(store, rank, size, nccl_options)
     else:
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = limit
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # nothing beyond loopback
-        backend = dist.ProcessGroupGloo(store, rank, size, options)
-    return TensorParallel(rank=rank, size=size, backend=backend, store=store)
+        gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from torch's stubs
+        gloo_options._timeout = limit
+        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # nothing beyond loopback
+        backend = dist.ProcessGroupGloo(store, rank, size, gloo_options)
+    return TensorParallel(rank=rank, size=size, backend=cast(Collectives, backend), store=store)
 
 
 def connect_store(port: int, size: int, timeout: float) -> dist.TCPStore:

@@ -26,6 +26,7 @@ from engine.distributed.step import StepInputs
 from engine.kv.pool import KVPool
 from engine.model.llama import ModelSpec
 from engine.model.loader import TORCH_DTYPES, attention_shape, build_model
+from engine.threads import wait_policy
 from kernels.attention import make_backend
 
 
@@ -66,7 +67,7 @@ def main(conn: Connection) -> None:
 def _serve(spec: WorkerSpec, conn: Connection) -> None:
     torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
-    conn.send(("hello",))
+    conn.send(("hello", torch.get_num_threads(), wait_policy()))
     tp = join_group(spec.rank, spec.size, connect_store(spec.port, spec.size, spec.timeout), device, spec.timeout)
     model = build_model(spec.model, Path(spec.model_path), spec.dtype, spec.device, tp, spec.linear_dtype,
                         spec.prepack_weights, spec.cpu_kernels)

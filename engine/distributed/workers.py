@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,6 +62,7 @@ class WorkerPool:
         self.sentinels: list[int] = []  # pidfds: readable once the process has exited
         self.failed: WorkerFailed | None = None  # why the workers are gone, once they are
         self.steps = 0
+        self.threads: list[str] = []  # each rank's compute threads and OpenMP wait, as it reported them
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.sentinels)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(Path(__file__).parents[2]),
                                                                         os.environ.get("PYTHONPATH"))))}
@@ -78,9 +80,11 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def expect(self, what: str, timeout: float = TIMEOUT) -> None:
-        """Wait until every worker has reported `what`; raise WorkerFailed for the first that fails instead."""
+    def expect(self, what: str, timeout: float = TIMEOUT) -> list[tuple[Any, ...]]:
+        """Wait until every worker has reported `what`, and return the reports in rank order; raise
+        WorkerFailed for the first that fails instead."""
         waiting = dict(enumerate(self.conns))
+        reports: dict[int, tuple[Any, ...]] = {}
         deadline = time.monotonic() + timeout
         while waiting:
             left = deadline - time.monotonic()
@@ -99,7 +103,9 @@ class WorkerPool:
                     if message[0] != what:
                         raise self._fail(f"tensor-parallel rank {self.ranks[i]} said {message[0]!r}, "
                                          f"expected {what!r}")
+                    reports[i] = message
                     del waiting[i]
+        return [reports[i] for i in range(len(self.conns))]
 
     def send(self, message: object) -> None:
         """The same message to every worker."""
@@ -205,11 +211,10 @@ def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], sentine
 
 
 def launch(size: int, spec: ModelSpec, model_path: str, dtype: str, device: str, page_size: int, attention_backend: str,
-           linear_dtype: str, prepack_weights: bool, cpu_kernels: bool,
+           linear_dtype: str, prepack_weights: bool, cpu_kernels: bool, threads: int,
            timeout: float = TIMEOUT) -> tuple[TensorParallel, WorkerPool]:
     """Start ranks 1..size-1 and join them as rank 0; they load their shards while rank 0 loads its own."""
     store = host_store(size, timeout)
-    threads = max(1, torch.get_num_threads() // size)
     specs = [WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path, dtype=dtype,
                         device=rank_device(device, r), page_size=page_size, attention_backend=attention_backend,
                         linear_dtype=linear_dtype, prepack_weights=prepack_weights, cpu_kernels=cpu_kernels,
@@ -217,7 +222,8 @@ def launch(size: int, spec: ModelSpec, model_path: str, dtype: str, device: str,
                         timeout=timeout) for r in range(1, size)]
     pool = WorkerPool(specs)
     try:
-        pool.expect("hello", timeout)
+        # each worker says how its threads run: (hello, torch threads, OpenMP wait), for LLM.execution
+        pool.threads = [f"{n} ({wait})" for _, n, wait in pool.expect("hello", timeout)]
         return join_group(0, size, store, torch.device(rank_device(device, 0)), timeout), pool
     except BaseException:
         pool.close()

@@ -94,6 +94,7 @@ class RadixCacheManager(CacheManager):
         while leaves and freed < num_pages:
             _, _, node = heapq.heappop(leaves)
             parent = node.parent
+            assert parent is not None  # only the root has no parent, and it is never in by_page
             del parent.children[node.key]
             del self.by_page[node.page]
             self.allocator.reclaim([node.page])

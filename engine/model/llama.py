@@ -7,10 +7,10 @@ reads/writes K/V through an attention backend over the paged pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +150,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def rope_in_place(kernels: CpuKernels, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in one C pass, in place, over the full tables indexed by each token's position."""
+    kernels.rope_(x, positions, cos, signed_sin)
+    return x
+
+
 class DecoderLayer(nn.Module):
     """One block; under tensor parallelism it holds this rank's heads and intermediate rows only."""
 
@@ -181,7 +188,7 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(h)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, spec.head_dim)
-        if self.q_norm is None:  # one RoPE pass over the query and key heads together
+        if self.q_norm is None or self.k_norm is None:  # no per-head norms: one RoPE pass over q and k heads
             qk = rope(qkv[:, :qk_size].view(tokens, -1, spec.head_dim))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:  # Qwen3 normalises q and k per head, with separate weights, before RoPE
@@ -225,7 +232,9 @@ class CausalLM(nn.Module):
         tp = tp if tp is not None else TensorParallel()
         self.spec = spec
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
+        # an nn.ModuleList (so the layers register as submodules), whose items torch's stubs type as plain Modules
+        layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
+        self.layers = cast(Sequence[DecoderLayer], layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         self.cos_sin: torch.Tensor | None = None
@@ -256,9 +265,9 @@ class CausalLM(nn.Module):
             targets[p + "self_attn.o_proj.weight"] = layer.o_proj.target()
             if s.attention_bias:
                 targets[p + "self_attn.o_proj.bias"] = layer.o_proj.target(bias=True)
-            if s.qk_norm:
-                targets[p + "self_attn.q_norm.weight"] = WeightTarget(layer.q_norm.weight)
-                targets[p + "self_attn.k_norm.weight"] = WeightTarget(layer.k_norm.weight)
+            for name, norm in (("q_norm", layer.q_norm), ("k_norm", layer.k_norm)):
+                if norm is not None:  # Qwen3's (spec.qk_norm)
+                    targets[p + f"self_attn.{name}.weight"] = WeightTarget(norm.weight)
             for part, name in enumerate(("gate_proj", "up_proj")):
                 targets[p + f"mlp.{name}.weight"] = layer.gate_up_proj.target(part)
                 if s.mlp_bias:
@@ -311,14 +320,13 @@ class CausalLM(nn.Module):
                 layer.mlp_kernels = kernels
 
     def _rope(self, positions: torch.Tensor) -> Rope:
+        if self.cos_sin is None:
+            raise RuntimeError("CausalLM.load_weights() must run before the first step")
         if self.kernels is not None:
-            return partial(self._rope_in_place, positions=positions)
+            return partial(rope_in_place, self.kernels, positions=positions, cos=self.cos_sin[0],
+                           signed_sin=self.cos_sin[1])
         cos_sin = self.cos_sin[:, positions, None, :]
         return partial(apply_rope, cos=cos_sin[0], signed_sin=cos_sin[1])
-
-    def _rope_in_place(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.kernels.rope_(x, positions, self.cos_sin[0], self.cos_sin[1])
-        return x
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,

@@ -70,13 +70,15 @@ class WeightTarget:
 
 
 class TensorSlice(Protocol):
-    """What the loader hands over: a torch tensor, or a lazy safetensors slice read only where indexed."""
+    """A lazy safetensors slice, read only where indexed (the loader hands over these, or torch tensors)."""
+
+    def get_shape(self) -> list[int]: ...
 
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
 
 
 def shape_of(source: torch.Tensor | TensorSlice) -> tuple[int, ...]:
-    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())  # type: ignore[attr-defined]
+    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
 
 
 @torch.no_grad()
@@ -110,6 +112,7 @@ class ColumnParallelLinear(nn.Module):
     def target(self, part: int, bias: bool = False) -> WeightTarget:
         start, size = self.shards[part]
         param = self.bias if bias else self.weight
+        assert param is not None  # a bias is asked for only where the config gave the layer one
         return WeightTarget(param, row=self.offsets[part], start=start, size=size, full=self.parts[part].full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +132,8 @@ class RowParallelLinear(nn.Module):
 
     def target(self, bias: bool = False) -> WeightTarget:
         if bias:
-            return WeightTarget(self.bias)  # type: ignore[arg-type]
+            assert self.bias is not None  # asked for only where the config gave the layer one
+            return WeightTarget(self.bias)
         return WeightTarget(self.weight, dim=1, start=self.start, size=self.weight.shape[1], full=self.split.full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +143,8 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a range of the vocabulary; a token outside it looks up zeros, and the all-reduce
-    leaves every rank with the one rank's row (adding zeros is exact)."""
+class VocabParallel(nn.Module):
+    """A [vocab, hidden] weight of which each rank holds a range of the vocabulary's rows."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -153,6 +156,11 @@ class VocabParallelEmbedding(nn.Module):
     def target(self) -> WeightTarget:
         return WeightTarget(self.weight, start=self.start, size=self.weight.shape[0], full=self.split.full)
 
+
+class VocabParallelEmbedding(VocabParallel):
+    """Each rank holds a range of the vocabulary; a token outside it looks up zeros, and the all-reduce
+    leaves every rank with the one rank's row (adding zeros is exact)."""
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
@@ -161,10 +169,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallel):
     """Logits for this rank's vocabulary range, gathered on rank 0 (other ranks get None)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.tp.gather_last_dim(linear(x, self.weight))
 
 

@@ -114,6 +114,7 @@ class Scheduler:
         q_lens, kv_lens, logits_at, out_index, sample_rows = [], [], [], [], []
         for i, req in enumerate(reqs):
             start_pos, end = req.cached_len, req.cached_len + req.extend_len
+            assert req.slot is not None  # a scheduled request holds a slot
             base = req.slot * width
             input_index += range(base + start_pos, base + end)
             if i >= len(decode):
@@ -160,6 +161,7 @@ class Scheduler:
             if need <= 0:
                 continue
             new = self.cache.allocate(need, req.rid)
+            assert req.slot is not None  # a scheduled request holds a slot
             self.table.write_pages(req.slot, len(req.pages), new, ps)
             req.pages += new
 

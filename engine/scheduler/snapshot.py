@@ -85,12 +85,12 @@ def take_snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
     s = scheduler
     alloc = s.cache.allocator
     cached = s.cache.cached_pages()
-    admitted = sorted((r for r in s.reqs.values() if r.slot is not None), key=lambda r: r.uid)
+    admitted = sorted(((r, r.slot) for r in s.reqs.values() if r.slot is not None), key=lambda held: held[0].uid)
     running = tuple(
-        RunningEntry(rid=r.rid, slot=r.slot, state="prefilling" if r.state is ReqState.PREFILLING else "running",
+        RunningEntry(rid=r.rid, slot=slot, state="prefilling" if r.state is ReqState.PREFILLING else "running",
                      prompt_tokens=r.input_len, prefilled=min(r.cached_len, r.input_len), generated=len(r.output_ids),
                      max_tokens=r.max_output, pages=len(r.pages), reserved_pages=reserved_pages(r, s.page_size))
-        for r in admitted)
+        for r, slot in admitted)
     locked = sum(cached.values())
     pages = PageSnapshot(page_size=s.page_size, total=alloc.num_pages, free=alloc.num_free, used=len(alloc.owner),
                          cached=len(cached), locked=locked, reserved=sum(e.reserved_pages for e in running),

@@ -12,11 +12,13 @@ import inspect
 import logging
 import os
 import typing
+from collections.abc import Callable
 
 import typer
 
 from engine.config import EngineConfig
 from engine.service.client import AUTH_ENV
+from engine.threads import prepare_openmp
 
 ADDRESS_HELP = "Engine address: ipc:///path or tcp://127.0.0.1:PORT (default: a per-user ipc socket)."
 ENGINE_HELP = {
@@ -40,6 +42,7 @@ ENGINE_HELP = {
     "overlap": "Schedule step N+1 while step N runs (default: on for CUDA, off on CPU); output is identical.",
     "mixed_batches": "Running requests decode inside a prefill step instead of waiting for it; output is identical.",
     "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
+    "threads": "CPU compute threads (default: up to the usable cores, as many as measure fastest beside other work).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
@@ -48,6 +51,12 @@ def option(name: str, annotation: object, default: object, help_text: str, *flag
     """A keyword-only typer option, for commands whose signatures are assembled from parts."""
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                              default=typer.Option(default, *flags, help=help_text))
+
+
+def set_signature(command: Callable[..., None], parameters: list[inspect.Parameter]) -> None:
+    """Give a command the parameters typer reads its options from (`inspect.signature` honours a
+    function's `__signature__`)."""
+    command.__dict__["__signature__"] = inspect.Signature(parameters)
 
 
 def engine_parameters() -> list[inspect.Parameter]:
@@ -97,6 +106,7 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
     With --http HOST:PORT, run the engine as a child process instead and the OpenAI-compatible HTTP
     API in the foreground; stopping the API stops that engine.
     """
+    prepare_openmp()  # before torch loads libgomp, here and in the engine child or the TP workers
     from engine.distributed.workers import WorkerFailed
     from engine.service.options import ServerOptions
     from engine.service.server import StartupError, run_server
@@ -119,7 +129,7 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
         raise typer.Exit(1) from e
 
 
-serve.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+set_signature(serve, [
     option("address", str | None, None, ADDRESS_HELP, "--address"),
     option("allow_remote", bool, False, "Allow a non-loopback tcp address (needs --auth-token) or --http host.",
            "--allow-remote/--no-allow-remote"),
@@ -191,7 +201,7 @@ def api(address: str | None, host: str, port: int, allow_remote: bool, log_level
     run_api(ApiOptions(address, api_key, served_model_name), host, port, log_level)
 
 
-api.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+set_signature(api, [
     option("address", str | None, None, ADDRESS_HELP, "--address"),
     option("host", str, "127.0.0.1", "Interface to listen on.", "--host"),
     option("port", int, 8000, "TCP port to listen on.", "--port"),

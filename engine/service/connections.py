@@ -67,11 +67,11 @@ class ConnectionCap(threading.Thread):
             poller.register(m, zmq.POLLIN)
         while not self._stopping.is_set():
             for sock, _ in poller.poll(100):
-                self._on_event(parse_monitor_message(sock.recv_multipart()))
+                message = parse_monitor_message(sock.recv_multipart())
+                self._on_event(message["event"], message["value"])
 
-    def _on_event(self, event: dict) -> None:
-        fd = event["value"]
-        if event["event"] != zmq.EVENT_ACCEPTED:
+    def _on_event(self, event: int, fd: int) -> None:
+        if event != zmq.EVENT_ACCEPTED:
             self._open.discard(fd)
             return
         if len(self._open) < self.cap:

@@ -108,13 +108,13 @@ def find(address: str | None = None, timeout: float = 0.5, auth_token: str | Non
 
 
 def start(address: str | None = None, *, model: str | None = None, timeout: float = START_TIMEOUT,
-          **options: object) -> EngineHandle:
+          auth_token: str | None = None, **options: object) -> EngineHandle:
     """Start `minichat serve` detached (own session, log file) and wait until it answers a ping.
 
-    An `auth_token` option (or $MINICHAT_AUTH_TOKEN) reaches the engine through its environment, never
+    The `auth_token` (or $MINICHAT_AUTH_TOKEN) reaches the engine through its environment, never
     its command line, which every local user can read."""
     address = address or default_address()
-    token = resolve_auth_token(options.pop("auth_token", None))  # type: ignore[arg-type]
+    token = resolve_auth_token(auth_token)
     check_bindable(address, bool(options.get("allow_remote", False)), token is not None)
     log = log_path(address)
     cmd = serve_command(address, model, **options)
@@ -135,11 +135,10 @@ def start(address: str | None = None, *, model: str | None = None, timeout: floa
 
 
 def find_or_start(address: str | None = None, *, model: str | None = None, timeout: float = START_TIMEOUT,
-                  **options: object) -> EngineHandle:
+                  auth_token: str | None = None, **options: object) -> EngineHandle:
     """Attach to the engine at `address` if one answers, else start one (see `start`)."""
-    token = options.get("auth_token")
-    return find(address, auth_token=token) or start(address, model=model, timeout=timeout,  # type: ignore[arg-type]
-                                                    **options)
+    return find(address, auth_token=auth_token) or start(address, model=model, timeout=timeout,
+                                                         auth_token=auth_token, **options)
 
 
 def _wait_ready(process: subprocess.Popen[bytes], address: str, timeout: float, log: Path, began: int,

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
+
+StateT = TypeVar("StateT")
+"""A backend's per-step state: what `prepare` (or `capture_state`) builds and every layer's `forward` reads."""
 
 
 @dataclass
@@ -107,33 +111,33 @@ class AttentionShape:
     scale: float
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(ABC, Generic[StateT]):
     """Writes new K/V into the paged pool and attends over each request's cached tokens."""
 
     name: str = ""
     """The registry name (`kernels.attention.BACKENDS`), as reported by a running engine."""
 
-    def setup(self, shape: AttentionShape, device: torch.device) -> None:  # noqa: B027 - optional hook
+    def setup(self, shape: AttentionShape, device: torch.device) -> None:
         """Called once with the model's attention shape before the first step; most backends need nothing."""
 
     supports_cuda_graph = False
     """Whether `capture_state` / `replay_prepare` are implemented (decode steps may then be graphed)."""
 
-    def capture_state(self, meta: AttentionMetadata) -> object:
+    def capture_state(self, meta: AttentionMetadata) -> StateT:
         """Capture hook: the state a CUDA graph of decode steps will bake in, for `meta`, whose tensors are
         the graph's static buffers (their contents change before each replay, their addresses never)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-    def replay_prepare(self, state: object, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+    def replay_prepare(self, state: StateT, meta: AttentionMetadata) -> None:
         """Replay hook: the static buffers now hold this step's (padded) batch; redo any host-side planning."""
 
     @abstractmethod
-    def prepare(self, meta: AttentionMetadata) -> object:
+    def prepare(self, meta: AttentionMetadata) -> StateT:
         """Backend-specific state for this step (masks, plans), built once and reused by every layer."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, state: object, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, state: StateT, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens; caches: [slots, Hkv, D]. Returns [T, Hq, D]."""
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention.base import AttentionMetadata, AttentionShape, store_kv
-from kernels.attention.torch_ref import TorchRefBackend, TorchRefMeta
+from kernels.attention.torch_ref import ReferenceLayout, TorchRefMeta
 from kernels.cpu import CpuKernels, load_cpu_kernels, require_supported
 
 
@@ -30,43 +30,48 @@ class PagedMeta:
     table: torch.Tensor  # int64 [slots, max_len]
     rows: torch.Tensor  # int64 [T]
     kv_lens: torch.Tensor  # int64 [T]
-    out_slots: torch.Tensor | None  # where this step's K/V go; None inside a TorchRefMeta (it stores them)
 
 
-class CpuBackend(TorchRefBackend):
+@dataclass
+class PagedStep(PagedMeta):
+    """A step all through the C kernel (inside a `TorchRefMeta`, a plain PagedMeta: the layout stores the K/V)."""
+
+    out_slots: torch.Tensor  # where this step's K/V go
+
+
+class CpuBackend(ReferenceLayout[PagedStep | TorchRefMeta[PagedMeta], PagedMeta]):
     """Every token through the C kernel; steps with a long prompt chunk in the reference's layout."""
 
     name = "cpu"
-    kernels: CpuKernels | None = None
+    kernels: CpuKernels  # set by setup()
     max_per_token_queries = 512  # the most queries of one request a step may have to run per token
 
     def setup(self, shape: AttentionShape, device: torch.device) -> None:
         require_supported(device.type, shape.dtype)
-        super().setup(shape, device)
         self.kernels = load_cpu_kernels()
 
-    def prepare(self, batch: AttentionMetadata) -> PagedMeta | TorchRefMeta:
+    def prepare(self, batch: AttentionMetadata) -> PagedStep | TorchRefMeta[PagedMeta]:
         if max(batch.q_lens) > self.max_per_token_queries:
-            return super().prepare(batch)
+            return self._prepare_layout(batch)
         if len(batch.q_lens) == batch.num_tokens:  # one token per request: a decode step
             kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
-            return PagedMeta(batch.table, batch.rows.contiguous(), kv_lens, batch.out_slots)
+            return PagedStep(batch.table, batch.rows.contiguous(), kv_lens, batch.out_slots)
         tokens, q_lens = batch.num_tokens, torch.tensor(batch.q_lens, dtype=torch.int64)
         first = torch.tensor(batch.kv_lens, dtype=torch.int64) - q_lens + 1  # keys seen by a request's first query
         starts = torch.cumsum(q_lens, 0) - q_lens
         kv_lens = torch.arange(tokens) + (first - starts).repeat_interleave(q_lens, output_size=tokens)
         rows = batch.rows.repeat_interleave(q_lens, output_size=tokens)
-        return PagedMeta(batch.table, rows, kv_lens, batch.out_slots)
+        return PagedStep(batch.table, rows, kv_lens, batch.out_slots)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: PagedMeta | TorchRefMeta, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: PagedStep | TorchRefMeta[PagedMeta], scale: float) -> torch.Tensor:
         if isinstance(meta, TorchRefMeta):
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+            return self._forward_layout(q, k, v, k_cache, v_cache, meta, scale)
         store_kv(k, v, k_cache, v_cache, meta.out_slots)
         return self._decode(q, k_cache, v_cache, meta, scale)
 
     def _prepare_decode(self, kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> PagedMeta:
-        return PagedMeta(table, rows.contiguous(), torch.tensor(kv_lens, dtype=torch.int64), None)
+        return PagedMeta(table, rows.contiguous(), torch.tensor(kv_lens, dtype=torch.int64))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMeta,
                 scale: float) -> torch.Tensor:

@@ -11,6 +11,7 @@ and re-planned (outside the graph) before every replay.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import flashinfer
 import torch
@@ -19,17 +20,19 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata, Attentio
 
 WORKSPACE_BYTES = 128 * 2**20
 
+Wrapper: TypeAlias = "flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper"
+
 
 @dataclass
 class FlashInferStep:
     """The planned wrapper every layer of this step runs, and where the step's new K/V go."""
 
-    wrapper: object
+    wrapper: Wrapper
     out_slots: torch.Tensor
     last_page_len: torch.Tensor  # all ones (page size 1); fixed for a CUDA-graph wrapper
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(AttentionBackend[FlashInferStep]):
     """Needs `setup()` (head counts, dtype, scale) before the first `prepare()`."""
 
     name = "flashinfer"
@@ -46,7 +49,7 @@ class FlashInferBackend(AttentionBackend):
                                                                     use_tensor_cores=self.use_tensor_cores)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
 
-    def _plan(self, wrapper: object, meta: AttentionMetadata, last_page_len: torch.Tensor, decode: bool) -> None:
+    def _plan(self, wrapper: Wrapper, meta: AttentionMetadata, last_page_len: torch.Tensor, decode: bool) -> None:
         shape = self.shape
         if shape is None:
             raise RuntimeError("FlashInferBackend.setup() must run before the first step")

@@ -12,12 +12,14 @@ is ~10x slower there).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape, store_kv
+from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape, StateT, store_kv
 from kernels.gemm import has_native_half_gemm
 
 
@@ -43,13 +45,17 @@ class DecodeMeta:
     bias: torch.Tensor | None  # [B, 1, 1, max_kv] float32: 0 to attend, -inf past the request's length
 
 
+DecodeT = TypeVar("DecodeT")
+"""The decode half's state: `DecodeMeta` for the torch reference, a subclass's own for its own decode kernel."""
+
+
 @dataclass
-class TorchRefMeta:
+class TorchRefMeta(Generic[DecodeT]):
     """A step: its leading one-query requests (decode, the first `num_decode` tokens), then the rest."""
 
     out_slots: torch.Tensor
     num_decode: int
-    decode: DecodeMeta | None  # (a subclass's own decode state, where it overrides the decode half)
+    decode: DecodeT | None
     padded: PaddedMeta | None
 
 
@@ -59,18 +65,20 @@ def gather(x: torch.Tensor, index: torch.Tensor | None, batch_size: int) -> torc
     return rows.unflatten(0, (batch_size, -1))
 
 
-class TorchRefBackend(AttentionBackend):
-    """Gather each request's K/V by its table row; one attention call per layer for the whole step."""
+class ReferenceLayout(AttentionBackend[StateT], Generic[StateT, DecodeT]):
+    """The reference's layout of a step (`TorchRefMeta`): its leading decode tokens through the subclass's
+    `_decode`, the rest padded for one SDPA call. `StateT` is the subclass's whole step state."""
 
-    name = "torch"
-    num_kv_heads: int | None = None
+    @abstractmethod
+    def _prepare_decode(self, kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> DecodeT:
+        """The decode half's state: requests with one query each, over `kv_lens` keys in table rows `rows`."""
 
-    def setup(self, shape: AttentionShape, device: torch.device) -> None:
-        self.num_kv_heads = shape.num_kv_heads
+    @abstractmethod
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeT,
+                scale: float) -> torch.Tensor:
+        """Attention of the decode half's queries q [B, Hq, D] over the pool."""
 
-    def prepare(self, batch: AttentionMetadata) -> TorchRefMeta:
-        if self.num_kv_heads is None:
-            raise RuntimeError("TorchRefBackend.setup() must run before the first step")
+    def _prepare_layout(self, batch: AttentionMetadata) -> TorchRefMeta[DecodeT]:
         q_lens, kv_lens = batch.q_lens, batch.kv_lens
         n = 0  # leading requests with one query over cached keys (a mixed batch puts its decodes first)
         while n < len(q_lens) and q_lens[n] == 1 < kv_lens[n]:
@@ -78,16 +86,6 @@ class TorchRefBackend(AttentionBackend):
         decode = self._prepare_decode(kv_lens[:n], batch.rows[:n], batch.table) if n else None
         padded = self._prepare_padded(q_lens[n:], kv_lens[n:], batch.rows[n:], batch.table) if n < len(q_lens) else None
         return TorchRefMeta(batch.out_slots, n, decode, padded)
-
-    def _prepare_decode(self, kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> DecodeMeta:
-        heads, device, max_kv = self.num_kv_heads, table.device, max(kv_lens)
-        slots = table[rows, :max_kv]
-        head_rows = (slots[:, None, :] * heads + torch.arange(heads, device=device)[None, :, None]).flatten()
-        bias = None
-        if min(kv_lens) != max_kv:
-            past_end = torch.arange(max_kv, device=device)[None, :] >= torch.tensor(kv_lens, device=device)[:, None]
-            bias = torch.zeros(past_end.shape, device=device).masked_fill_(past_end, float("-inf"))[:, None, None]
-        return DecodeMeta(head_rows, max_kv, bias)
 
     @staticmethod
     def _prepare_padded(q_list: list[int], kv_list: list[int], rows: torch.Tensor, table: torch.Tensor) -> PaddedMeta:
@@ -99,7 +97,7 @@ class TorchRefBackend(AttentionBackend):
         q_starts = torch.cumsum(q_lens, 0) - q_lens
         i = torch.arange(max_q, device=device)
         q_valid = i[None, :] < q_lens[:, None]
-        q_index = torch.where(q_valid, q_starts[:, None] + i[None, :], q_starts[:, None])
+        q_index: torch.Tensor | None = torch.where(q_valid, q_starts[:, None] + i[None, :], q_starts[:, None])
         if min(q_list) == max_q:  # equal lengths: the flat axis is already [B, max_q]
             q_index = unpad_index = None
         else:
@@ -117,8 +115,8 @@ class TorchRefBackend(AttentionBackend):
         mask |= ~q_valid[:, :, None] & (j[None, None, :] == 0)  # padded rows attend to one key, not none
         return PaddedMeta(kv_index, q_index, unpad_index, bsz, mask[:, None], causal=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchRefMeta, scale: float) -> torch.Tensor:
+    def _forward_layout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: TorchRefMeta[DecodeT], scale: float) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.out_slots)
         n = meta.num_decode
         outs = []
@@ -143,6 +141,35 @@ class TorchRefBackend(AttentionBackend):
         bsz, heads, max_q, dim = out.shape
         out = out.transpose(1, 2).reshape(bsz * max_q, heads, dim).to(dtype)
         return out if meta.unpad_index is None else out[meta.unpad_index]
+
+
+class TorchRefBackend(ReferenceLayout[TorchRefMeta[DecodeMeta], DecodeMeta]):
+    """Gather each request's K/V by its table row; one attention call per layer for the whole step."""
+
+    name = "torch"
+    num_kv_heads: int | None = None
+
+    def setup(self, shape: AttentionShape, device: torch.device) -> None:
+        self.num_kv_heads = shape.num_kv_heads
+
+    def prepare(self, batch: AttentionMetadata) -> TorchRefMeta[DecodeMeta]:
+        return self._prepare_layout(batch)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: TorchRefMeta[DecodeMeta], scale: float) -> torch.Tensor:
+        return self._forward_layout(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _prepare_decode(self, kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> DecodeMeta:
+        heads, device, max_kv = self.num_kv_heads, table.device, max(kv_lens)
+        if heads is None:
+            raise RuntimeError("TorchRefBackend.setup() must run before the first step")
+        slots = table[rows, :max_kv]
+        head_rows = (slots[:, None, :] * heads + torch.arange(heads, device=device)[None, :, None]).flatten()
+        bias = None
+        if min(kv_lens) != max_kv:
+            past_end = torch.arange(max_kv, device=device)[None, :] >= torch.tensor(kv_lens, device=device)[:, None]
+            bias = torch.zeros(past_end.shape, device=device).masked_fill_(past_end, float("-inf"))[:, None, None]
+        return DecodeMeta(head_rows, max_kv, bias)
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMeta,

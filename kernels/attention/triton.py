@@ -27,7 +27,7 @@ class TritonStep:
     partial: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(AttentionBackend[TritonStep]):
     """`num_splits` KV slices per decode request, each at least `min_split_len` keys long."""
 
     name = "triton"

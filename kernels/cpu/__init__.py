@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -47,14 +48,14 @@ class CpuKernels:
     """Typed entry points into the compiled library."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        self._fns: dict[tuple[str, torch.dtype], Callable[..., None]] = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in SUPPORTED_DTYPES.items():
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
 
-    def _fn(self, name: str, x: torch.Tensor) -> ctypes._CFuncPtr:
+    def _fn(self, name: str, x: torch.Tensor) -> Callable[..., None]:
         """The entry point for x's dtype, after checking that x is a CPU tensor of a supported dtype."""
         if x.device.type != "cpu" or x.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name}: expected a CPU float32 or bfloat16 tensor, got {x.device} {x.dtype}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TypeVar
 
 import msgspec
@@ -145,7 +145,7 @@ class AsyncEngineClient:
         return (await self._call(("shutdown", None), protocol.Shutdown(), ShuttingDown, timeout)).pid
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                       **overrides: object) -> AsyncIterator[Output]:
+                       **overrides: object) -> AsyncGenerator[Output, None]:
         """Submit (at the first iteration) and stream: Deltas, then a Final. Same arguments as
         EngineClient.submit. Left before its Final, the request is aborted (see core.Stream)."""
         msg = submit_message(prompt, params, rid, overrides)

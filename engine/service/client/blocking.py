@@ -65,7 +65,7 @@ class EngineClient:
         self.address = address or default_address()
         self.timeout = timeout
         self._token = resolve_auth_token(auth_token)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
         self._sock, self._monitor = sockets.dealer(self._ctx, self.address, self._token)
         self._mail = Mailroom(self.address, timeout)
         self._poller = zmq.Poller()

@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -148,7 +148,7 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
 class _EventStream(StreamingResponse):
     """Server-sent events whose generator is closed however the response ends (client gone included)."""
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._events = events
 
@@ -156,7 +156,7 @@ class _EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._events.aclose()  # type: ignore[attr-defined]
+            await self._events.aclose()
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -176,7 +176,7 @@ class Generation:
 
     state: ApiState
     endpoint: str
-    outputs: AsyncIterator[Output]
+    outputs: AsyncGenerator[Output, None]
     timer: RequestTimer
     final: Final | None = None
 
@@ -197,7 +197,7 @@ class Generation:
             raise
         return cls(state, endpoint, _prepend(first, outputs), timer)
 
-    async def stream(self) -> AsyncIterator[Output]:
+    async def stream(self) -> AsyncGenerator[Output, None]:
         """Outputs up to the Final; an engine that vanishes mid-stream just ends it (headers are gone).
         Closing this generator early aborts the engine request."""
         try:
@@ -210,7 +210,7 @@ class Generation:
         except (EngineUnavailable, EngineError) as e:
             log.warning("stream ended by the engine: %s", e)
         finally:
-            await self.outputs.aclose()  # type: ignore[attr-defined]
+            await self.outputs.aclose()
             self._account()
 
     def _account(self) -> None:
@@ -235,14 +235,14 @@ class Generation:
         return text, self.final
 
 
-async def _prepend(first: Output, rest: AsyncIterator[Output]) -> AsyncIterator[Output]:
+async def _prepend(first: Output, rest: AsyncGenerator[Output, None]) -> AsyncGenerator[Output, None]:
     try:
         yield first
         if not isinstance(first, Final):
             async for out in rest:
                 yield out
     finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+        await rest.aclose()
 
 
 def create_app(options: ApiOptions) -> FastAPI:
@@ -328,7 +328,8 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-async def _chat_events(gen: Generation, rid: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
+async def _chat_events(gen: Generation, rid: str, created: int, model: str,
+                       include_usage: bool) -> AsyncGenerator[str, None]:
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
@@ -348,7 +349,7 @@ async def _chat_events(gen: Generation, rid: str, created: int, model: str, incl
 
 
 async def _completion_events(gen: Generation, rid: str, created: int, model: str,
-                             include_usage: bool) -> AsyncIterator[str]:
+                             include_usage: bool) -> AsyncGenerator[str, None]:
     def chunk(text: str, finish_reason: str | None = None) -> dict[str, Any]:
         body = {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}

@@ -49,11 +49,12 @@ class Sampling(BaseModel):
     def params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters (temperature defaults to 1.0, as in the OpenAI API);
         InvalidParams for values the engine cannot use."""
+        assert not isinstance(self.stop, str)  # `_stop_strings` has made it a list
         return SamplingParams(max_tokens=self.budget() or default_max_tokens,
                       temperature=1.0 if self.temperature is None else self.temperature,
                       top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
                       top_p=1.0 if self.top_p is None else self.top_p,
-                      ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed)  # type: ignore[arg-type]
+                      ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed)
 
 
 class TextPart(BaseModel):
