@@ -8,6 +8,8 @@ from pathlib import Path
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 DTYPES = ("float32", "bfloat16", "float16")
 LINEAR_DTYPES = ("auto", "model", "float32")
+ADMISSIONS = ("optimistic", "reserve")
+SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
 
 
 @dataclass
@@ -30,6 +32,13 @@ class EngineConfig:
     None picks per device: on for CUDA, off on CPU (see `use_overlap` and docs/architecture.md);
     `mixed_batches` lets running requests decode in the same step as a prefill (see `Scheduler.schedule`);
     off, a step is prefill only or decode only, as in the seed's walkthrough.
+    `admission` is how admission counts a request's KV need: "reserve" (the seed's rule: prompt plus the
+    whole output budget, so nothing is ever retracted) or "optimistic" (prompt plus an expected output,
+    and running requests are retracted when the pool runs dry; see engine/scheduler/admission.py).
+    `schedule_policy` orders the waiting queue: "fcfs" (arrival), "priority" (SamplingParams.priority,
+    then arrival; also picks retraction victims) or "lpm" (longest cached prefix first); under every
+    policy a request that has waited `max_wait_steps` steps goes next. With `mixed_batches` off, running
+    requests wait at most `max_consecutive_prefills` prefill steps in a row.
     `threads` is how many CPU threads compute a step (torch's and the C kernels' one OpenMP team): None
     is up to the cores this process may use, as many as measure fastest beside whatever else runs
     (engine/threads.py); a number is that many, always. Under tensor parallelism each rank gets its share.
@@ -58,6 +67,10 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 64
     threads: int | None = None
+    admission: str = "optimistic"
+    schedule_policy: str = "fcfs"
+    max_wait_steps: int = 1000
+    max_consecutive_prefills: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,6 +84,14 @@ class EngineConfig:
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1 (or None to size the pool automatically); "
                              f"got {self.num_pages}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}; got {self.admission!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; "
+                             f"got {self.schedule_policy!r}")
+        for name in ("max_wait_steps", "max_consecutive_prefills"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1 (or None: as many as suit the machine); got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -142,7 +142,8 @@ class LLM:
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, self.tp, self.workers,
                                   graphs, self.governor)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids,
-                                   cfg.mixed_batches)
+                                   cfg.mixed_batches, cfg.admission, cfg.schedule_policy, cfg.max_wait_steps,
+                                   cfg.max_consecutive_prefills)
         self.loop = StepLoop(self.scheduler, self.runner)
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self._uid = 0

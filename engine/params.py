@@ -16,6 +16,7 @@ import msgspec
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+PRIORITY_RANGE = (-(2**31), 2**31)  # vLLM's and the wire's int32
 
 
 class InvalidParams(ValueError):
@@ -25,7 +26,8 @@ class InvalidParams(ValueError):
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """How to pick tokens and when to stop. `temperature == 0` means greedy."""
+    """How to pick tokens and when to stop. `temperature == 0` means greedy. `priority`: lower runs
+    first under `--schedule-policy priority` (and is retracted last), as in vLLM."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -34,6 +36,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     stop: list[str] | None = None
     seed: int | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -50,6 +53,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise InvalidParams(f"top_p must be in (0, 1]; got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise InvalidParams(f"seed must be an integer in [-2**63, 2**64); got {self.seed!r}")
+        if not _is_int(self.priority) or not PRIORITY_RANGE[0] <= self.priority < PRIORITY_RANGE[1]:
+            raise InvalidParams(f"priority must be an integer in [-2**31, 2**31); got {self.priority!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:

@@ -37,6 +37,8 @@ class Req:
     (the ones the host has seen) while steps are in flight; `inflight` counts scheduled batches
     not yet processed, and a finished request keeps its slot and pages until it drops to 0.
     `pages` lists the KV pages the request reads, in position order; `slot` is its request-table row.
+    A request retracted to the waiting queue (`retractions` counts it) keeps its output and generator
+    and is prefilled again up to `fill_len`, prompt and output alike, before it samples its next token.
     """
 
     rid: str
@@ -61,6 +63,8 @@ class Req:
     admit_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    arrival_step: int = 0  # the scheduler's step count when it arrived (the starvation bound counts from it)
+    retractions: int = 0
 
     @property
     def input_len(self) -> int:
@@ -71,9 +75,15 @@ class Req:
         return len(self.input_ids) + len(self.output_ids)
 
     @property
+    def fill_len(self) -> int:
+        """Tokens to have in the cache before the next sample: the prompt, and after a retraction the
+        output so far (a waiting request has nothing in flight, so `sampled` is its output's length)."""
+        return self.input_len + self.sampled
+
+    @property
     def remaining_prompt(self) -> int:
-        """Prompt tokens still to prefill."""
-        return self.input_len - self.cached_len
+        """Tokens still to prefill (the prompt, or after a retraction prompt and output)."""
+        return self.fill_len - self.cached_len
 
     @property
     def kv_budget(self) -> int:

@@ -273,7 +273,8 @@ def test_metrics_parse_and_move_with_traffic(server):
     for name in ("minichat_engine_up", "minichat_requests_waiting", "minichat_requests_running",
                  "minichat_request_slots_free", "minichat_kv_pages_free", "minichat_kv_pages_used",
                  "minichat_kv_pages_cached", "minichat_engine_requests_submitted_total",
-                 "minichat_engine_requests_finished_total", "minichat_engine_requests_aborted_total"):
+                 "minichat_engine_requests_finished_total", "minichat_engine_requests_aborted_total",
+                 "minichat_retractions_total"):
         assert name in before, name
     assert before["minichat_engine_up"] == 1
     resp = server.sdk().chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, temperature=0, stream=True,
@@ -352,3 +353,14 @@ def test_bench_openai_backend_names_what_the_server_serves(server):
     run = subprocess.run(minichat("bench", "--backend", "openai", "--base-url", server.url, "--model", "nope",
                                   "--api-key", KEY, "--num-requests", "1"), capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "serves ['tiny'], not 'nope'" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_priority_is_vllms_extension_and_checked(server):
+    """`priority` reaches the engine (vLLM's spelling, through the SDK's extra_body); a value the engine
+    cannot take is a 400 in the engine's words, not accepted and ignored."""
+    reply = server.sdk().completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0,
+                                            extra_body={"priority": -3, "ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as err:
+        server.sdk().completions.create(model="tiny", prompt="Hello", max_tokens=3, extra_body={"priority": 2**40})
+    assert "priority" in str(err.value)

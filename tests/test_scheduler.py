@@ -25,8 +25,9 @@ def replay_a_b_c(llama_ckpt, a_tokens: int, mixed: bool = False) -> Replay:
     """The seed's section 5.2 setup: two slots, A needs `a_tokens`, B 5 and C 2 output tokens, C arrives
     after step 0. Returns the engine, each step's (kind, members, finished) until all are done, and
 each request's streamed tokens.
-    The seed's scheduler never mixes prefill and decode in one step (`mixed_batches=False`)."""
-    llm = LLM(str(llama_ckpt), max_running_requests=2, mixed_batches=mixed)
+    The seed's scheduler never mixes prefill and decode in one step (`mixed_batches=False`) and reserves
+    every request's whole output budget (`admission="reserve"`)."""
+    llm = LLM(str(llama_ckpt), max_running_requests=2, mixed_batches=mixed, admission="reserve")
     llm.add_request([1, 2, 3], greedy(a_tokens), rid="A")
     llm.add_request([4, 5, 6, 7], greedy(5), rid="B")
     steps = [llm.step()]
@@ -79,8 +80,9 @@ def test_seed_exercise_4_one_token_a_frees_its_slot_at_step_0(llama_ckpt):
 
 
 def test_admission_stops_at_first_request_that_does_not_fit(llama_ckpt):
-    """A big request at the head of the queue blocks a small one behind it (no skipping ahead)."""
-    llm = LLM(str(llama_ckpt), page_size=4, num_pages=8)
+    """A big request at the head of the queue blocks a small one behind it (no skipping ahead), and the
+    scheduler says why each waits."""
+    llm = LLM(str(llama_ckpt), page_size=4, num_pages=8, admission="reserve")
     running = llm.add_request([1] * 4, greedy(12))  # reserves 4 of 8 pages
     llm.step()
     big = llm.add_request([2] * 10, greedy(8))  # needs 5 pages: does not fit next to `running`
@@ -88,6 +90,7 @@ def test_admission_stops_at_first_request_that_does_not_fit(llama_ckpt):
     res = llm.step()
     assert res.kind == "decode" and res.rids == [running]
     assert [r.rid for r in llm.scheduler.prefill_manager.waiting] == [big, small]
+    assert [(w.rid, w.reason) for w in llm.stats().waiting] == [(big, "kv_pages"), (small, "queue")]
     while llm.has_unfinished():
         llm.step()
     llm.check_integrity()

@@ -16,7 +16,8 @@ def greedy(n: int) -> SamplingParams:
 
 def assert_consistent(snap: SchedulerSnapshot) -> None:
     """What must hold after every step: each page in exactly one state, pages owned only by slot holders,
-    reservations within what admission may still hand out."""
+    and under reserve admission the claims within what admission may still hand out (under optimistic
+    admission they may exceed it: the scheduler retracts when a step cannot get its pages)."""
     p = snap.pages
     assert p.free + p.used + p.cached == p.total
     assert p.used == len(p.owners) and p.cached == len(p.cached_pages) and p.locked == sum(p.cached_pages.values())
@@ -24,13 +25,15 @@ def assert_consistent(snap: SchedulerSnapshot) -> None:
     assert set(p.owners.values()) <= {h for h in snap.slots if h is not None}
     assert {r.rid for r in snap.running} <= set(snap.slots)
     assert not {w.rid for w in snap.waiting} & set(snap.slots)
-    assert p.reserved == sum(r.reserved_pages for r in snap.running) <= p.free + p.cached - p.locked
+    assert p.claimed == sum(r.claimed_pages for r in snap.running)
+    if snap.admission == "reserve":
+        assert p.claimed <= p.free + p.cached - p.locked
 
 
 def assert_idle(snap: SchedulerSnapshot) -> None:
     p = snap.pages
     assert snap.idle and all(h is None for h in snap.slots)
-    assert p.used == p.locked == p.reserved == 0 and p.free + p.cached == p.total
+    assert p.used == p.locked == p.claimed == 0 and p.free + p.cached == p.total
 
 
 def state_of(snap: SchedulerSnapshot, rid: str) -> str | None:

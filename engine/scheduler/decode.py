@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from engine.request import Req, ReqState
-from engine.scheduler.budget import reserved_pages
 
 
 class DecodeManager:
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
+    def __init__(self) -> None:
         self.running: dict[str, Req] = {}
 
     @property
@@ -31,15 +29,15 @@ class DecodeManager:
     def remove_req(self, req: Req) -> None:
         self.running.pop(req.rid, None)
 
-    def inflight_pages(self) -> int:
-        """KV pages the running set may still claim (the seed's inflight token reservation, in pages)."""
-        return sum(reserved_pages(r, self.page_size) for r in self.running.values())
+    def ordered(self) -> list[Req]:
+        """The running set in arrival order."""
+        return sorted(self.running.values(), key=lambda r: r.uid)
 
     def schedule_next_batch(self) -> list[Req] | None:
         """Every running request, in arrival order, one token each."""
         if not self.running:
             return None
-        reqs = sorted(self.running.values(), key=lambda r: r.uid)
+        reqs = self.ordered()
         for req in reqs:
             req.extend_len = 1
         return reqs

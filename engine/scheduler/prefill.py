@@ -1,4 +1,4 @@
-"""PrefillManager (the waiting queue) and PrefillAdder (admission under three separate limits)."""
+"""PrefillManager (the waiting queue and its order) and PrefillAdder (admission under three limits)."""
 
 from __future__ import annotations
 
@@ -8,25 +8,32 @@ from collections import deque
 from engine.kv.cache import CacheManager
 from engine.kv.table import RequestTable
 from engine.request import Req, ReqState
-from engine.scheduler.budget import pages_for, reserved_pages
+from engine.scheduler.admission import Admission
+
+LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm matches no prefixes and orders as fcfs
 
 
 class PrefillAdder:
     """Builds one prefill batch. A request enters only if all three limits hold:
 
     1. a free request slot (`table.available_size`),
-    2. the step's prefill token budget (what is left goes to the next request; a prompt longer
-       than that is chunked),
-    3. the KV capacity estimate: pages for prompt + whole output budget, plus everything already
-       reserved by running requests and this batch, must fit in free + evictable pages.
+    2. the step's token budget (what is left goes to the next request; a prompt longer than that is
+       chunked),
+    3. the KV estimate: the pages admission counts the request for (`Admission.claim`), plus what it
+       counts everyone already admitted for (`claimed`), fit in free + evictable pages.
+
+    `blocked` names the limit that stopped admission ("slot", "token_budget", "kv_pages").
     """
 
-    def __init__(self, token_budget: int, reserved: int, table: RequestTable, cache: CacheManager) -> None:
+    def __init__(self, token_budget: int, claimed: int, table: RequestTable, cache: CacheManager,
+                 admission: Admission) -> None:
         self.token_budget = token_budget
-        self.reserved = reserved
+        self.claimed = claimed
         self.table = table
         self.cache = cache
+        self.admission = admission
         self.page_size = cache.page_size
+        self.blocked = ""
 
     def _take_chunk(self, req: Req) -> None:
         req.extend_len = min(self.token_budget, req.remaining_prompt)
@@ -35,37 +42,57 @@ class PrefillAdder:
     def continue_chunked(self, req: Req) -> None:
         """A chunked request was admitted earlier; it only needs budget, and goes first."""
         self._take_chunk(req)
-        self.reserved += reserved_pages(req, self.page_size)
+        self.claimed += self.admission.claim(req)
 
     def try_add_one(self, req: Req) -> bool:
-        if self.token_budget <= 0 or self.table.available_size == 0:
+        if self.table.available_size == 0:
+            self.blocked = "slot"
             return False
-        # Match at most input_len - 1 tokens: the last prompt token must be computed to get logits.
-        match = self.cache.match_prefix(req.input_ids[: req.input_len - 1])
+        if self.token_budget <= 0:
+            self.blocked = "token_budget"
+            return False
+        # Match at most fill_len - 1 tokens: the last one must be computed to get logits.
+        match = self.cache.match_prefix(req.tokens(0, req.fill_len - 1))
         self.cache.lock(match.handle)  # locking can make cached pages unevictable, so check after it
-        need = pages_for(req.kv_budget, self.page_size) - len(match.pages)
-        if need + self.reserved > self.cache.available_size:
+        req.pages = list(match.pages)
+        need = self.admission.claim(req)
+        if need + self.claimed > self.cache.available_size:
             self.cache.unlock(match.handle)
+            req.pages = []
+            self.blocked = "kv_pages"
             return False
         req.prefix = match
-        req.pages = list(match.pages)
-        req.cached_len = req.prefix_len = len(match.pages) * self.page_size
+        req.cached_len = len(match.pages) * self.page_size
+        if not req.retractions:  # usage reports the prompt tokens the first admission found cached
+            req.prefix_len = req.cached_len
         req.slot = self.table.allocate(req.rid)
         self.table.write_pages(req.slot, 0, req.pages, self.page_size)
-        req.admit_time = time.monotonic()
-        self.reserved += need
+        if req.admit_time is None:
+            req.admit_time = time.monotonic()
+        self.claimed += need
         self._take_chunk(req)
         return True
 
 
 class PrefillManager:
-    """The waiting queue, in arrival order, plus the one request whose prompt is mid-chunk."""
+    """The waiting queue plus the one request whose prompt is mid-chunk.
 
-    def __init__(self, table: RequestTable, cache: CacheManager) -> None:
+    `policy` orders admission: "fcfs" (arrival; retracted requests go back to the front), "priority"
+    (SamplingParams.priority, lower first, then arrival) or "lpm" (longest cached prefix first). Under
+    each, a request that has waited `max_wait_steps` steps is admitted next. Admission walks that
+    order and stops at the first request that does not fit; `reasons` says why each one still waits.
+    """
+
+    def __init__(self, table: RequestTable, cache: CacheManager, admission: Admission, policy: str = "fcfs",
+                 max_wait_steps: int = 1000) -> None:
         self.table = table
         self.cache = cache
+        self.admission = admission
+        self.policy = policy
+        self.max_wait_steps = max_wait_steps
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
+        self.reasons: dict[str, str] = {}
 
     @property
     def runnable(self) -> bool:
@@ -74,22 +101,46 @@ class PrefillManager:
     def add_one_req(self, req: Req) -> None:
         self.waiting.append(req)
 
+    def put_back(self, req: Req) -> None:
+        """A retracted request: first in line again (it was admitted before everyone waiting)."""
+        self.waiting.appendleft(req)
+
     def remove_req(self, req: Req) -> None:
         if self.chunked is req:
             self.chunked = None
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.reasons.pop(req.rid, None)
 
-    def schedule_next_batch(self, token_budget: int, reserved: int) -> list[Req] | None:
-        """Admit waiting requests in order until the first one that does not fit."""
-        adder = PrefillAdder(token_budget, reserved, self.table, self.cache)
+    def ordered(self, step: int) -> list[Req]:
+        """The waiting queue in admission order at scheduler step `step`."""
+        order = list(self.waiting)
+        if self.policy == "priority":
+            order.sort(key=lambda r: r.params.priority)  # stable: arrival order (retracted first) within one
+        elif self.policy == "lpm" and len(order) <= LPM_MAX_WAITING:
+            cached = {r.rid: len(self.cache.match_prefix(r.tokens(0, r.fill_len - 1)).pages) for r in order}
+            order.sort(key=lambda r: -cached[r.rid])
+        starved = [r for r in order if step - r.arrival_step >= self.max_wait_steps]
+        return starved + [r for r in order if r not in starved] if starved else order
+
+    def schedule_next_batch(self, token_budget: int, claimed: int, step: int) -> list[Req] | None:
+        """Admit waiting requests in policy order until the first one that does not fit."""
+        adder = PrefillAdder(token_budget, claimed, self.table, self.cache, self.admission)
         reqs: list[Req] = []
         if self.chunked is not None:
             adder.continue_chunked(self.chunked)
             reqs.append(self.chunked)
             self.chunked = None
-        while self.waiting and adder.try_add_one(self.waiting[0]):
-            reqs.append(self.waiting.popleft())
+        order = self.ordered(step)
+        admitted = 0
+        while admitted < len(order) and adder.try_add_one(order[admitted]):
+            admitted += 1
+        for req in order[:admitted]:
+            self.waiting.remove(req)
+            self.reasons.pop(req.rid, None)
+        reqs += order[:admitted]
+        self.reasons = {r.rid: adder.blocked if i == admitted else "queue" for i, r in enumerate(order)
+                        if i >= admitted}
         if not reqs:
             return None
         for req in reqs:

@@ -6,30 +6,50 @@ N+1 before `process()` of step N, so scheduling works only from what it decided 
 `sampled`), never from tokens the host has not seen yet. Every way a request can end -- EOS, length,
 stop string, abort -- goes through `_finish`; its slot and pages are released by `_release` once no
 scheduled batch still uses them.
+
+Retraction (optimistic admission, engine/scheduler/admission.py): when the running set's next tokens
+need more pages than are free or evictable, running requests go back to the front of the waiting
+queue, latest arrival first (under the priority policy: lowest priority first). Their written pages
+go to the prefix cache, so their next admission recomputes only what was evicted meanwhile, and they
+keep their output and generator: a retracted request samples exactly the tokens it would have. A
+retraction happens only with no batch in flight (a batch in flight still writes the victims' pages);
+until then `schedule()` returns None, and the step loop processes the batch in flight first.
 """
 
 from __future__ import annotations
 
 import time
+from types import MappingProxyType
 
 import torch
 
 from engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
-from engine.kv.cache import CacheManager
+from engine.kv.cache import CacheManager, PrefixMatch
 from engine.kv.table import RequestTable
 from engine.outputs import Delta, Output, StepResult
 from engine.request import Req, ReqState
 from engine.runner import ModelRunner
+from engine.scheduler.admission import Admission
 from engine.scheduler.budget import pages_for
 from engine.scheduler.decode import DecodeManager
 from engine.scheduler.prefill import PrefillManager
-from engine.scheduler.snapshot import SchedulerSnapshot, take_snapshot
+from engine.scheduler.snapshot import (
+    PageSnapshot,
+    RunningEntry,
+    SchedulerCounters,
+    SchedulerSnapshot,
+    WaitingEntry,
+)
 from kernels.attention.base import build_metadata
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, cache: CacheManager, table: RequestTable, max_prefill_tokens: int,
-                 eos_ids: set[int], mixed_batches: bool = True) -> None:
+    """`runner` runs the batches `step()` schedules; `schedule()` and `process()` alone need no model."""
+
+    def __init__(self, runner: ModelRunner | None, cache: CacheManager, table: RequestTable,
+                 max_prefill_tokens: int, eos_ids: set[int], mixed_batches: bool = True,
+                 admission: str = "optimistic", policy: str = "fcfs", max_wait_steps: int = 1000,
+                 max_consecutive_prefills: int = 8) -> None:
         self.runner = runner
         self.mixed_batches = mixed_batches
         self.cache = cache
@@ -37,16 +57,22 @@ class Scheduler:
         self.page_size = cache.page_size
         self.prefill_budget = max_prefill_tokens
         self.eos_ids = eos_ids
-        self.prefill_manager = PrefillManager(table, cache)
-        self.decode_manager = DecodeManager(self.page_size)
+        self.admission = Admission(admission, self.page_size)
+        self.policy = policy
+        self.max_consecutive_prefills = max_consecutive_prefills
+        self.prefill_manager = PrefillManager(table, cache, self.admission, policy, max_wait_steps)
+        self.decode_manager = DecodeManager()
         self.reqs: dict[str, Req] = {}
         self._pending: list[Output] = []
         self._unreleased: set[Req] = set()  # finished, but a batch in flight still uses their slot/pages
+        self._prefill_streak = 0  # prefill-only steps in a row while running requests waited
         self.inflight_batches = 0
-        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0}
+        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
+                         "retractions": 0}
 
     # -- public -----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
+        req.arrival_step = self.counters["steps"]
         self.reqs[req.rid] = req
         self.prefill_manager.add_one_req(req)
 
@@ -72,10 +98,32 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerSnapshot:
         """A read-only picture of queues, slots, pages and counters (see engine/scheduler/snapshot.py)."""
-        return take_snapshot(self)
+        alloc = self.cache.allocator
+        cached = self.cache.cached_pages()
+        admitted = sorted(((r, r.slot) for r in self.reqs.values() if r.slot is not None), key=lambda a: a[0].uid)
+        running = tuple(
+            RunningEntry(rid=r.rid, slot=slot, state="prefilling" if r.state is ReqState.PREFILLING else "running",
+                         prompt_tokens=r.input_len, prefilled=min(r.cached_len, r.input_len),
+                         generated=len(r.output_ids), max_tokens=r.max_output, pages=len(r.pages),
+                         claimed_pages=self.admission.claim(r), priority=r.params.priority,
+                         retractions=r.retractions)
+            for r, slot in admitted)
+        pages = PageSnapshot(page_size=self.page_size, total=alloc.num_pages, free=alloc.num_free,
+                             used=len(alloc.owner), cached=len(cached), locked=sum(cached.values()),
+                             claimed=sum(e.claimed_pages for e in running),
+                             owners=MappingProxyType(dict(alloc.owner)), cached_pages=MappingProxyType(cached))
+        reasons = self.prefill_manager.reasons
+        waiting = tuple(WaitingEntry(rid=r.rid, prompt_tokens=r.input_len, arrival_time=r.arrival_time,
+                                     reason=reasons.get(r.rid, "queue"), priority=r.params.priority,
+                                     retractions=r.retractions, generated=len(r.output_ids))
+                        for r in self.prefill_manager.ordered(self.counters["steps"]))
+        return SchedulerSnapshot(waiting=waiting, running=running, slots=tuple(self.table.holder), pages=pages,
+                                 counters=SchedulerCounters(**self.counters), inflight_batches=self.inflight_batches,
+                                 admission=self.admission.describe(), policy=self.policy)
 
     def step(self) -> StepResult:
         """One step in sequence: schedule, run, process."""
+        assert self.runner is not None, "step() runs batches: give the scheduler a runner"
         batch = self.schedule()
         if batch is None:
             return self.idle()
@@ -93,16 +141,25 @@ class Scheduler:
         A prefill batch is formed whenever one can be; with `mixed_batches` the running requests ride
         along in it, one decode token each, ahead of the prompt tokens ("mixed"), so a request arriving
         never stalls the ones already generating (and the weights are read once for both). Otherwise
-        the step is prefill only, as in the seed, or decode."""
+        the step is prefill only, as in the seed, or decode, and the running requests wait at most
+        `max_consecutive_prefills` prefill steps in a row. In a mixed step the decode tokens count against
+        the token budget; the prompts get what is left. Before anyone is admitted, the running set's next
+        tokens get their pages: retracting requests if need be (see the module docstring), or returning
+        None while a batch in flight holds pages they need."""
         start = time.perf_counter()
-        prefill = decode = None
-        if self.prefill_manager.runnable:  # the reservation sum is only needed to admit someone
-            prefill = self.prefill_manager.schedule_next_batch(self.prefill_budget,
-                                                               self.decode_manager.inflight_pages())
-        if prefill is None or self.mixed_batches:
-            decode = self.decode_manager.schedule_next_batch()
+        if not self._make_room():
+            return None
+        running = self.decode_manager.ordered()
+        prefill = None
+        hold = bool(running) and not self.mixed_batches and self._prefill_streak >= self.max_consecutive_prefills
+        if self.prefill_manager.runnable and not hold:
+            budget = self.prefill_budget - (len(running) if self.mixed_batches else 0)
+            claimed = sum(max(self.admission.claim(r), self._next_pages(r)) for r in running)
+            prefill = self.prefill_manager.schedule_next_batch(budget, claimed, self.counters["steps"])
+        decode = self.decode_manager.schedule_next_batch() if prefill is None or self.mixed_batches else None
         if prefill is None and decode is None:
             return None
+        self._prefill_streak = self._prefill_streak + 1 if decode is None and running else 0
         kind = "decode" if prefill is None else "prefill" if decode is None else "mixed"
         decode = decode or []
         reqs = decode + (prefill or [])
@@ -153,8 +210,47 @@ class Scheduler:
         batch.schedule_time = time.perf_counter() - start
         return batch
 
+    def _next_pages(self, req: Req) -> int:
+        """New pages a running request needs for its next token."""
+        return max(0, pages_for(req.cached_len + 1, self.page_size) - len(req.pages))
+
+    def _make_room(self) -> bool:
+        """Free or evictable pages for every running request's next token, retracting requests until
+        there are; False (and nothing changed) while a batch in flight still holds pages."""
+        running = self.decode_manager.ordered()
+        need = sum(self._next_pages(r) for r in running)
+        if need <= self.cache.available_size:
+            return True
+        if self.inflight_batches:
+            return False
+        victims = [r for r in self.reqs.values() if r.slot is not None and r.state is not ReqState.FINISHED]
+        if self.policy == "priority":  # lowest priority (highest number) first, then the latest arrival
+            victims.sort(key=lambda r: (-r.params.priority, -r.uid))
+        else:
+            victims.sort(key=lambda r: -r.uid)
+        while need > self.cache.available_size:
+            if len(victims) <= 1:  # cannot happen: a prompt that fits the pool alone is refused at submission
+                raise RuntimeError(f"KV pool of {self.cache.allocator.num_pages} pages cannot hold one request")
+            victim = victims.pop(0)
+            if victim.rid in self.decode_manager.running:
+                need -= self._next_pages(victim)
+            self._retract(victim)
+        return True
+
+    def _retract(self, req: Req) -> None:
+        """Back to the front of the waiting queue, holding nothing; its written pages go to the cache."""
+        self.decode_manager.remove_req(req)
+        self.prefill_manager.remove_req(req)
+        self._release(req)
+        req.cached_len, req.extend_len, req.prefix = 0, 0, PrefixMatch()
+        req.state = ReqState.WAITING
+        req.retractions += 1
+        self.counters["retractions"] += 1
+        self.admission.retracted()
+        self.prefill_manager.put_back(req)
+
     def _allocate_kv(self, reqs: list[Req]) -> None:
-        """Claim pages for the positions this step writes (reserved at admission, so this cannot fail)."""
+        """Claim pages for the positions this step writes (room was made for them, so this cannot fail)."""
         ps = self.page_size
         for req in reqs:
             need = pages_for(req.cached_len + req.extend_len, ps) - len(req.pages)
@@ -184,6 +280,8 @@ class Scheduler:
             if req in self._unreleased and req.inflight == 0:
                 self._release(req)
         self.counters["steps"] += 1
+        if batch.num_decode:
+            self.admission.decoded()
         self.counters["decode_tokens"] += batch.num_decode
         self.counters["prefill_tokens"] += batch.num_tokens - batch.num_decode
         duration = batch.schedule_time + output.run_time + time.perf_counter() - start

@@ -1,7 +1,9 @@
-"""A read-only picture of the scheduler, for LLM.stats(), the server and its stats publisher.
+"""A read-only picture of the scheduler (`Scheduler.snapshot()`), for LLM.stats(), the server and its
+stats publisher.
 
 Everything outside the scheduler reads queues, slots and pages through this, never through the
-managers' internals, so the scheduler can change how it keeps them. Taking one copies only small
+managers' internals, so the scheduler can change how it keeps them; why a request waits is the
+scheduler's own verdict from its last admission, not recomputed outside. Taking one copies only small
 host lists (O(requests + pages)); the server takes one only when someone is listening.
 """
 
@@ -9,21 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import TYPE_CHECKING
-
-from engine.request import ReqState
-from engine.scheduler.budget import reserved_pages
-
-if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
 class WaitingEntry:
+    """A waiting request, in admission order. `reason` is why the last admission left it waiting:
+    "slot" (none free), "token_budget" (the step's budget was spent), "kv_pages" (its pages do not fit)
+    or "queue" (admission stopped at a request ahead of it). A retracted request has `retractions` > 0
+    and its `generated` tokens kept."""
+
     rid: str
     prompt_tokens: int
     arrival_time: float  # time.monotonic() at submission
+    reason: str
+    priority: int
+    retractions: int
+    generated: int
 
 
 @dataclass(frozen=True)
@@ -38,14 +41,16 @@ class RunningEntry:
     generated: int
     max_tokens: int
     pages: int
-    reserved_pages: int
+    claimed_pages: int  # further pages admission counts it for (see engine/scheduler/admission.py)
+    priority: int
+    retractions: int
 
 
 @dataclass(frozen=True)
 class PageSnapshot:
     """Every KV page is exactly one of free, used (held by a request: `owners`) or cached (`cached`,
-    mapped to whether a running request locks it). `reserved` is what admitted requests may still
-    claim for their output budget (admission keeps it free)."""
+    mapped to whether a running request locks it). `claimed` is what admission counts the admitted
+    requests for beyond what they hold (it admits no one into those pages)."""
 
     page_size: int
     total: int
@@ -53,7 +58,7 @@ class PageSnapshot:
     used: int
     cached: int
     locked: int
-    reserved: int
+    claimed: int
     owners: Mapping[int, str]
     cached_pages: Mapping[int, bool]
 
@@ -65,6 +70,7 @@ class SchedulerCounters:
     decode_tokens: int
     finished: int
     aborted: int
+    retractions: int
 
 
 @dataclass(frozen=True)
@@ -75,26 +81,9 @@ class SchedulerSnapshot:
     pages: PageSnapshot
     counters: SchedulerCounters
     inflight_batches: int  # scheduled but not yet processed (overlap keeps up to two)
+    admission: str  # the admission rule and its current estimate (Admission.describe)
+    policy: str  # the waiting queue's order: fcfs, priority or lpm
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.inflight_batches
-
-
-def take_snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
-    s = scheduler
-    alloc = s.cache.allocator
-    cached = s.cache.cached_pages()
-    admitted = sorted(((r, r.slot) for r in s.reqs.values() if r.slot is not None), key=lambda held: held[0].uid)
-    running = tuple(
-        RunningEntry(rid=r.rid, slot=slot, state="prefilling" if r.state is ReqState.PREFILLING else "running",
-                     prompt_tokens=r.input_len, prefilled=min(r.cached_len, r.input_len), generated=len(r.output_ids),
-                     max_tokens=r.max_output, pages=len(r.pages), reserved_pages=reserved_pages(r, s.page_size))
-        for r, slot in admitted)
-    locked = sum(cached.values())
-    pages = PageSnapshot(page_size=s.page_size, total=alloc.num_pages, free=alloc.num_free, used=len(alloc.owner),
-                         cached=len(cached), locked=locked, reserved=sum(e.reserved_pages for e in running),
-                         owners=MappingProxyType(dict(alloc.owner)), cached_pages=MappingProxyType(cached))
-    waiting = tuple(WaitingEntry(r.rid, r.input_len, r.arrival_time) for r in s.prefill_manager.waiting)
-    return SchedulerSnapshot(waiting=waiting, running=running, slots=tuple(s.table.holder), pages=pages,
-                             counters=SchedulerCounters(**s.counters), inflight_batches=s.inflight_batches)

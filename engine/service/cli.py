@@ -42,6 +42,10 @@ ENGINE_HELP = {
     "overlap": "Schedule step N+1 while step N runs (default: on for CUDA, off on CPU); output is identical.",
     "mixed_batches": "Running requests decode inside a prefill step instead of waiting for it; output is identical.",
     "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
+    "admission": "optimistic (prompt + expected output; retract when the pool runs dry) or reserve (whole budget).",
+    "schedule_policy": "Waiting-queue order: fcfs, priority (SamplingParams.priority, lower first) or lpm.",
+    "max_wait_steps": "A request waiting this many steps is admitted next, whatever the policy.",
+    "max_consecutive_prefills": "Without mixed batches: prefill-only steps in a row before running requests decode.",
     "threads": "CPU compute threads (default: up to the usable cores, as many as measure fastest beside other work).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}

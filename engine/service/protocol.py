@@ -135,14 +135,18 @@ EngineMessage = Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbe
 
 # -- stats (PUB socket) -------------------------------------------------------------------------
 class WaitingReq(msgspec.Struct, kw_only=True):
-    """A queued request; `reason` says what holds it back: "slot" (none free), "kv_pages" (its prompt and
-    output budget do not fit), "token_budget" (fits: admitted at the next prefill step) or "queue"
-    (admission goes in arrival order, and an earlier request waits)."""
+    """A queued request, in admission order; `reason` is why the scheduler's last admission left it
+    waiting: "slot" (none free), "kv_pages" (its prompt and expected output do not fit), "token_budget"
+    (the step's budget was spent: admitted at the next step) or "queue" (admission stopped at a request
+    ahead of it). A retracted request (`retractions` > 0) waits with the `generated` tokens it keeps."""
 
     rid: str
     prompt_tokens: int
     waited: float
     reason: str = ""
+    priority: int = 0
+    retractions: int = 0
+    generated: int = 0
 
 
 class RunningReq(msgspec.Struct, kw_only=True):
@@ -156,6 +160,8 @@ class RunningReq(msgspec.Struct, kw_only=True):
     generated: int
     max_tokens: int
     pages: int
+    priority: int = 0
+    retractions: int = 0
 
 
 class Pages(msgspec.Struct, kw_only=True):
@@ -170,7 +176,7 @@ class Pages(msgspec.Struct, kw_only=True):
     cached: int
     locked: int
     total: int
-    reserved: int = 0  # pages admitted requests may still claim for their output budget (kept free)
+    claimed: int = 0  # further pages admission counts the admitted requests for (it admits no one into them)
 
 
 class Counters(msgspec.Struct, kw_only=True):
@@ -186,6 +192,7 @@ class Counters(msgspec.Struct, kw_only=True):
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     steps_per_s: float
+    retractions: int = 0  # running requests sent back to the waiting queue because the KV pool ran dry
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -212,6 +219,8 @@ class Stats(_EngineMsg, tag="stats"):
     pages: Pages
     counters: Counters
     steps: list[StepRecord]
+    admission: str = ""  # the admission rule and its current estimate
+    policy: str = ""  # the waiting queue's order: fcfs, priority or lpm
 
 
 # -- codecs -------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ scheduler from one message.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from pathlib import Path
@@ -18,7 +17,7 @@ from engine.service.protocol import Counters, Info, Pages, RunningReq, Stats, St
 if TYPE_CHECKING:  # only the engine process builds snapshots; `minichat status` just formats them
     from engine.llm import LLM
     from engine.outputs import StepResult
-    from engine.scheduler.snapshot import PageSnapshot, SchedulerCounters, SchedulerSnapshot
+    from engine.scheduler.snapshot import PageSnapshot, SchedulerCounters
 
 RATE_WINDOW = 2.0  # seconds of recent steps that token and step rates average over
 
@@ -56,7 +55,8 @@ class StatsRecorder:
                         aborted=counts.aborted + self.unscheduled_aborts, errors=self.errors, steps=counts.steps,
                         prefill_tokens=counts.prefill_tokens,
                         decode_tokens=counts.decode_tokens, prefill_tokens_per_s=prefill / span,
-                        decode_tokens_per_s=decode / span, steps_per_s=len(self._window) / span)
+                        decode_tokens_per_s=decode / span, steps_per_s=len(self._window) / span,
+                        retractions=counts.retractions)
 
     def snapshot(self) -> Stats:
         now = time.monotonic()
@@ -64,30 +64,14 @@ class StatsRecorder:
         self.seq += 1
         return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=Path(self.llm.model_path).name,
                      waiting=[WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens, waited=now - w.arrival_time,
-                                         reason=reason)
-                              for w, reason in zip(snap.waiting, self._waiting_reasons(snap), strict=True)],
+                                         reason=w.reason, priority=w.priority, retractions=w.retractions,
+                                         generated=w.generated) for w in snap.waiting],
                      running=[RunningReq(rid=r.rid, slot=r.slot, state=r.state, prompt_tokens=r.prompt_tokens,
                                          prefilled=r.prefilled, generated=r.generated, max_tokens=r.max_tokens,
-                                         pages=r.pages) for r in snap.running],
+                                         pages=r.pages, priority=r.priority, retractions=r.retractions)
+                              for r in snap.running],
                      slots=list(snap.slots), pages=_pages(snap.pages), counters=self._counters(now, snap.counters),
-                     steps=list(self.recent))
-
-
-    def _waiting_reasons(self, snap: SchedulerSnapshot) -> list[str]:
-        """Why each queued request is not running (the checks admission makes, in its order); only the
-        first can be blocked by resources, since admission stops at the first request that does not fit."""
-        if not snap.waiting:
-            return []
-        head = self.llm.request(snap.waiting[0].rid)
-        p = snap.pages
-        room = p.free + p.cached - p.locked - p.reserved
-        if all(rid is not None for rid in snap.slots):
-            first = "slot"
-        elif head is not None and math.ceil(head.kv_budget / p.page_size) > room:
-            first = "kv_pages"
-        else:
-            first = "token_budget"
-        return [first] + ["queue"] * (len(snap.waiting) - 1)
+                     steps=list(self.recent), admission=snap.admission, policy=snap.policy)
 
 
 def _pages(pages: PageSnapshot) -> Pages:
@@ -98,7 +82,7 @@ def _pages(pages: PageSnapshot) -> Pages:
         states[page] = "L" if locked else "c"
     return Pages(page_size=pages.page_size, states="".join(states), owners=dict(pages.owners), free=pages.free,
                  held=pages.used, cached=pages.cached - pages.locked, locked=pages.locked, total=pages.total,
-                 reserved=pages.reserved)
+                 claimed=pages.claimed)
 
 
 def format_stats(stats: Stats, info: Info | None = None, max_rows: int = 20) -> str:
@@ -114,7 +98,8 @@ def format_stats(stats: Stats, info: Info | None = None, max_rows: int = 20) -> 
     lines += [
         f"request slots {busy}/{len(stats.slots)} busy; waiting {len(stats.waiting)}; running {len(stats.running)}",
         f"KV pages ({p.page_size} tokens each): {p.free} free, {p.held} held, {p.cached} cached, "
-        f"{p.locked} locked, {p.total} total; {p.reserved} reserved for admitted output",
+        f"{p.locked} locked, {p.total} total; {p.claimed} more counted for admitted requests",
+        f"admission {stats.admission}; order {stats.policy}; {c.retractions} retractions",
         f"rates: prefill {c.prefill_tokens_per_s:.1f} tok/s, decode {c.decode_tokens_per_s:.1f} tok/s, "
         f"{c.steps_per_s:.1f} steps/s",
         f"totals: {c.submitted} submitted, {c.finished} finished, {c.aborted} aborted, {c.errors} errors, "

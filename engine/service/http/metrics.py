@@ -65,6 +65,8 @@ class EngineStatsCollector(Collector):
             "minichat_engine_prefill_tokens": ("Prompt tokens the engine computed (prefix-cache hits excluded).",
                                                c.prefill_tokens),
             "minichat_engine_decode_tokens": ("Tokens the engine generated.", c.decode_tokens),
+            "minichat_retractions": ("Running requests sent back to the waiting queue when the KV pool ran dry "
+                                     "(they resume where they were).", c.retractions),
         }
         for name, (doc, value) in totals.items():
             yield CounterMetricFamily(name, doc, value=value)

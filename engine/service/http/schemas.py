@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic, validated by FastAPI).
 
-Field names and shapes follow the OpenAI reference; `top_k` and `ignore_eos` are accepted as vLLM
-accepts them. Unknown fields are ignored, as OpenAI-compatible servers do, but fields whose meaning
+Field names and shapes follow the OpenAI reference; `top_k`, `ignore_eos` and `priority` are accepted
+as vLLM accepts them. Unknown fields are ignored, as OpenAI-compatible servers do, but fields whose meaning
 we cannot honour (`n` > 1, `logprobs`, `echo`, `best_of` > 1, tools) are refused with a 400 rather
 than silently dropped. Everything here turns into one `engine.SamplingParams` for the engine.
 """
@@ -33,6 +33,7 @@ class Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    priority: int = 0  # vLLM's extension: lower runs first under --schedule-policy priority
     n: Annotated[int, Field(ge=1, le=1)] = 1
 
     @field_validator("stop")
@@ -54,7 +55,7 @@ class Sampling(BaseModel):
                       temperature=1.0 if self.temperature is None else self.temperature,
                       top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
                       top_p=1.0 if self.top_p is None else self.top_p,
-                      ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed)
+                      ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority)
 
 
 class TextPart(BaseModel):
