@@ -6,12 +6,13 @@ send no max_tokens (the budget is then the rest of the context): 32 such request
 Qwen2.5-0.5B-shaped model with the default CPU pool ran 2 at a time.
 
 `optimistic` counts a request for its prompt plus `ratio` of what is left of its output budget (at
-most CLIP tokens of it). The ratio starts at INIT and decays by DECAY every decode step towards
-FLOOR: requests that end early (EOS, stop strings) leave pages unused, and admission learns to
-expect that. Over-promising is safe because a step that cannot get its pages retracts running
-requests (engine/scheduler/scheduler.py); each retraction raises the ratio by BUMP, so admission
-backs off when it was wrong. SGLang's `new_token_ratio` works the same way; here it is visible in the
-stats (`Admission.describe`).
+most CLIP tokens of it). The ratio starts at INIT and learns what requests really use: each request
+that ends (EOS, a stop string or its length) moves it a step LEARN towards the share of its budget it
+used, and every decode step lowers it by DECAY (down to FLOOR), so a stream of long requests that
+never end does not keep it high. Over-promising is safe because a step that cannot get its pages
+retracts running requests (engine/scheduler/scheduler.py); each retraction raises the ratio by BUMP,
+so admission backs off when it was wrong. SGLang's `new_token_ratio` decays and bumps the same way;
+learning from finished requests is ours, and the ratio is visible in the stats (`Admission.describe`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ CLIP = 4096  # at most this many output tokens are expected of one request (SGLa
 INIT = 0.7
 FLOOR = 0.1
 DECAY = 0.0015  # per decode step: from INIT to FLOOR in 400 steps
+LEARN = 0.2  # how far one finished request moves the ratio towards the share of its budget it used
 BUMP = 0.2  # added after each retraction (at most 1)
 
 
@@ -53,6 +55,12 @@ class Admission:
     def decoded(self) -> None:
         if self.optimistic:
             self.ratio = max(FLOOR, self.ratio - DECAY)
+
+    def finished(self, req: Req) -> None:
+        """A request ended by EOS, stop string or length (not abort): learn from what it used."""
+        if self.optimistic:
+            used = len(req.output_ids) / max(1, min(req.max_output, CLIP))
+            self.ratio = min(1.0, max(FLOOR, self.ratio + LEARN * (min(used, 1.0) - self.ratio)))
 
     def retracted(self) -> None:
         if self.optimistic:

@@ -317,6 +317,8 @@ class Scheduler:
         req.finish_time = time.monotonic()
         del self.reqs[req.rid]
         self.counters["aborted" if reason == "abort" else "finished"] += 1
+        if reason != "abort":
+            self.admission.finished(req)
         self._unreleased.add(req)
         if req.inflight == 0:
             self._release(req)

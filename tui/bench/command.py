@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypedDict
 
 import httpx
 from rich.console import Console
@@ -41,7 +42,7 @@ def ordinary_vocab(model_path: str) -> list[int]:
     return list(range(config["vocab_size"]))
 
 
-def connect(address: str | None, engine_options: dict[str, object]) -> EngineHandle:
+def connect(address: str | None, engine_options: dict[str, Any]) -> EngineHandle:
     """Attach to the engine at `address`; start one only when given engine options (or no address)."""
     if address is not None and not engine_options:
         try:
@@ -52,7 +53,7 @@ def connect(address: str | None, engine_options: dict[str, object]) -> EngineHan
             raise BenchError(f"no engine answers at {address}; start one with `minichat serve --address {address}` "
                              f"or pass --model to let bench start it")
         return EngineHandle(address, pong.pid)
-    return find_or_start(address or default_address(), **engine_options)  # type: ignore[arg-type]
+    return find_or_start(address or default_address(), **engine_options)
 
 
 def render(title: str, s: Summary) -> Table:
@@ -68,6 +69,8 @@ def render(title: str, s: Summary) -> Table:
         ("total throughput (tok/s)", f"{s.total_throughput:.1f}"),
         ("peak concurrency", str(s.peak_concurrency)),
     ]
+    if s.mean_running is not None:
+        rows.append(("mean running set (requests)", f"{s.mean_running:.1f}"))
     for name, dist in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("ITL", s.itl_ms), ("E2E", s.e2e_ms)):
         if not math.isnan(dist["mean"]):
             rows.append((f"{name} mean / median / p90 / p99 (ms)",
@@ -75,6 +78,20 @@ def render(title: str, s: Summary) -> Table:
     for row in rows:
         table.add_row(*row)
     return table
+
+
+class Shape(TypedDict):
+    """How the workload is sent and sampled, the same for every backend."""
+
+    concurrency: int
+    request_rate: float
+    seed: int
+    ignore_eos: bool
+    temperature: float
+    timeout: float
+
+
+Measured = tuple[list[RequestRecord], float, int]  # per-request records, duration, peak concurrency
 
 
 @dataclass
@@ -108,7 +125,7 @@ def openai_target(base_url: str, model: str | None, tokenizer: str | None, api_k
 
 def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,
               request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
-              timeout: float, baseline: str | None, json_path: Path | None, engine_options: dict[str, object],
+              timeout: float, baseline: str | None, json_path: Path | None, engine_options: dict[str, Any],
               backend: str = "minichat", base_url: str | None = None, tokenizer: str | None = None,
               api_key: str | None = None) -> dict:
     if concurrency < 1:
@@ -117,8 +134,8 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
         raise BenchError(f"--baseline must be 'hf'; got {baseline!r}")
     if backend not in ("minichat", "openai"):
         raise BenchError(f"--backend must be 'minichat' or 'openai'; got {backend!r}")
-    shape = dict(concurrency=concurrency, request_rate=request_rate, seed=seed, ignore_eos=ignore_eos,
-                 temperature=temperature, timeout=timeout)
+    shape = Shape(concurrency=concurrency, request_rate=request_rate, seed=seed, ignore_eos=ignore_eos,
+                  temperature=temperature, timeout=timeout)
     handle: EngineHandle | None = None
     try:
         if backend == "openai":
@@ -126,9 +143,9 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
             if base_url is None or engine_options or address is not None or baseline is not None:
                 raise BenchError("--backend openai takes --base-url (and --model, --tokenizer, --api-key), not "
                                  "--address, engine options or --baseline")
-            target, served = openai_target(base_url, model, tokenizer, api_key)  # type: ignore[arg-type]
+            target, served = openai_target(base_url, model, tokenizer, api_key)
 
-            def launch(workload: list[BenchRequest], warm: int) -> Awaitable[tuple[list[RequestRecord], float, int]]:
+            def launch(workload: list[BenchRequest], warm: int) -> Coroutine[Any, Any, Measured]:
                 return run_openai_bench(base_url, served, api_key, workload, warmup=warm, **shape)
         else:
             handle = connect(address, engine_options)
@@ -139,7 +156,7 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
                              "engine_execution": info.execution})
             engine_address = handle.address
 
-            def launch(workload: list[BenchRequest], warm: int) -> Awaitable[tuple[list[RequestRecord], float, int]]:
+            def launch(workload: list[BenchRequest], warm: int) -> Coroutine[Any, Any, Measured]:
                 return run_engine_bench(engine_address, workload, warmup=warm, **shape)
 
         workload = make_workload(ordinary_vocab(target.tokenizer), num_requests + warmup, input_len, output_len,
@@ -150,7 +167,7 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
             raise BenchError(f"{len(too_long)} requests exceed the server's max_seq_len {target.max_seq_len}; "
                              f"lower --input-len/--output-len")
         warm, measured = workload[:warmup], workload[warmup:]
-        records, duration, peak = asyncio.run(launch(warm + measured, len(warm)))  # type: ignore[arg-type]
+        records, duration, peak = asyncio.run(launch(warm + measured, len(warm)))
         records = records[len(warm):] if warm else records
         summary = summarize(records, duration, peak)
         result: dict = {

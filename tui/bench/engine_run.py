@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from engine.outputs import Final
 from engine.service.client import AsyncEngineClient
 from tui.bench.metrics import RequestRecord
 from tui.bench.runner import run_workload
@@ -24,6 +25,9 @@ async def _one(client: AsyncEngineClient, req: BenchRequest, ignore_eos: bool, t
                 record.itl.append(now - last)
             last = now
             record.output_len += len(out.token_ids)
+        if isinstance(out, Final):  # never admitted (queue None): it ran for no time
+            queue = out.timings.queue
+            record.admitted = 0.0 if queue is None else out.timings.total - queue
     record.e2e = time.perf_counter() - start
     return record
 

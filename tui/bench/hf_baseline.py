@@ -31,7 +31,8 @@ def run_hf_baseline(model_path: str, workload: list[BenchRequest], concurrency: 
     """Returns per-request records (E2E only: nothing streams) and the wall-clock duration."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype])
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
     pad = 0
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])

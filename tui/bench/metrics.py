@@ -1,7 +1,9 @@
 """Per-request records and the summary figures, with vLLM's definitions.
 
 TTFT: submit -> first token. TPOT: (E2E - TTFT) / (output tokens - 1), i.e. excluding the first
-token. ITL: every gap between consecutive streamed tokens. E2E: submit -> final message.
+token. ITL: every gap between consecutive streamed tokens. E2E: submit -> final message. Mean running
+set (minichat backend only): the seconds each request held a slot, from its engine timings (admission
+to finish), summed and divided by the duration: how many requests ran at once, on average.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class RequestRecord:
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    admitted: float | None = None  # seconds the engine ran it (admission to finish), where the backend says
 
     @property
     def ok(self) -> bool:
@@ -64,6 +67,7 @@ class Summary:
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
+    mean_running: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,4 +91,6 @@ def summarize(records: list[RequestRecord], duration: float, peak_concurrency: i
         tpot_ms=distribution([t for r in ok if (t := r.tpot) is not None]),
         itl_ms=distribution([g for r in ok for g in r.itl]),
         e2e_ms=distribution([r.e2e for r in ok if r.e2e is not None]),
+        mean_running=sum(r.admitted for r in ok if r.admitted is not None) / duration
+        if duration > 0 and any(r.admitted is not None for r in ok) else None,
     )
