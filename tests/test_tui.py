@@ -19,11 +19,15 @@ import pytest
 from textual import events
 from textual.command import CommandPalette
 from textual.pilot import Pilot
+from textual.screen import Screen
+from textual.timer import Timer
+from textual.widget import Widget
 from textual.widgets import DataTable, Input, Label, Markdown, Static
 
 from engine.outputs import Delta, Final, Timings, Usage
 from engine.service.client import AsyncEngineClient
 from engine.service.launcher import EngineHandle, start
+from engine.service.protocol import Stats
 from tui.app import MinichatApp
 from tui.chat import ChatPane, PromptInput, ReplyView
 from tui.commands import COMMANDS
@@ -31,8 +35,9 @@ from tui.dialogs import AskScreen, ConfirmScreen
 from tui.help import HelpScreen
 from tui.link import EngineLink
 from tui.names import printable
-from tui.panels import RequestTable
-from tui.session import Reply
+from tui.panels import OpsPanels, RequestTable
+from tui.panels.throughput import HISTORY, ThroughputPanel
+from tui.session import Reply, Session, Turn
 from tui.sessions import SessionsScreen
 
 SIZE = (160, 48)  # wide enough that the ops panels open beside the chat
@@ -419,6 +424,34 @@ def test_keys_apply_in_the_order_typed(engine: str) -> None:
             burst(app, *"poemx", "backspace", "s", "enter")
             await wait_for(pilot, lambda: app.current.session.name == "poems", "the rename")  # type: ignore[union-attr]
 
+            # typing while eight replies stream (the engine's four slots busy, four waiting for one): the
+            # frames the replies render never reorder or drop a key
+            await long_replies(pilot)
+            await type_and_send(pilot, "/fanout 8 Once more unto the breach")
+            panes = list(app.query(ChatPane))[1:]
+            front = app.current
+            assert front is not None and len(panes) == 8 and front is panes[0]
+            await wait_for(pilot, lambda: app.focused is box(app), "the front tab's prompt box focused")
+            view = front.query_one(ReplyView)
+            await wait_for(pilot, lambda: len(running_rids(app)) == 4 and view.query_one(Markdown).source,
+                           "four replies streaming, the front one on screen")
+            shown_before = len(view.query_one(Markdown).source)
+            typed = [*"the quick brown fox", "ctrl+j", *"jumps overr", "backspace", *" the lazy dog " * 3]
+            burst(app, *typed)
+            expected = "the quick brown fox\njumps over" + " the lazy dog " * 3
+            await wait_for(pilot, lambda: len(box(app).text) >= len(expected), "the typed text")
+            assert box(app).text == expected
+            assert all(p.session.live is not None for p in panes)  # typed while all eight were in flight
+            await wait_for(pilot, lambda: len(view.query_one(Markdown).source) > shown_before,
+                           "the front reply rendering on")
+            burst(app, "enter")  # the reply still streams: the message waits its turn, whole
+            await wait_for(pilot, lambda: front.pending, "the queued message")
+            assert front.pending == [expected] and box(app).text == ""
+            front.pending.clear()
+            for pane in panes:
+                await pane.abort()
+            await wait_for(pilot, lambda: all(p.session.live is None for p in panes), "the aborts")
+
     run(scenario)
 
 
@@ -708,3 +741,154 @@ def test_an_engine_the_console_did_not_start_is_not_replaced_silently(long_ckpt:
         run(scenario)
     finally:
         theirs.stop()
+
+
+# -- keep the speed when the machine is shared: the console costs nothing when nothing moves ----------------
+
+def hidden(node: object) -> bool:
+    """Not on screen: the widget or one of its ancestors is not displayed (a tab not in front)."""
+    return isinstance(node, Widget) and not all(n.display for n in node.ancestors_with_self if isinstance(n, Widget))
+
+
+class Work:
+    """Every timer callback and refresh request in the app from now on, each with the widget it was for
+    (a timer's: the one that set it) and whether that widget was hidden then (Textual's Timer._tick and
+    Widget.refresh, wrapped for the test)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ticks: list[tuple[object, bool]] = []
+        self.refreshes: list[tuple[Widget, bool]] = []
+        tick, refresh = Timer._tick, Widget.refresh
+
+        async def counted_tick(timer: Timer, **kwargs: Any) -> None:
+            target = timer._target()
+            self.ticks.append((target, hidden(target)))
+            await tick(timer, **kwargs)
+
+        def counted_refresh(widget: Widget, *args: Any, **kwargs: Any) -> Widget:
+            self.refreshes.append((widget, hidden(widget)))
+            return refresh(widget, *args, **kwargs)
+
+        monkeypatch.setattr(Timer, "_tick", counted_tick)
+        monkeypatch.setattr(Widget, "refresh", counted_refresh)
+
+    def clear(self) -> None:
+        self.ticks.clear()
+        self.refreshes.clear()
+
+    def in_hidden_widgets(self) -> list[str]:
+        return [f"{kind} {node!r}" for kind, work in (("timer", self.ticks), ("refresh", self.refreshes))
+                for node, was_hidden in work if was_hidden]
+
+
+def counting_snapshots(app: MinichatApp) -> Callable[[], int]:
+    """How many stats snapshots the app has been handed from now on."""
+    seen = [0]
+    on_stats = app.link.on_stats
+
+    def counted(stats: Stats) -> None:
+        seen[0] += 1
+        on_stats(stats)
+
+    app.link.on_stats = counted
+    return lambda: seen[0]
+
+
+async def snapshots(pilot: Pilot, count: Callable[[], int], n: int) -> None:
+    """Let the app run until it has been handed `n` more snapshots."""
+    target = count() + n
+    await wait_for(pilot, lambda: count() >= target, f"{n} more stats snapshots")
+
+
+def engine_idle(stats: Stats | None) -> bool:
+    c = stats.counters if stats is not None else None
+    return c is not None and stats is not None and not stats.running and not stats.waiting and \
+        c.prefill_tokens_per_s == c.decode_tokens_per_s == c.steps_per_s == 0
+
+
+def saved_session(i: int) -> Session:
+    """A conversation as a tab reopened from the store holds it: one finished exchange."""
+    reply = Reply(rid=f"saved-{i}", text=f"Reply {i}: *some* Markdown,\n\n- a list\n- of two", state="done",
+                  finish_reason="stop", prompt_tokens=12, completion_tokens=20, ttft=0.05, total=0.5)
+    return Session(f"saved {i}", turns=[Turn(f"question {i}", reply)])
+
+
+def test_an_idle_console_with_many_tabs_does_no_work(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty tabs, an idle engine whose snapshots keep coming (and repeat): over eight snapshots no
+    hidden tab's widget runs a timer or asks for a refresh, the ops panels and the status line redraw
+    nothing, and the one thing that may move is the cursor blinking in the front tab's prompt box."""
+
+    async def scenario() -> None:
+        async with AsyncEngineClient(engine) as client:  # an engine at rest: no earlier test's requests or rates
+            deadline = time.monotonic() + 60
+            while not engine_idle(await client.stats()):
+                assert time.monotonic() < deadline, "timed out waiting for the engine to idle"
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            count = counting_snapshots(app)
+            await connected_app(pilot)
+            for i in range(19):
+                await app.open_session(saved_session(i), activate=False)
+            assert len(app.query(ChatPane)) == 20 and app.current is not None
+            await wait_for(pilot, lambda: engine_idle(app.last_stats), "an idle snapshot")
+            throughput = app.query_one(ThroughputPanel)
+            assert all(h.count(0.0) == HISTORY for h in throughput.history.values())  # flat: nothing to scroll
+            await pilot.pause()
+            await snapshots(pilot, count, 2)  # the tabs opened are laid out and drawn
+            work = Work(monkeypatch)
+            await snapshots(pilot, count, 8)
+            assert engine_idle(app.last_stats)
+            assert not work.in_hidden_widgets()
+            ops = app.query_one(OpsPanels)
+            assert not [w for w, _ in work.refreshes if ops in w.ancestors_with_self], "the panels redrew"
+            assert {type(w) for w, _ in work.refreshes} <= {PromptInput}, work.refreshes
+            front = app.current.query_one(PromptInput)
+            assert {type(t) for t, _ in work.ticks} <= {MinichatApp, Screen, PromptInput}, work.ticks
+            assert all(t is front for t, _ in work.ticks if isinstance(t, PromptInput))  # its cursor blink
+
+    run(scenario)
+
+
+def test_replies_streaming_in_hidden_tabs_wait_to_render_until_shown(engine: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fan-out streams into hidden tabs: their reply views' frame clocks stand still (no frame, no
+    refresh) until their tab comes to the front, where the view catches up and streams on; the view
+    left behind stops in turn."""
+
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            count = counting_snapshots(app)
+            await connected_app(pilot)
+            await long_replies(pilot)
+            await type_and_send(pilot, "/fanout 3 Once more unto the breach")
+            panes = list(app.query(ChatPane))[1:]
+            views = [pane.query_one(ReplyView) for pane in panes]
+            assert app.current is panes[0]
+            await wait_for(pilot, lambda: all(v.reply.text for v in views) and views[0].query_one(Markdown).source,
+                           "three replies streaming, the front one on screen")
+            work = Work(monkeypatch)
+            await snapshots(pilot, count, 4)
+            ticks = [t for t, _ in work.ticks]
+            assert ticks.count(views[0]) > 0 and ticks.count(views[1]) == ticks.count(views[2]) == 0
+            assert not work.in_hidden_widgets()
+            assert views[1].query_one(Markdown).source == views[2].query_one(Markdown).source == ""
+
+            await pilot.press("ctrl+pagedown")  # the second fan-out tab to the front
+            assert app.current is panes[1]
+            await wait_for(pilot, lambda: len(views[1].query_one(Markdown).source) > 0, "the shown view catching up")
+            await snapshots(pilot, count, 1)  # the view left behind notices at its next frame, and stops
+            work.clear()
+            await snapshots(pilot, count, 4)
+            ticks = [t for t, _ in work.ticks]
+            assert ticks.count(views[1]) > 0 and ticks.count(views[0]) == ticks.count(views[2]) == 0
+            assert not work.in_hidden_widgets()
+            shown = len(views[1].query_one(Markdown).source)
+            await wait_for(pilot, lambda: len(views[1].query_one(Markdown).source) > shown, "the shown view streaming")
+            for pane in panes:
+                await pane.abort()
+            await wait_for(pilot, lambda: all(p.session.live is None for p in panes), "the aborts")
+            for view in views:  # every view ends with the whole reply, shown or not
+                assert view.query_one(Markdown).source == printable(view.reply.text)
+
+    run(scenario)

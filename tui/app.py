@@ -48,6 +48,11 @@ STATE_STYLES = {"connected": "bold green", "stalled": "bold yellow", "connecting
                 "starting": "bold yellow", "lost": "bold red", "failed": "bold red"}
 
 
+def tab_id(session: Session) -> str:
+    """The id of the tab that shows `session`."""
+    return f"session-{session.uid}"
+
+
 class SessionTabs(TabbedContent):
     """The chat tabs. Only the app picks the front tab, never a focus change inside a hidden one.
 
@@ -101,6 +106,7 @@ class MinichatApp(App[None]):
         self.last_stats: Stats | None = None
         self.stats_at = 0.0  # monotonic time of the last snapshot
         self._ops_restore = 50
+        self._context_shown: int | None = None  # the model context the chat tabs' gauges show
 
     # -- layout -----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -145,6 +151,8 @@ class MinichatApp(App[None]):
     def watch_ops_width(self, width: int) -> None:
         self.ops.display = width > 0
         self.tabs.display = width < 100
+        if self.tabs.display and (pane := self.current) is not None:
+            pane.wake()  # back from full-width ops panels
         self.ops.styles.width = f"{width}%" if width < 100 else "1fr"
         focused = self.focused
         if focused is None or not all(node.display for node in focused.ancestors_with_self if isinstance(node, Widget)):
@@ -175,23 +183,29 @@ class MinichatApp(App[None]):
                 line.append(f"  stale: {age:.0f} s old", "bold yellow")
         if self.conversations.problem:
             line.append("  │  not saving", "bold red")
-        for status in self.query("#status").results(Static):  # none while the app is closing
+        # query_one, not query: a query walks every widget of every tab, a few times a second
+        if (status := self.query_one_optional("#status", Static)) is not None:  # none while the app is closing
             update_text(status, line)
             status.set_class(not state.connected, "-problem")
 
     # -- engine -----------------------------------------------------------------------------------
     def on_engine_stats(self, stats: Stats) -> None:
+        """A snapshot (four a second, also while the engine idles): the panels and the status line draw
+        what changed in it, which is nothing at all while nothing moves. The chat tabs take no part."""
         self.last_stats, self.stats_at = stats, time.monotonic()
         with self.while_open():
             if self.ops.display:
                 self.ops.show_stats(stats, self.link.names)
             self.show_status()
-            for pane in self.query(ChatPane):  # the context gauges learn the model's context on connect
-                pane.show_settings()
 
     def on_engine_state(self, state: LinkState) -> None:
         with self.while_open():
             self.show_status()
+            context = self.link.info.max_seq_len if self.link.info is not None else None
+            if state.connected and context != self._context_shown:
+                self._context_shown = context  # once per engine: the context gauges learn the model's context
+                for pane in self.query(ChatPane):
+                    pane.show_settings()
             if state.kind == "lost":
                 for pane in self.query(ChatPane):
                     pane.interrupt("interrupted", state.cause)
@@ -235,15 +249,14 @@ class MinichatApp(App[None]):
 
     async def open_session(self, session: Session, activate: bool = True) -> ChatPane:
         """Show `session` in a tab (the one it has, if it is open already)."""
-        tab_id = f"session-{session.uid}"
         for pane in self.query(ChatPane):
             if pane.session.uid == session.uid:
                 break
         else:
             pane = ChatPane(session, self.link)
-            await self.tabs.add_pane(TabPane(Content(session.name), pane, id=tab_id))
+            await self.tabs.add_pane(TabPane(Content(session.name), pane, id=tab_id(session)))
         if activate:
-            self.tabs.active = tab_id
+            self.tabs.active = tab_id(session)
             pane.focus_input()
         return pane
 
@@ -262,6 +275,7 @@ class MinichatApp(App[None]):
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         if (pane := self.current) is not None and self.tabs.display:
             pane.focus_input()
+            pane.wake()
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         pane = event.prompt_input.query_ancestor(ChatPane)
@@ -350,7 +364,7 @@ class MinichatApp(App[None]):
         panes = [await self.new_session(activate=False, like=like) for _ in prompts]
         for pane, prompt in zip(panes, prompts, strict=True):
             await pane.send(prompt)
-        self.tabs.active = panes[0].parent.id  # type: ignore[union-attr, assignment]
+        self.tabs.active = tab_id(panes[0].session)
         if not self.ops_width and self.size.width >= WIDE:
             self.ops_width = self._ops_restore
 
@@ -379,7 +393,7 @@ class MinichatApp(App[None]):
 
     def action_command_palette(self) -> None:
         """Textual's palette, with a search box that applies keys in the order typed (tui/palette.py)."""
-        if self.use_command_palette and not Palette.is_open(self):
+        if self.use_command_palette and not Palette.is_open(self):  # type: ignore[arg-type]  # stub wants App[object]
             self.push_screen(Palette(id="--command-palette"))
 
     def search_themes(self) -> None:
@@ -472,7 +486,7 @@ class MinichatApp(App[None]):
         await pane.stop_streaming()
         if not forget:
             self.conversations.save(pane.session, is_open=False)
-        await self.tabs.remove_pane(pane.parent.id)  # type: ignore[union-attr, arg-type]
+        await self.tabs.remove_pane(tab_id(pane.session))
         if self.current is None:
             await self.new_session()
         else:

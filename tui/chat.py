@@ -64,8 +64,23 @@ class PromptInput(InOrderKeys, TextArea):
             super().__init__()
             self.prompt_input, self.text = prompt_input, text
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(soft_wrap=True, highlight_cursor_line=False, placeholder=PLACEHOLDER, **kwargs)  # type: ignore[arg-type]
+    BLINK_FOR = 10.0
+    """Seconds the cursor blinks after the last key (or focus); then it stays lit, as in many terminals,
+    so that a console left alone repaints nothing at all."""
+    _blink_until = 0.0
+
+    def __init__(self, *, classes: str | None = None) -> None:
+        super().__init__(soft_wrap=True, highlight_cursor_line=False, placeholder=PLACEHOLDER, classes=classes)
+
+    def _restart_blink(self) -> None:  # TextArea's, on every key, paste and focus
+        self._blink_until = time.monotonic() + self.BLINK_FOR
+        super()._restart_blink()
+
+    def _toggle_cursor_blink_visible(self) -> None:  # TextArea's, on its blink timer
+        if time.monotonic() > self._blink_until:
+            self._pause_blink(visible=True)  # lit, and the timer waits for the next _restart_blink
+        else:
+            super()._toggle_cursor_blink_visible()
 
     def action_send(self) -> None:
         if self.text.strip():
@@ -94,6 +109,10 @@ class ReplyView(Vertical):
     `finish_streaming` appends the rest. A render costs more as the reply grows (a long paragraph
     is re-wrapped whole, a long reply re-laid-out), so frames are spaced by their cost too: twenty
     a second for an ordinary reply, fewer for a very long one.
+
+    The clock stops while the view is hidden (its tab is not in front, or the ops panels fill the
+    screen): a fan-out streams into dozens of hidden tabs, whose clocks would otherwise tick twenty
+    times a second each for nothing. The view catches up when shown again (`wake`).
     """
 
     FRAME = 1 / 20  # seconds between two renders of the streaming text, at least
@@ -122,7 +141,20 @@ class ReplyView(Vertical):
     def start_streaming(self) -> None:
         """Render the reply's text as it grows, a frame at a time, until `finish_streaming`."""
         self._markdown = self.query_one(Markdown)
-        self._frames = self.set_interval(self.FRAME, self._frame)
+        self._frames = self.set_interval(self.FRAME, self._frame, pause=not self.on_screen)
+
+    @property
+    def on_screen(self) -> bool:
+        """Displayed, as are all its ancestors (not in a hidden tab)."""
+        return all(node.display for node in self.ancestors_with_self if isinstance(node, Widget))
+
+    def wake(self) -> None:
+        """The view may be on screen again: restart its clock if it streams (a no-op otherwise)."""
+        if self._frames is not None and self._markdown is not None and self.on_screen:
+            self._frames.resume()
+
+    def on_show(self) -> None:
+        self.wake()
 
     async def finish_streaming(self) -> None:
         """Render the text not shown yet, and the reply's final state."""
@@ -136,9 +168,11 @@ class ReplyView(Vertical):
         self.refresh_state()
 
     async def _frame(self) -> None:
-        # a session in a hidden tab (or behind full-width ops panels) catches up once it is shown
-        if time.monotonic() >= self._next_frame and all(
-                node.display for node in self.ancestors_with_self if isinstance(node, Widget)):
+        if not self.on_screen:  # hidden since the last frame: no frames until it is shown (`wake`)
+            if self._frames is not None:
+                self._frames.pause()
+            return
+        if time.monotonic() >= self._next_frame:
             await self._append_new_text()
             self.refresh_state()
 
@@ -191,6 +225,7 @@ class ChatPane(Vertical):
         self.link = link
         self.pending: list[str] = []
         self.closing = False
+        self._streaming: ReplyView | None = None  # the view of the reply streaming now
 
     def compose(self) -> ComposeResult:
         with Horizontal(classes="chat-bar"):
@@ -220,7 +255,7 @@ class ChatPane(Vertical):
             return
         system = self.session.system_prompt.replace("\n", " ")
         line = f"system: {system}" if system else "no system prompt"
-        self.query_one(".chat-settings", Static).update(Text(printable(f"{line}  ·  {self.session.describe()}")))
+        update_text(self.query_one(".chat-settings", Static), Text(printable(f"{line}  ·  {self.session.describe()}")))
         used, context = self.session.context_used or 0, self.context
         gauge = Text("context ")
         if context:
@@ -250,6 +285,11 @@ class ChatPane(Vertical):
 
     def focus_input(self) -> None:
         self.query_one(PromptInput).focus()
+
+    def wake(self) -> None:
+        """The pane is in front again: a reply streaming meanwhile starts rendering (and catches up)."""
+        if self._streaming is not None:
+            self._streaming.wake()
 
     @staticmethod
     def _turn_widgets(turn: Turn) -> tuple[Static, ReplyView]:
@@ -295,6 +335,7 @@ class ChatPane(Vertical):
         """Stream one reply into its view; every way out leaves the reply in a final state."""
         reply = view.reply
         view.start_streaming()  # the view renders the text as it grows, a frame at a time
+        self._streaming = view
         try:
             client = await self.link.ready()
             await self._fit(prompt)
@@ -326,6 +367,7 @@ class ChatPane(Vertical):
         except Exception as e:  # whatever else goes wrong ends this reply, not the app
             reply.fail("error", f"{type(e).__name__}: {e}")
         finally:
+            self._streaming = None
             await view.finish_streaming()
             self.post_message(self.StateChanged(self))
             if not self.closing:  # the reply ended (also aborted or interrupted): the next message may go

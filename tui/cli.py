@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 import engine
-from engine.service.cli import ADDRESS_HELP, api, engine_options_given, engine_parameters, option, serve
+from engine.service.cli import ADDRESS_HELP, api, engine_options_given, engine_parameters, option, serve, set_signature
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="minichat: a small LLM serving engine and console.")
 
@@ -52,7 +52,7 @@ def root(ctx: typer.Context, version: bool, address: str | None, **engine_option
         link.stop_engine()
 
 
-root.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+set_signature(root, [
     inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
     inspect.Parameter("version", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
                       default=typer.Option(False, "--version", callback=_version, is_eager=True,
@@ -145,7 +145,7 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
         raise typer.Exit(1)
 
 
-bench.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+set_signature(bench, [
     option("concurrency", int, 32, "Requests in flight at once."),
     option("num_requests", int, 64, "Measured requests (after warmup)."),
     option("input_len", int, 128, "Prompt tokens per request (exact, before --range-ratio)."),

@@ -25,8 +25,10 @@ their turn). Admitted requests join the **running set**; each **step** is either
 prefill batch or one decode batch (prefill first), as the step timeline shows. A finished or aborted
 request frees its slot at once, and its pages go back to the pool or stay cached for reuse. One
 colour follows each request through every panel; bold labels are this app's own sessions. The KV
-panel counts the pages **reserved** for admitted requests' remaining output (admission keeps them
-free). When snapshots stop coming, the status line says how old the last one is.
+panel counts the pages **claimed** for admitted requests' remaining output: their whole budget under
+`--admission reserve`, the output admission expects under `optimistic` (the default), where a step
+that runs out of pages **retracts** running requests back to the queue (they resume where they were).
+When snapshots stop coming, the status line says how old the last one is.
 """
 
 Row = tuple[str, str, str]

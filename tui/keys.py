@@ -9,28 +9,31 @@ runs its own bindings when the key reaches it, in the queue with the characters 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from textual import events
 from textual.binding import BindingsMap
 from textual.dom import DOMNode
 
+if TYPE_CHECKING:
+    from textual.widget import Widget as _Base  # to the type checker, the widget this is mixed into
+else:
+    _Base = object  # at run time a plain mixin (see below)
 
-class InOrderKeys:
+
+class InOrderKeys(_Base):
     """Mix in before a Textual text widget (TextArea, Input) to run its bindings in typing order.
     (A plain mixin: a Widget base here would hide the text widget's component classes.)"""
 
     def _in_order_bindings(self) -> list[tuple[DOMNode, BindingsMap]]:
         """The bindings run on arrival, nearest first: the box's own."""
-        widget: Any = self
-        return [(widget, widget._bindings)]
+        return [(self, self._bindings)]
 
     async def _on_key(self, event: events.Key) -> None:
-        widget: Any = self
         for node, bindings in self._in_order_bindings():
             for binding in bindings.key_to_bindings.get(event.key, ()):
-                if not binding.priority and await widget.app.run_action(binding.action, node):
+                if not binding.priority and await self.app.run_action(binding.action, node):
                     event.stop()
                     event.prevent_default()
                     return
-        await super()._on_key(event)  # type: ignore[misc]
+        await super()._on_key(event)

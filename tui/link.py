@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from engine.config import DEMO_MODEL_DIR, EngineConfig
 from engine.service.addresses import AddressError, default_address, ipc_listening, log_path, split
@@ -74,7 +74,7 @@ def start_cause(error: str) -> str:
     return exceptions[-1] if exceptions else lines[-1] if lines else error
 
 
-def restart_options(info: Info) -> tuple[str, dict[str, object]]:
+def restart_options(info: Info) -> tuple[str, dict[str, Any]]:
     """The model and `minichat serve` options an engine reported, to start it again as it was."""
     names = {f.name for f in dataclasses.fields(EngineConfig)} | {"max_waiting_requests", "max_message_bytes",
                                                                  "allow_remote"}
@@ -93,7 +93,7 @@ class EngineLink:
     address: str = field(default_factory=default_address)
     model: str | None = None
     autostart: bool = True
-    engine_options: dict[str, object] = field(default_factory=dict)
+    engine_options: dict[str, Any] = field(default_factory=dict)
     on_stats: Callable[[Stats], None] = lambda stats: None
     on_state: Callable[[LinkState], None] = lambda state: None
     names: RequestNames = field(default_factory=RequestNames)
@@ -102,7 +102,7 @@ class EngineLink:
     client: AsyncEngineClient | None = None
     handle: EngineHandle | None = None
     start_failed: bool = False
-    lost_options: tuple[str, dict[str, object]] | None = None  # model and options of a lost engine we did not start
+    lost_options: tuple[str, dict[str, Any]] | None = None  # model and options of a lost engine we did not start
 
     def __post_init__(self) -> None:
         self._ready = asyncio.Event()

@@ -6,7 +6,7 @@ Two groups, side by side when there is room and stacked otherwise: the scheduler
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -27,6 +27,13 @@ PANELS = (("waiting", "waiting queue"), ("running", "running set"), ("steps", "s
 SIDE_BY_SIDE = 100  # columns from which the two groups sit next to each other
 
 __all__ = ["PANELS", "OpsPanels", "RequestTable"]
+
+
+@runtime_checkable
+class StatsPanel(Protocol):
+    """What every panel does: draw itself from a stats snapshot."""
+
+    def show_stats(self, stats: Stats, names: RequestNames) -> None: ...
 
 
 class OpsPanels(Container, can_focus=True):
@@ -50,8 +57,8 @@ class OpsPanels(Container, can_focus=True):
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
         for panel_id, _ in PANELS:
             panel = self.query_one(f"#{panel_id}", Widget)
-            if panel.display:
-                panel.show_stats(stats, names)  # type: ignore[attr-defined]
+            if panel.display and isinstance(panel, StatsPanel):
+                panel.show_stats(stats, names)
 
     def toggle(self, panel_id: str) -> bool:
         """Show or hide one panel; a group with no visible panel gives its room to the other."""

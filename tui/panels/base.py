@@ -8,8 +8,15 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 
+def same_text(a: object, b: object) -> bool:
+    """Equal text, spans and style (Text's own == ignores the style of the whole text)."""
+    if isinstance(a, Text) and isinstance(b, Text):
+        return a.plain == b.plain and a.spans == b.spans and a.style == b.style
+    return a == b
+
+
 def update_text(static: Static, text: Text) -> None:
-    if text != static.content:
+    if not same_text(text, static.content):
         static.update(text)
 
 

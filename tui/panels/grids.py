@@ -36,9 +36,10 @@ def fit(count: int, width: int, rows: int) -> tuple[int, int]:
 class CellGrid(Widget):
     """One cell per item, in rows as wide as the widget."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(classes="panel", **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id, classes="panel")
         self.items: list[Item] = []
+        self._drawn: object = None  # what the grid was last drawn from: the same again draws nothing
 
     def set_items(self, items: list[Item]) -> None:
         """Redraw only on change: an idle engine sends the same picture four times a second."""
@@ -61,11 +62,14 @@ class CellGrid(Widget):
 class SlotGrid(CellGrid):
     """One cell per request slot (a row of the request table): free, or coloured by its request."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
         self.border_title = "Request slots"
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
+        if stats.slots == self._drawn:
+            return
+        self._drawn = stats.slots
         self.set_items([FREE if rid is None else ("█", names.colour(rid)) for rid in stats.slots])
         busy = sum(rid is not None for rid in stats.slots)
         set_titles(self, f"Request slots {busy}/{len(stats.slots)}")
@@ -79,16 +83,19 @@ class PageGrid(CellGrid):
     """One cell per KV page (or per group of pages): free, held by a request, cached, or cached and
     locked (a running request reads it)."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
         self.border_title = "KV pages"
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
         p = stats.pages
+        if (p, self.size) == self._drawn:  # the size too: it sets how many pages a cell stands for
+            return
+        self._drawn = (p, self.size)
         self.set_items([("█", names.colour(p.owners.get(i, ""))) if state == "R" else PAGE_STATES[state]
                         for i, state in enumerate(p.states)])
         _, per_cell = fit(p.total, self.size.width, max(1, self.size.height))
-        set_titles(self, f"KV pages: {p.held} held (+{p.reserved} reserved), {p.locked} locked, {p.cached} cached, "
+        set_titles(self, f"KV pages: {p.held} held (+{p.claimed} claimed), {p.locked} locked, {p.cached} cached, "
                          f"{p.free} free of {p.total} × {p.page_size} tok",
                    "█ held ▓ locked ▒ cached ░ free" + (f" · 1 cell = {per_cell} pages" if per_cell > 1 else ""))
 

@@ -15,7 +15,7 @@ from textual.widgets import DataTable
 
 from engine.service.protocol import RunningReq, Stats
 from tui.names import RequestNames
-from tui.panels.base import set_titles
+from tui.panels.base import same_text, set_titles
 
 Row = tuple[Text | str, ...]
 
@@ -48,11 +48,13 @@ class RequestTable(DataTable):
             super().__init__()
             self.rid = rid
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=True, classes="panel", **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=True, id=id, classes="panel")
         self.border_title = self.TITLE
         self.border_subtitle = "x: abort"
         self.selected_rid: str | None = None
+        self._drawn_part: object = None
+        self._drawn_rows: dict[str, Row] = {}  # request id -> the cells it shows
 
     def on_mount(self) -> None:
         self.add_columns(*self.COLUMNS)
@@ -64,22 +66,31 @@ class RequestTable(DataTable):
     def on_blur(self) -> None:
         self.show_cursor = False
 
+    def snapshot_part(self, stats: Stats) -> object:
+        """The part of a snapshot this table shows: when it did not change, the table draws nothing."""
+        raise NotImplementedError
+
     def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
         """Request id -> the row's cells, for this snapshot."""
         raise NotImplementedError
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
+        part = self.snapshot_part(stats)
+        if self._drawn_part is not None and part == self._drawn_part:
+            return  # an idle engine, or news for the other panels only
+        self._drawn_part = part
         rows = self.snapshot_rows(stats, names)
-        shown = {key.value for key in self.rows}
-        for rid in shown - rows.keys():
-            self.remove_row(rid)  # type: ignore[arg-type]
+        drawn, self._drawn_rows = self._drawn_rows, rows
+        for rid in drawn.keys() - rows.keys():
+            self.remove_row(rid)
         columns = list(self.columns)
         for rid, cells in rows.items():
-            if rid in shown:
-                for column, cell in zip(columns, cells, strict=True):
-                    self.update_cell(rid, column, cell, update_width=True)
-            else:
+            if (old := drawn.get(rid)) is None:
                 self.add_row(*cells, key=rid)
+                continue
+            for column, cell, was in zip(columns, cells, old, strict=True):
+                if not same_text(cell, was):  # only the cells that changed (a decoding request's progress)
+                    self.update_cell(rid, column, cell, update_width=True)
         if self.selected_rid in rows:  # the cursor follows the request, wherever its row moved
             self.move_cursor(row=self.get_row_index(self.selected_rid))
         set_titles(self, f"{self.TITLE} ({len(rows)})")
@@ -108,6 +119,9 @@ class WaitingTable(RequestTable):
     TITLE = "Waiting queue"
     COLUMNS = ("request", "prompt", "waited", "waiting for")
 
+    def snapshot_part(self, stats: Stats) -> object:
+        return stats.waiting
+
     def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
         return {w.rid: (names.styled(w.rid), str(w.prompt_tokens), f"{w.waited:.1f}s", reason(w.reason))
                 for w in stats.waiting}
@@ -118,6 +132,9 @@ class RunningTable(RequestTable):
 
     TITLE = "Running set"
     COLUMNS = ("request", "slot", "state", "progress", "pages")
+
+    def snapshot_part(self, stats: Stats) -> object:
+        return stats.running
 
     def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
         return {r.rid: (names.styled(r.rid), str(r.slot), *self._progress(r), str(r.pages)) for r in stats.running}

@@ -20,16 +20,18 @@ KIND_STYLES = {"prefill": "bold magenta", "decode": "cyan", "mixed": "bold blue"
 class StepTimeline(Widget):
     """The newest steps that fit, oldest at the top (the engine keeps the last few dozen)."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(classes="panel", **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id, classes="panel")
         self.border_title = "Step timeline"
         self.steps: list[StepRecord] = []
         self.names = RequestNames()
+        self._newest = -1  # index of the newest step shown
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
-        if stats.steps and self.steps and stats.steps[-1].index == self.steps[-1].index:
-            return  # nothing new since the last snapshot
-        self.steps, self.names = stats.steps, names
+        newest = stats.steps[-1].index if stats.steps else -1
+        if newest == self._newest:
+            return  # nothing new since the last snapshot (or none yet: the empty table is drawn already)
+        self.steps, self.names, self._newest = stats.steps, names, newest
         self.refresh()
 
     def render(self) -> Table:

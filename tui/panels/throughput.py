@@ -13,34 +13,46 @@ from engine.service.protocol import Stats
 from tui.names import RequestNames
 from tui.panels.base import update_text
 
-HISTORY = 120  # samples kept per sparkline (about 24 s at five frames a second)
+HISTORY = 120  # samples kept per sparkline (30 s at the link's four snapshots a second)
 RATES = (("decode", "decode_tokens_per_s", "tok/s"), ("prefill", "prefill_tokens_per_s", "tok/s"),
          ("steps", "steps_per_s", "/s"))
 
 
 class ThroughputPanel(Vertical):
-    """Prefill and decode tokens per second, steps per second, and the totals since the engine started."""
+    """Prefill and decode tokens per second, steps per second, and the totals since the engine started.
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(classes="panel", **kwargs)  # type: ignore[arg-type]
+    A sparkline is a time axis: it starts full of zeros and moves one sample per snapshot, so a burst
+    scrolls away while the engine idles. Once a line is flat (an engine idle for HISTORY snapshots),
+    another equal sample changes nothing and draws nothing.
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id, classes="panel")
         self.border_title = "Throughput"
-        self.history = {name: deque([0.0], maxlen=HISTORY) for name, _, _ in RATES}
+        self.history = {name: deque([0.0] * HISTORY, maxlen=HISTORY) for name, _, _ in RATES}
 
     def compose(self) -> ComposeResult:
         for name, _, _ in RATES:
             with Horizontal(classes="rate"):
                 yield Label(name, id=f"rate-{name}", classes="rate-label")
-                yield Sparkline([0.0], summary_function=max, id=f"spark-{name}")
+                yield Sparkline(list(self.history[name]), summary_function=max, id=f"spark-{name}")
         yield Static(id="counters")
+
+    def on_mount(self) -> None:
+        self._sparks = {name: self.query_one(f"#spark-{name}", Sparkline) for name, _, _ in RATES}
+        self._labels = {name: self.query_one(f"#rate-{name}", Label) for name, _, _ in RATES}
+        self._counters = self.query_one("#counters", Static)
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
         c = stats.counters
         for name, field, unit in RATES:
             value = getattr(c, field)
-            self.history[name].append(value)
-            self.query_one(f"#spark-{name}", Sparkline).data = list(self.history[name])
-            update_text(self.query_one(f"#rate-{name}", Label), Text(f"{name:<8}{value:8.1f} {unit}"))
-        update_text(self.query_one("#counters", Static), Text(
+            history = self.history[name]
+            if history.count(value) < HISTORY:  # else the line is flat at this value already
+                history.append(value)
+                self._sparks[name].data = list(history)
+            update_text(self._labels[name], Text(f"{name:<8}{value:8.1f} {unit}"))
+        update_text(self._counters, Text(
             f"submitted {c.submitted} · finished {c.finished} · aborted {c.aborted} · errors {c.errors} · "
             f"steps {c.steps} · prefill {c.prefill_tokens} tok · decode {c.decode_tokens} tok"))
 
