@@ -24,8 +24,8 @@ from engine.scheduler.budget import pages_for
 
 CLIP = 4096  # at most this many output tokens are expected of one request (SGLang's clip)
 INIT = 0.7
-FLOOR = 0.1
-DECAY = 0.0015  # per decode step: from INIT to FLOOR in 400 steps
+FLOOR = 0.03
+DECAY = 0.0015  # per decode step: from INIT to FLOOR in about 450 steps
 LEARN = 0.2  # how far one finished request moves the ratio towards the share of its budget it used
 BUMP = 0.2  # added after each retraction (at most 1)
 
