@@ -16,19 +16,7 @@ from engine.params import SamplingParams
 from engine.prompt import Prompt
 from engine.service import protocol
 from engine.service.addresses import default_address, stats_address
-from engine.service.client import sockets
-from engine.service.client.core import (
-    LAST_WORDS_MS,
-    Box,
-    EngineUnavailable,
-    Key,
-    Mailroom,
-    Reply,
-    Stream,
-    reply_as,
-    resolve_auth_token,
-    submit_message,
-)
+from engine.service.client import core, sockets
 from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats
 
 T = TypeVar("T")
@@ -46,10 +34,10 @@ class AsyncEngineClient:
     def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None) -> None:
         self.address = address or default_address()
         self.timeout = timeout
-        self._token = resolve_auth_token(auth_token)
+        self._token = core.resolve_auth_token(auth_token)
         self._ctx = zmq.asyncio.Context.instance()
         self._sock, self._monitor = sockets.dealer(self._ctx, self.address, self._token)
-        self._mail = Mailroom(self.address, timeout)
+        self._mail = core.Mailroom(self.address, timeout)
         self._sub: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._heard = 0.0  # loop time of the last message, or of a new waiter (it restarts the clock)
@@ -87,18 +75,18 @@ class AsyncEngineClient:
                 self._mail.file(await self._sock.recv())
             if self._monitor in ready:  # the connection broke: every waiter's request is lost
                 self._mail.refused |= sockets.is_refusal(await self._monitor.recv_multipart())
-                while await self._sock.poll(LAST_WORDS_MS):  # what the engine sent before it went
+                while await self._sock.poll(core.LAST_WORDS_MS):  # what the engine sent before it went
                     self._mail.file(await self._sock.recv())
                 self._mail.fail_all("lost")
 
-    def _open(self, key: Key) -> Box:
+    def _open(self, key: core.Key) -> core.Box:
         loop = asyncio.get_running_loop()
         self._heard = loop.time()
         if self._reader is None or self._reader.done():
             self._reader = loop.create_task(self._read_forever())
         return self._mail.open(key, asyncio.Event())
 
-    async def _next(self, box: Box, timeout: float | None) -> Reply:
+    async def _next(self, box: core.Box, timeout: float | None) -> core.Reply:
         """The box's next reply; `timeout` None leaves the watching to the reader (see the class)."""
         assert box.arrived is not None
         while (msg := self._mail.take(box)) is None:  # a fast stream's next message is usually here already
@@ -124,11 +112,11 @@ class AsyncEngineClient:
         except TimeoutError:
             raise self._mail.unsendable(timeout) from None
 
-    async def _call(self, key: Key, msg: msgspec.Struct, expect: type[T], timeout: float | None) -> T:
+    async def _call(self, key: core.Key, msg: msgspec.Struct, expect: type[T], timeout: float | None) -> T:
         box = self._open(key)
         try:
             await self._send(msg, timeout)
-            return reply_as(await self._next(box, timeout), expect)
+            return core.reply_as(await self._next(box, timeout), expect)
         finally:
             self._mail.close(key)
 
@@ -148,10 +136,10 @@ class AsyncEngineClient:
                        **overrides: object) -> AsyncGenerator[Output, None]:
         """Submit (at the first iteration) and stream: Deltas, then a Final. Same arguments as
         EngineClient.submit. Left before its Final, the request is aborted (see core.Stream)."""
-        msg = submit_message(prompt, params, rid, overrides)
+        msg = core.submit_message(prompt, params, rid, overrides)
         key = self._mail.check_new_stream(msg.rid)
         box = self._open(key)
-        stream = Stream(msg.rid, box)
+        stream = core.Stream(msg.rid, box)
         try:
             await self._send(msg, None)
             while not stream.done:
@@ -178,7 +166,7 @@ class AsyncEngineClient:
             async with asyncio.timeout(timeout):
                 data = await self._sub.recv()
         except TimeoutError:
-            raise EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s") from None
+            raise core.EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s") from None
         return protocol.decode_stats(data)
 
     async def watch_stats(self, timeout: float = 5.0) -> AsyncIterator[Stats]:

@@ -16,20 +16,7 @@ from engine.params import SamplingParams
 from engine.prompt import Prompt
 from engine.service import protocol
 from engine.service.addresses import default_address, ipc_listening, split, stats_address
-from engine.service.client import sockets
-from engine.service.client.core import (
-    LAST_WORDS_MS,
-    Box,
-    EngineRefused,
-    EngineUnavailable,
-    Key,
-    Mailroom,
-    Reply,
-    Stream,
-    reply_as,
-    resolve_auth_token,
-    submit_message,
-)
+from engine.service.client import core, sockets
 from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats
 
 T = TypeVar("T")
@@ -46,9 +33,9 @@ def probe(address: str | None = None, timeout: float = 0.5, auth_token: str | No
     with EngineClient(address, timeout=timeout, auth_token=auth_token) as client:
         try:
             return client.ping(timeout)
-        except EngineRefused:
+        except core.EngineRefused:
             raise
-        except EngineUnavailable:
+        except core.EngineUnavailable:
             return None
 
 
@@ -64,10 +51,10 @@ class EngineClient:
     def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None) -> None:
         self.address = address or default_address()
         self.timeout = timeout
-        self._token = resolve_auth_token(auth_token)
+        self._token = core.resolve_auth_token(auth_token)
         self._ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
         self._sock, self._monitor = sockets.dealer(self._ctx, self.address, self._token)
-        self._mail = Mailroom(self.address, timeout)
+        self._mail = core.Mailroom(self.address, timeout)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -101,17 +88,17 @@ class EngineClient:
             self._mail.refused |= sockets.is_refusal(self._monitor.recv_multipart())
             broke = True
         if broke and self._mail.boxes:
-            while self._sock.poll(LAST_WORDS_MS):
+            while self._sock.poll(core.LAST_WORDS_MS):
                 self._mail.file(self._sock.recv())
             while self._monitor.poll(0):  # a refusal's event may trail the disconnect's
                 self._mail.refused |= sockets.is_refusal(self._monitor.recv_multipart())
             self._mail.fail_all("lost")
 
-    def _open(self, key: Key) -> Box:
+    def _open(self, key: core.Key) -> core.Box:
         self._read_monitor()  # an event from before this waiter opened is not its failure
         return self._mail.open(key)
 
-    def _wait(self, box: Box, timeout: float | None = None) -> Reply:
+    def _wait(self, box: core.Box, timeout: float | None = None) -> core.Reply:
         """The box's next reply, reading (and filing) others meanwhile."""
         timeout = self.timeout if timeout is None else timeout
         while (msg := self._mail.take(box)) is None:
@@ -124,17 +111,17 @@ class EngineClient:
                 self._read_monitor()
         return msg
 
-    def _call(self, key: Key, msg: msgspec.Struct, expect: type[T], timeout: float | None) -> T:
+    def _call(self, key: core.Key, msg: msgspec.Struct, expect: type[T], timeout: float | None) -> T:
         box = self._open(key)
         try:
             self._send(msg, timeout)
-            return reply_as(self._wait(box, timeout), expect)
+            return core.reply_as(self._wait(box, timeout), expect)
         finally:
             self._mail.close(key)
 
     # -- requests ---------------------------------------------------------------------------------
     def ping(self, timeout: float | None = None) -> Pong:
-        """Round trip to the engine; raises EngineUnavailable if it does not answer in time."""
+        """Round trip to the engine; raises core.EngineUnavailable if it does not answer in time."""
         nonce = next(self._nonce)
         return self._call(("pong", nonce), protocol.Ping(nonce=nonce), Pong, timeout)
 
@@ -149,12 +136,12 @@ class EngineClient:
         `prompt` is text, token ids or chat messages; sampling options come from `params` and/or
         keywords (max_tokens, temperature, top_k, top_p, ignore_eos, stop, seed).
         """
-        msg = submit_message(prompt, params, rid, overrides)
+        msg = core.submit_message(prompt, params, rid, overrides)
         key = self._mail.check_new_stream(msg.rid)
         self._open(key)
         try:
             self._send(msg)
-        except EngineUnavailable:
+        except core.EngineUnavailable:
             self._mail.close(key)
             raise
         return msg.rid
@@ -164,7 +151,7 @@ class EngineClient:
         Left before its Final, the request is aborted (see core.Stream)."""
         key = ("req", rid)
         box = self._mail.boxes.get(key) or self._open(key)
-        stream = Stream(rid, box)
+        stream = core.Stream(rid, box)
         try:
             while not stream.done:
                 yield stream.accept(self._wait(box))
@@ -198,7 +185,7 @@ class EngineClient:
         if self._sub is None:
             self._sub = sockets.subscriber(self._ctx, self.address, self._token)
         if not self._sub.poll(int(timeout * 1000)):
-            raise EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s")
+            raise core.EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s")
         return protocol.decode_stats(self._sub.recv())
 
     def watch_stats(self, timeout: float = 5.0) -> Iterator[Stats]:
