@@ -121,7 +121,7 @@ class EngineClient:
 
     # -- requests ---------------------------------------------------------------------------------
     def ping(self, timeout: float | None = None) -> Pong:
-        """Round trip to the engine; raises core.EngineUnavailable if it does not answer in time."""
+        """Round trip to the engine; raises EngineUnavailable if it does not answer in time."""
         nonce = next(self._nonce)
         return self._call(("pong", nonce), protocol.Ping(nonce=nonce), Pong, timeout)
 
