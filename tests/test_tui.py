@@ -404,6 +404,12 @@ def shown(widget: Static) -> str:
     return str(widget.render())
 
 
+def cell(table: DataTable, rid: str, column: str) -> str:
+    """The text of request `rid`'s cell in the column labelled `column`."""
+    key = next(c.key for c in table.ordered_columns if c.label.plain == column)
+    return str(table.get_cell(rid, key))
+
+
 def test_keys_apply_in_the_order_typed(engine: str) -> None:
     async def scenario() -> None:
         app = MinichatApp(EngineLink(address=engine, autostart=False))
@@ -504,7 +510,7 @@ def test_abort_in_the_ops_panel_follows_the_selected_request(engine: str) -> Non
             await asyncio.gather(*firsts[:4])
             waiting = app.query_one("#waiting", RequestTable)
             await wait_for(pilot, lambda: "load-e" in table_rids(app, "waiting"), "load-e waiting")
-            assert str(waiting.get_cell("load-e", waiting.ordered_columns[3].key)) == "no free slot"
+            assert cell(waiting, "load-e", "waiting for") == "no free slot"
             table.focus()
             await wait_for(pilot, lambda: table.selected_rid is not None, "a selection")
             await pilot.press(*["down"] * table.get_row_index("load-b"))  # a person moves to load-b
@@ -892,3 +898,97 @@ def test_replies_streaming_in_hidden_tabs_wait_to_render_until_shown(engine: str
                 assert view.query_one(Markdown).source == printable(view.reply.text)
 
     run(scenario)
+
+
+# -- scheduler v2 made visible: priorities, retraction, the admission rule ------------------------------------
+
+def notes(app: MinichatApp) -> list[str]:
+    """The notifications on screen."""
+    return [str(n.message) for n in app._notifications]
+
+
+def test_priority_is_a_session_setting_sent_with_its_requests(engine: str) -> None:
+    async def first_run() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            pane = app.current
+            assert pane is not None
+            settings = pane.query_one(".chat-settings", Static)
+            await type_and_send(pilot, "/priority x")  # not an integer: refused in words, nothing changes
+            assert pane.session.params.priority == 0 and "priority" not in shown(settings)
+            assert any(n.startswith("priority must be an integer") and n.endswith("got 'x'") for n in notes(app))
+            await type_and_send(pilot, "/priority 3")
+            assert pane.session.params.priority == 3 and shown(settings).endswith(" · priority 3")
+            reply = await streaming_reply(pilot, "Who goes first?")
+            running = app.query_one("#running", RequestTable)
+            await wait_for(pilot, lambda: reply.rid in table_rids(app, "running"), "the request in the running set")
+            assert cell(running, reply.rid, "prio") == "3" and cell(running, reply.rid, "retracted") == ""
+            stats = app.last_stats
+            assert stats is not None and next(r for r in stats.running if r.rid == reply.rid).priority == 3
+            # at 80 columns the status line still shows the running set and the queue first
+            await pilot.resize_terminal(80, 24)
+            await wait_for(pilot, lambda: app.query_one("#status").size.width == 80, "the small terminal")
+            assert status(app).startswith(" connected  running ") and " · waiting " in status(app)[:80]
+            await pane.abort()
+            await wait_for(pilot, lambda: pane.session.live is None, "the abort")
+
+    async def second_run() -> None:  # the setting was saved with the session
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            assert app.current is not None and app.current.session.params.priority == 3
+
+    run(first_run)
+    run(second_run)
+
+
+# A pool of 48 pages of 4 tokens, the queue in priority order, and no starvation bound to speak of.
+TIGHT = {"page_size": 4, "num_pages": 48, "schedule_policy": "priority", "max_wait_steps": 1_000_000}
+
+
+def test_a_retracted_request_is_shown_as_retracted(llama_ckpt: Path, tmp_path: Path) -> None:
+    """Optimistic admission lets two long requests in together that the pool cannot hold once they
+    have grown: the one of lower priority is retracted, keeping its tokens, and waits behind a crowd
+    of higher priority; the waiting queue marks it, and the console counts the retractions."""
+    address = f"ipc://{tmp_path}/tight.sock"
+
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=address, autostart=False))
+        async with app.run_test(size=SIZE) as pilot, AsyncEngineClient(address) as other:
+            await connected_app(pilot)
+            pages = app.query_one("#pages", Widget)
+            await wait_for(pilot, lambda: "queue order priority" in str(pages.render()), "the admission rule")
+            assert "admission optimistic (expects 70%" in str(pages.render())
+            # 78 + 100 tokens expected (70% of their budgets) fit 192; 111 + 142 written do not
+            low = other.generate([1], max_tokens=110, ignore_eos=True, priority=5, rid="low")
+            lead = other.generate([2, 3], max_tokens=140, ignore_eos=True, rid="lead")
+            await asyncio.gather(anext(low), anext(lead))  # both running: the pool runs dry in ~90 steps
+            crowd = [asyncio.ensure_future(other.complete([10 + i, 200 - i], max_tokens=48, ignore_eos=True,
+                                                          rid=f"crowd-{i}")) for i in range(64)]
+            waiting = app.query_one("#waiting", RequestTable)
+            try:
+                await wait_for(pilot, lambda: "low" in table_rids(app, "waiting") and
+                               cell(waiting, "low", "waiting for").startswith("retracted ×1 · keeps "),
+                               "the retracted request marked in the waiting queue")
+                assert cell(waiting, "low", "prio") == "5"
+                kept = int(cell(waiting, "low", "waiting for").split("keeps ")[1].split(" tok")[0])
+                assert 0 < kept < 110
+                stats = app.last_stats
+                assert stats is not None and stats.counters.retractions > 0
+                low_waiting = next(w for w in stats.waiting if w.rid == "low")
+                assert low_waiting.retractions == 1 and low_waiting.generated == kept
+                await wait_for(pilot, lambda: f"retracted {stats.counters.retractions}" in status(app),
+                               "the retraction count in the status line")
+                counters = app.query_one("#counters", Static)
+                assert f"retracted {stats.counters.retractions}" in shown(counters)
+                assert "queue order priority" in str(pages.render())
+            finally:
+                for task in crowd:
+                    task.cancel()
+                await asyncio.gather(*crowd, return_exceptions=True)
+                await low.aclose()
+                await lead.aclose()
+
+    with start(address, model=str(llama_ckpt), timeout=120, **TIGHT):
+        run(scenario)

@@ -172,17 +172,24 @@ class MinichatApp(App[None]):
 
     def show_status(self) -> None:
         state = self.link.state
-        line = Text.assemble((f" {state.kind} ", STATE_STYLES.get(state.kind, "bold")), " ", state.detail)
+        # The state, the engine's numbers, anything amiss, and the engine's name and address (or what went
+        # wrong) last: one line, whose end an 80-column terminal cuts (a problem state wraps instead).
+        parts: list[Text] = []
         if (stats := self.last_stats) is not None and state.connected:
             busy = sum(rid is not None for rid in stats.slots)
             c = stats.counters
-            line.append(f"  │  running {len(stats.running)} · waiting {len(stats.waiting)} · slots {busy}/"
-                        f"{len(stats.slots)} · prefill {c.prefill_tokens_per_s:.0f} · decode "
-                        f"{c.decode_tokens_per_s:.0f} tok/s", "dim")
+            numbers = Text(f"running {len(stats.running)} · waiting {len(stats.waiting)}", "dim")
+            if c.retractions:
+                numbers.append(" · ", "dim").append(f"retracted {c.retractions}", "magenta")
+            numbers.append(f" · slots {busy}/{len(stats.slots)} · prefill {c.prefill_tokens_per_s:.0f} · decode "
+                           f"{c.decode_tokens_per_s:.0f} tok/s", "dim")
             if (age := time.monotonic() - self.stats_at) > STALE_AFTER:
-                line.append(f"  stale: {age:.0f} s old", "bold yellow")
+                numbers.append(f"  stale: {age:.0f} s old", "bold yellow")
+            parts.append(numbers)
         if self.conversations.problem:
-            line.append("  │  not saving", "bold red")
+            parts.append(Text("not saving", "bold red"))
+        parts.append(Text(state.detail))
+        line = Text.assemble((f" {state.kind} ", STATE_STYLES.get(state.kind, "bold")), " ", Text("  │  ").join(parts))
         # query_one, not query: a query walks every widget of every tab, a few times a second
         if (status := self.query_one_optional("#status", Static)) is not None:  # none while the app is closing
             update_text(status, line)

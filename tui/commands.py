@@ -43,6 +43,8 @@ COMMANDS = (
             handler="do_setting"),
     Command("ignore_eos", "Set ignore EOS", "on: keep generating past the end-of-text token, up to max tokens "
             "(long replies, to watch batching)", "on|off", handler="do_setting"),
+    Command("priority", "Set priority", "this session's requests' scheduling priority: lower runs first under the "
+            "engine's --schedule-policy priority, and is retracted last (default 0)", "value", handler="do_setting"),
     Command("fanout", "Fan out a prompt", "open N sessions that all send the prompt at once, or one per "
             "variation when the prompts are separated by |", "N prompt [| prompt …]", handler="do_fanout"),
     Command("abort", "Stop generation", "abort this session's reply; the text so far is kept", handler="do_abort"),
@@ -51,8 +53,8 @@ COMMANDS = (
     Command("help", "Help: keys and commands", "list every key binding and command", handler="do_help"),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
-ALIASES = {"temp": "temperature", "top-p": "top_p", "top-k": "top_k", "max": "max_tokens", "fan": "fanout",
-           "stop": "abort", "sys": "system", "list": "sessions", "open": "sessions"}
+ALIASES = {"temp": "temperature", "top-p": "top_p", "top-k": "top_k", "max": "max_tokens", "prio": "priority",
+           "fan": "fanout", "stop": "abort", "sys": "system", "list": "sessions", "open": "sessions"}
 
 
 def parse_slash(text: str) -> tuple[Command, str]:

@@ -18,17 +18,22 @@ PANELS_GUIDE = """\
 ## Reading the ops panels
 
 A request waits in the **waiting queue** until a prefill step admits it: admission walks the queue
-in arrival order and stops at the first request that lacks a free **request slot**, room in the
-step's **token budget** (long prompts are chunked across steps) or **KV pages** for its prompt plus
-its whole output budget; its **waiting for** column says which (the requests behind it wait for
-their turn). Admitted requests join the **running set**; each **step** is either one
-prefill batch or one decode batch (prefill first), as the step timeline shows. A finished or aborted
-request frees its slot at once, and its pages go back to the pool or stay cached for reuse. One
-colour follows each request through every panel; bold labels are this app's own sessions. The KV
-panel counts the pages **claimed** for admitted requests' remaining output: their whole budget under
-`--admission reserve`, the output admission expects under `optimistic` (the default), where a step
-that runs out of pages **retracts** running requests back to the queue (they resume where they were).
-When snapshots stop coming, the status line says how old the last one is.
+in the engine's order (`--schedule-policy`: arrival, priority with the lower **prio** first, or the
+longest cached prefix first) and stops at the first request that lacks a free **request slot**,
+room in the step's **token budget** (long prompts are chunked across steps) or **KV pages** for its
+prompt plus the output it is counted for; its **waiting for** column says which (the requests
+behind it wait for their turn). Admitted requests join the **running set**; each **step** is either
+one prefill batch or one decode batch (prefill first), as the step timeline shows. A finished or
+aborted request frees its slot at once, and its pages go back to the pool or stay cached for reuse.
+One colour follows each request through every panel; bold labels are this app's own sessions. The
+KV panel says how admission counts a request, and counts the pages **claimed** for admitted
+requests' remaining output: their whole budget under `--admission reserve`, the share of it that
+admission expects now under `optimistic` (the default), where a step that runs out of pages
+**retracts** running requests back to the queue (the latest to arrive first; under the priority
+policy the lowest priority first). A retracted request resumes where it was: the waiting queue marks
+it `retracted ×N` with the tokens it keeps, the running set counts its retractions, and the status
+line and the throughput panel count them all. `/priority N` sets a session's priority. When
+snapshots stop coming, the status line says how old the last one is.
 """
 
 Row = tuple[str, str, str]

@@ -38,6 +38,7 @@ SETTINGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "top_k": (int, "-1 (off) or an integer of at least 1"),
     "max_tokens": (int, "an integer of at least 1"),
     "ignore_eos": (_flag, "on or off"),
+    "priority": (int, "an integer (lower runs first under --schedule-policy priority; default 0)"),
 }
 
 
@@ -216,7 +217,8 @@ class Session:
         p = self.params
         top_k = "off" if p.top_k == -1 else p.top_k
         eos = " · ignore EOS" if p.ignore_eos else ""
-        return f"temp {p.temperature:g} · top-p {p.top_p:g} · top-k {top_k} · max {p.max_tokens} tok{eos}"
+        priority = f" · priority {p.priority}" if p.priority else ""
+        return f"temp {p.temperature:g} · top-p {p.top_p:g} · top-k {top_k} · max {p.max_tokens} tok{eos}{priority}"
 
     def to_markdown(self) -> str:
         """The conversation as a Markdown document (the export)."""

@@ -48,8 +48,12 @@ class CellGrid(Widget):
             self.refresh(layout=True)
 
     def render(self) -> Text:
-        cell, per_cell = fit(len(self.items), self.size.width, max(1, self.size.height))
-        per_row = max(1, self.size.width // cell) * per_cell  # items per line
+        return self.render_cells(self.size.width, max(1, self.size.height))
+
+    def render_cells(self, width: int, rows: int) -> Text:
+        """The items as cells in `rows` lines of `width` columns (cells share items when they must)."""
+        cell, per_cell = fit(len(self.items), width, rows)
+        per_row = max(1, width // cell) * per_cell  # items per line
         text = Text()
         for first in range(0, len(self.items), per_cell):
             if first and first % per_row == 0:
@@ -81,23 +85,58 @@ class SlotGrid(CellGrid):
 
 class PageGrid(CellGrid):
     """One cell per KV page (or per group of pages): free, held by a request, cached, or cached and
-    locked (a running request reads it)."""
+    locked (a running request reads it). Above the cells, how the engine admits requests into the
+    pages (reserve, or optimistic and what it expects of their output now) and in which order."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.border_title = "KV pages"
+        self.header: list[str] = []  # the parts of the line above the cells, laid out to the width
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
         p = stats.pages
-        if (p, self.size) == self._drawn:  # the size too: it sets how many pages a cell stands for
+        drawn = (p, self.size, stats.admission, stats.policy)  # the size too: it sets pages per cell
+        if drawn == self._drawn:
             return
-        self._drawn = (p, self.size)
+        self._drawn = drawn
+        header = [part for part in (stats.admission and f"admission {stats.admission}",
+                                    stats.policy and f"queue order {stats.policy}") if part]
+        if header != self.header:
+            self.header = header
+            self.refresh(layout=True)
         self.set_items([("█", names.colour(p.owners.get(i, ""))) if state == "R" else PAGE_STATES[state]
                         for i, state in enumerate(p.states)])
-        _, per_cell = fit(p.total, self.size.width, max(1, self.size.height))
+        _, per_cell = fit(p.total, self.size.width, self.grid_rows(self.size.width, self.size.height))
         set_titles(self, f"KV pages: {p.held} held (+{p.claimed} claimed), {p.locked} locked, {p.cached} cached, "
                          f"{p.free} free of {p.total} × {p.page_size} tok",
                    "█ held ▓ locked ▒ cached ░ free" + (f" · 1 cell = {per_cell} pages" if per_cell > 1 else ""))
 
+    def header_lines(self, width: int) -> list[Text]:
+        """The header's parts joined by ` · `, wrapped between words to `width` (a word wider than
+        that is cut with an ellipsis)."""
+        lines: list[str] = []
+        for part in self.header:
+            joiner = " · "
+            for word in part.split():
+                if lines and len(lines[-1]) + len(joiner) + len(word) <= width:
+                    lines[-1] += joiner + word
+                else:
+                    lines.append(word)
+                joiner = " "
+        texts = [Text(line, "grey62") for line in lines]
+        for text in texts:
+            text.truncate(max(1, width), overflow="ellipsis")
+        return texts
+
+    def grid_rows(self, width: int, height: int) -> int:
+        """Lines left for the cells under the header (at least one)."""
+        return max(1, height - len(self.header_lines(width)))
+
+    def render(self) -> Text:
+        width = self.size.width
+        header = self.header_lines(width)
+        grid = self.render_cells(width, self.grid_rows(width, self.size.height))
+        return Text("\n").join([*header, grid])
+
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return max(1, math.ceil(len(self.items) / max(1, width)))
+        return len(self.header_lines(width)) + max(1, math.ceil(len(self.items) / max(1, width)))

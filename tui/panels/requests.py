@@ -26,14 +26,23 @@ def bar(done: int, total: int, width: int = 10) -> Text:
     return Text.assemble(("█" * filled, "green"), ("░" * (width - filled), "grey39"), f" {done}/{total}")
 
 
+RETRACTED = "bold magenta"
 REASONS = {"slot": ("no free slot", "bold red"), "kv_pages": ("KV pages", "bold yellow"),
            "token_budget": ("token budget", "green"), "queue": ("its turn", "grey62")}
 
 
-def reason(code: str) -> Text:
-    """Why a request waits, in words (an older engine sends no reason)."""
+def reason(code: str, retractions: int = 0, kept: int = 0) -> Text:
+    """Why a request waits, in words (an older engine sends no reason); a retracted request says so
+    first, with how often and the tokens it keeps, e.g. `retracted ×2 · keeps 40 tok · KV pages`."""
     text, style = REASONS.get(code, (code or "?", ""))
-    return Text(text, style)
+    if not retractions:
+        return Text(text, style)
+    return Text.assemble((f"retracted ×{retractions}", RETRACTED), f" · keeps {kept} tok · ", (text, style))
+
+
+def retracted(count: int) -> Text:
+    """A running request's retraction count: blank until it has been sent back to the queue."""
+    return Text(f"×{count}", RETRACTED) if count else Text("")
 
 
 class RequestTable(DataTable):
@@ -114,30 +123,36 @@ class RequestTable(DataTable):
 
 
 class WaitingTable(RequestTable):
-    """The waiting queue in arrival order: admission takes from the top and stops at the first misfit."""
+    """The waiting queue in admission order (the engine's --schedule-policy: arrival, priority or longest
+    cached prefix; a retracted request goes back ahead of its equals): admission takes from the top and
+    stops at the first misfit."""
 
     TITLE = "Waiting queue"
-    COLUMNS = ("request", "prompt", "waited", "waiting for")
+    COLUMNS = ("request", "prio", "prompt", "waited", "waiting for")
 
     def snapshot_part(self, stats: Stats) -> object:
         return stats.waiting
 
     def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
-        return {w.rid: (names.styled(w.rid), str(w.prompt_tokens), f"{w.waited:.1f}s", reason(w.reason))
+        return {w.rid: (names.styled(w.rid), str(w.priority), str(w.prompt_tokens), f"{w.waited:.1f}s",
+                        reason(w.reason, w.retractions, w.generated))
                 for w in stats.waiting}
 
 
 class RunningTable(RequestTable):
-    """Requests holding a request slot: a prompt mid-chunk (prefilling) or generating (running)."""
+    """Requests holding a request slot: a prompt mid-chunk (prefilling) or generating (running), with
+    how often each was retracted (sent back to the queue when the KV pool ran dry) so far."""
 
     TITLE = "Running set"
-    COLUMNS = ("request", "slot", "state", "progress", "pages")
+    COLUMNS = ("request", "slot", "prio", "state", "progress", "pages", "retracted")
 
     def snapshot_part(self, stats: Stats) -> object:
         return stats.running
 
     def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
-        return {r.rid: (names.styled(r.rid), str(r.slot), *self._progress(r), str(r.pages)) for r in stats.running}
+        return {r.rid: (names.styled(r.rid), str(r.slot), str(r.priority), *self._progress(r), str(r.pages),
+                        retracted(r.retractions))
+                for r in stats.running}
 
     @staticmethod
     def _progress(r: RunningReq) -> tuple[Text, Text]:

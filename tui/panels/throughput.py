@@ -53,6 +53,6 @@ class ThroughputPanel(Vertical):
                 self._sparks[name].data = list(history)
             update_text(self._labels[name], Text(f"{name:<8}{value:8.1f} {unit}"))
         update_text(self._counters, Text(
-            f"submitted {c.submitted} · finished {c.finished} · aborted {c.aborted} · errors {c.errors} · "
-            f"steps {c.steps} · prefill {c.prefill_tokens} tok · decode {c.decode_tokens} tok"))
+            f"submitted {c.submitted} · finished {c.finished} · aborted {c.aborted} · retracted {c.retractions} · "
+            f"errors {c.errors} · steps {c.steps} · prefill {c.prefill_tokens} tok · decode {c.decode_tokens} tok"))
 
