@@ -81,7 +81,7 @@ class LLM:
         self.model_path = resolve_model_path(cfg.model_path)
         self.tp = TensorParallel()
         self.workers: WorkerPool | None = None
-        # CPU threads per rank: the ones asked for, or the usable cores; only one rank adapts them to the load
+        # CPU threads per rank: the ones asked for, or the usable cores; only a single rank adapts them to the load
         threads = max(1, (cfg.threads or usable_cores()) // cfg.tensor_parallel_size)
         self.governor = None
         if self.device.type == "cpu":

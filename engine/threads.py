@@ -124,7 +124,19 @@ def wait_policy(environ: MutableMapping[str, str] = os.environ) -> str:
     return environ.get("OMP_WAIT_POLICY", "libgomp default (spin, then sleep)").lower()
 
 
-def usable_cores() -> int:
-    """The CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
-    return len(os.sched_getaffinity(0))
+def usable_cores(environ: MutableMapping[str, str] = os.environ) -> int:
+    """The physical cores among the CPUs this process may run on (its affinity mask, which containers and
+    taskset narrow; SMT siblings share a core's GEMM units, so torch counts cores too), at most
+    OMP_NUM_THREADS when the user set it."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topology}/physical_package_id") as package, open(f"{topology}/core_id") as core:
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            cores.add((str(cpu), ""))  # no topology: count the CPU as its own core
+    limit = environ.get("OMP_NUM_THREADS", "").split(",")[0]
+    return min(len(cores), int(limit)) if limit.isdigit() and int(limit) > 0 else len(cores)
 

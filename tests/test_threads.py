@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.service.launcher import start
-from engine.threads import BACKOFF_S, TRIAL_STEPS, ThreadGovernor, prepare_openmp, wait_policy
+from engine.threads import BACKOFF_S, TRIAL_STEPS, ThreadGovernor, prepare_openmp, usable_cores, wait_policy
 
 DECODE = ("decode", 6)
 
@@ -81,6 +81,12 @@ def test_openmp_wait_is_ours_unless_the_user_chose() -> None:
         env = dict(chosen)
         prepare_openmp(env)
         assert env == chosen
+
+
+def test_usable_cores_are_physical_cores_in_the_affinity_mask_within_omp_num_threads() -> None:
+    assert 1 <= usable_cores({}) <= len(os.sched_getaffinity(0))
+    assert usable_cores({"OMP_NUM_THREADS": "1"}) == 1
+    assert usable_cores({"OMP_NUM_THREADS": "junk"}) == usable_cores({})
 
 
 def test_thread_settings_reach_the_engine_and_its_workers(llama_ckpt: Path, tmp_path: Path,
