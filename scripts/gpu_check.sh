@@ -3,7 +3,8 @@
 # scripts/fetch_gpu_wheels.sh; no network needed), install minichat without touching that machine's
 # torch, run the GPU-marked tests (compiled Triton vs the reference, FlashInfer if installed, greedy
 # token-exact vs transformers with CUDA graphs on/off and overlap on/off), then `minichat bench
-# --concurrency 32` on a Qwen2.5-0.5B-shaped random checkpoint with each backend, and print one table.
+# --concurrency 32` on a Qwen2.5-0.5B-shaped random checkpoint with each backend, and print one table;
+# then scripts/bench_offline.py on nano-vllm's offline workload (printed as it runs).
 #
 #   scripts/gpu_check.sh            # everything
 #   GPU_CHECK_SKIP_TESTS=1 ...      # only the benchmark
@@ -87,6 +88,10 @@ for cfg in "${configs[@]}"; do
     # A bench killed by its timeout leaves its engine running: stop it (a no-op when bench already did).
     [ -n "${GPU_CHECK_DRY_RUN:-}" ] || "${MINICHAT[@]}" stop --address "ipc://$WORK/$tag.sock" >/dev/null 2>&1
 done
+
+step "offline throughput on nano-vllm's workload (256 seqs, lengths U[100, 1024], ignore_eos): scripts/bench_offline.py"
+run timeout 240 "$PY" scripts/bench_offline.py "$CKPT" --device cuda --dtype bfloat16 --json "$WORK/offline.json.out" \
+    || { echo "offline bench failed"; status=1; }
 
 step "results"
 [ -n "${GPU_CHECK_DRY_RUN:-}" ] || "$PY" - "$WORK" <<'PYEOF'
