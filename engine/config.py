@@ -16,7 +16,8 @@ SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
 class EngineConfig:
     """What the engine is asked to run and under which limits.
 
-    `max_running_requests` is the number of request slots (rows of the request table);
+    `max_running_requests` is the number of request slots (rows of the request table; None: 32 on a
+    CPU, which decodes far fewer tokens a step, 256 on a GPU, which a batch of 32 leaves mostly idle);
     `max_prefill_tokens` is the per-step prefill token budget (longer prompts are chunked);
     `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
     `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
@@ -43,7 +44,8 @@ class EngineConfig:
     is up to the cores this process may use, as many as measure fastest beside whatever else runs
     (engine/threads.py); a number is that many, always. Under tensor parallelism each rank gets its share.
     `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
-    (when the attention backend supports them and there is one rank; see engine/cuda_graph.py).
+    (when the attention backend supports them and there is one rank; see engine/cuda_graph.py; None:
+    every decode batch the request slots allow, up to 256).
     """
 
     model: str | None = None
@@ -52,7 +54,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None
     kv_memory_gb: float | None = None
-    max_running_requests: int = 32
+    max_running_requests: int | None = None
     max_prefill_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
@@ -65,7 +67,7 @@ class EngineConfig:
     overlap: bool | None = None
     mixed_batches: bool = True
     cuda_graph: bool = True
-    cuda_graph_max_bs: int = 64
+    cuda_graph_max_bs: int | None = None
     threads: int | None = None
     admission: str = "optimistic"
     schedule_policy: str = "fcfs"
@@ -79,7 +81,7 @@ class EngineConfig:
             raise ValueError(f"linear_dtype must be one of {', '.join(LINEAR_DTYPES)}; got {self.linear_dtype!r}")
         for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tensor_parallel_size",
                      "cuda_graph_max_bs"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1 (or None to size the pool automatically); "
@@ -96,6 +98,18 @@ class EngineConfig:
             raise ValueError(f"threads must be at least 1 (or None: as many as suit the machine); got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
+
+    @property
+    def request_slots(self) -> int:
+        """The request slots asked for, else what suits the device."""
+        if self.max_running_requests is not None:
+            return self.max_running_requests
+        return 256 if self.device.startswith("cuda") else 32
+
+    @property
+    def graph_max_bs(self) -> int:
+        """The largest decode batch replayed from a CUDA graph."""
+        return min(self.cuda_graph_max_bs or 256, self.request_slots)
 
     @property
     def use_overlap(self) -> bool:

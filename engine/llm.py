@@ -61,7 +61,7 @@ class LLM:
     """Load a checkpoint and serve requests through the continuous-batching scheduler, in process."""
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", page_size: int = 16,
-                 num_pages: int | None = None, max_running_requests: int = 32, max_prefill_tokens: int = 2048,
+                 num_pages: int | None = None, max_running_requests: int | None = None, max_prefill_tokens: int = 2048,
                  seed: int = 0, **options: Any) -> None:
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(options) - known
@@ -116,7 +116,7 @@ class LLM:
         if num_pages is None:
             per_page = KVPool.bytes_per_page(spec.num_layers, cfg.page_size, self.model.num_kv_heads, spec.head_dim,
                                              TORCH_DTYPES[cfg.dtype])
-            demand = cfg.max_running_requests * pages_for(context, cfg.page_size)
+            demand = cfg.request_slots * pages_for(context, cfg.page_size)
             num_pages = max(1, min(demand, _kv_budget_bytes(cfg) // per_page))
         self.num_pages = num_pages
         self.max_seq_len = min(context, num_pages * cfg.page_size)
@@ -131,12 +131,12 @@ class LLM:
         # CUDA graphs pad decode batches with dummy requests writing to a scratch page no request owns.
         self.kv = KVPool(spec.num_layers, num_pages + int(use_graphs), cfg.page_size, self.model.num_kv_heads,
                          spec.head_dim, TORCH_DTYPES[cfg.dtype], self.device)
-        self.table = RequestTable(cfg.max_running_requests, self.max_seq_len, self.device)
+        self.table = RequestTable(cfg.request_slots, self.max_seq_len, self.device)
         self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
         graphs = None
         if use_graphs:
             # Off CUDA (Triton under its interpreter) the same padded path runs without capture.
-            graphs = DecodeGraphs(self.model, self.kv, backend, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
+            graphs = DecodeGraphs(self.model, self.kv, backend, cfg.graph_max_bs,
                                   self.max_seq_len, num_pages * cfg.page_size, self.device,
                                   capture=self.device.type == "cuda")
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, self.tp, self.workers,
@@ -235,9 +235,13 @@ class LLM:
         (the C kernels off where no compiler builds them, say)."""
         weight = self.model.layers[0].qkv_proj.weight
         gemm = str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
-        execution = {"attention_backend": self.runner.backend.name, "gemm": gemm,
+        execution = {"request_slots": str(self.config.request_slots), "attention_backend": self.runner.backend.name,
+                     "gemm": gemm,
                      "cpu_kernels": "on" if self.model.kernels is not None else "off",
                      "overlap": "on" if self.config.use_overlap else "off"}
+        if self.device.type == "cuda":
+            graphed = f"decode batches up to {self.config.graph_max_bs}"
+            execution["cuda_graph"] = graphed if self.runner.graphs else "off"
         if self.device.type == "cpu":
             execution["threads"] = self._threads()
             execution["omp_wait"] = wait_policy()

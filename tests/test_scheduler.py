@@ -235,3 +235,16 @@ def test_chat_messages_use_the_chat_template(llm):
     ids = llm.encode_prompt(msgs)
     assert ids == llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert llm.generate([msgs], greedy(3))[0].prompt_token_ids == ids
+
+
+def test_request_slots_and_graph_buckets_suit_the_device(llama_ckpt):
+    """32 slots on a CPU, 256 on a GPU (a batch of 32 leaves one mostly idle); graphs cover every decode
+    batch the slots allow, up to 256; what they resolved to is reported. Asked-for values win."""
+    from engine.config import EngineConfig
+
+    assert (EngineConfig().request_slots, EngineConfig(device="cuda").request_slots) == (32, 256)
+    assert EngineConfig(device="cuda").graph_max_bs == 256
+    assert EngineConfig(device="cuda", max_running_requests=48).graph_max_bs == 48
+    assert EngineConfig(device="cuda", cuda_graph_max_bs=64).graph_max_bs == 64
+    llm = LLM(str(llama_ckpt))
+    assert llm.table.num_slots == 32 and llm.execution["request_slots"] == "32"

@@ -35,9 +35,10 @@ ENGINE_HELP = {
     "prepack_weights": "On CPU, float32 weights prepacked once for oneDNN matmuls (faster than F.linear).",
     "cpu_kernels": "On CPU, RMSNorm, RoPE, attention and the MLP activation in minichat's C kernels (built with cc).",
     "cuda_graph": "Replay decode steps from CUDA graphs (triton and flashinfer backends on CUDA).",
-    "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph; bigger ones run eagerly.",
+    "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph (default: the request slots, up to "
+                         "256); bigger ones run eagerly.",
     "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
-    "max_running_requests": "Request slots: how many requests may hold KV at once.",
+    "max_running_requests": "Request slots: how many requests may hold KV at once (default: 32 on CPU, 256 on CUDA).",
     "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
     "overlap": "Schedule step N+1 while step N runs (default: on for CUDA, off on CPU); output is identical.",
     "mixed_batches": "Running requests decode inside a prefill step instead of waiting for it; output is identical.",

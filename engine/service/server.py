@@ -100,7 +100,7 @@ class EngineServer:
         sending and receiving all happen off the model's critical path (the seed's overlap_loop)."""
         log.info("engine ready: model %s, %d KV pages x %d tokens, %d request slots; listening on %s, "
                  "stats on %s (pid %d)", self.llm.model_path, self.llm.num_pages, self.llm.config.page_size,
-                 self.llm.config.max_running_requests, self.sockets.address, self.sockets.stats_address,
+                 self.llm.config.request_slots, self.sockets.address, self.sockets.stats_address,
                  os.getpid())
         try:
             while not self._stop:
