@@ -91,11 +91,11 @@ class RequestOutput(_Ended):
     prompt_token_ids: list[int] | None = None
 
     @classmethod
-    def collect(cls, outputs: list[Output], prompt_token_ids: list[int] | None = None) -> RequestOutput:
+    def collect(cls, outputs: list[Output]) -> RequestOutput:
         """Join one request's outputs, which end with its Final."""
         final = outputs[-1]
         if not isinstance(final, Final):
             raise ValueError(f"request {final.rid!r} has not finished: its outputs end without a Final")
         return cls(rid=final.rid, text="".join(o.text for o in outputs),
                    token_ids=[t for o in outputs for t in o.token_ids], finish_reason=final.finish_reason,
-                   usage=final.usage, timings=final.timings, prompt_token_ids=prompt_token_ids)
+                   usage=final.usage, timings=final.timings)

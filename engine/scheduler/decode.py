@@ -29,15 +29,11 @@ class DecodeManager:
     def remove_req(self, req: Req) -> None:
         self.running.pop(req.rid, None)
 
-    def ordered(self) -> list[Req]:
-        """The running set in arrival order."""
-        return sorted(self.running.values(), key=lambda r: r.uid)
-
     def schedule_next_batch(self) -> list[Req] | None:
         """Every running request, in arrival order, one token each."""
         if not self.running:
             return None
-        reqs = self.ordered()
+        reqs = sorted(self.running.values(), key=lambda r: r.uid)
         for req in reqs:
             req.extend_len = 1
         return reqs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from engine.kv.cache import CacheManager
 from engine.kv.table import RequestTable
@@ -79,8 +80,9 @@ class PrefillManager:
 
     `policy` orders admission: "fcfs" (arrival; retracted requests go back to the front), "priority"
     (SamplingParams.priority, lower first, then arrival) or "lpm" (longest cached prefix first). Under
-    each, a request that has waited `max_wait_steps` steps is admitted next. Admission walks that
-    order and stops at the first request that does not fit; `reasons` says why each one still waits.
+    the last two, a request that has waited `max_wait_steps` steps is admitted next (fcfs already
+    admits the longest-waiting first). Admission walks that order and stops at the first request that
+    does not fit; `blocked` remembers which and why (`reason`): everyone after it waits for its turn.
     """
 
     def __init__(self, table: RequestTable, cache: CacheManager, admission: Admission, policy: str = "fcfs",
@@ -92,7 +94,7 @@ class PrefillManager:
         self.max_wait_steps = max_wait_steps
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
-        self.reasons: dict[str, str] = {}
+        self.blocked: tuple[str, str] | None = None  # (rid, limit) where the last admission stopped
 
     @property
     def runnable(self) -> bool:
@@ -110,10 +112,16 @@ class PrefillManager:
             self.chunked = None
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.reasons.pop(req.rid, None)
 
-    def ordered(self, step: int) -> list[Req]:
-        """The waiting queue in admission order at scheduler step `step`."""
+    def reason(self, req: Req) -> str:
+        """Why a waiting request waits, as the last admission found: the limit that stopped it, or
+        "queue" (admission stopped at a request ahead of it, or has not looked since it arrived)."""
+        return self.blocked[1] if self.blocked is not None and self.blocked[0] == req.rid else "queue"
+
+    def ordered(self, step: int) -> Sequence[Req]:
+        """The waiting queue in admission order at scheduler step `step` (fcfs: the queue itself)."""
+        if self.policy == "fcfs":
+            return self.waiting
         order = list(self.waiting)
         if self.policy == "priority":
             order.sort(key=lambda r: r.params.priority)  # stable: arrival order (retracted first) within one
@@ -131,16 +139,16 @@ class PrefillManager:
             adder.continue_chunked(self.chunked)
             reqs.append(self.chunked)
             self.chunked = None
-        order = self.ordered(step)
-        admitted = 0
-        while admitted < len(order) and adder.try_add_one(order[admitted]):
-            admitted += 1
-        for req in order[:admitted]:
+        self.blocked = None
+        admitted: list[Req] = []
+        for req in self.ordered(step):
+            if not adder.try_add_one(req):
+                self.blocked = (req.rid, adder.blocked)
+                break
+            admitted.append(req)
+        for req in admitted:  # fcfs: each is at the front, found at once
             self.waiting.remove(req)
-            self.reasons.pop(req.rid, None)
-        reqs += order[:admitted]
-        self.reasons = {r.rid: adder.blocked if i == admitted else "queue" for i, r in enumerate(order)
-                        if i >= admitted}
+        reqs += admitted
         if not reqs:
             return None
         for req in reqs:

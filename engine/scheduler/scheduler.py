@@ -112,9 +112,8 @@ class Scheduler:
                              used=len(alloc.owner), cached=len(cached), locked=sum(cached.values()),
                              claimed=sum(e.claimed_pages for e in running),
                              owners=MappingProxyType(dict(alloc.owner)), cached_pages=MappingProxyType(cached))
-        reasons = self.prefill_manager.reasons
         waiting = tuple(WaitingEntry(rid=r.rid, prompt_tokens=r.input_len, arrival_time=r.arrival_time,
-                                     reason=reasons.get(r.rid, "queue"), priority=r.params.priority,
+                                     reason=self.prefill_manager.reason(r), priority=r.params.priority,
                                      retractions=r.retractions, generated=len(r.output_ids))
                         for r in self.prefill_manager.ordered(self.counters["steps"]))
         return SchedulerSnapshot(waiting=waiting, running=running, slots=tuple(self.table.holder), pages=pages,
@@ -149,7 +148,7 @@ class Scheduler:
         start = time.perf_counter()
         if not self._make_room():
             return None
-        running = self.decode_manager.ordered()
+        running = list(self.decode_manager.running.values())  # batched in arrival order below, sorted once
         prefill = None
         hold = bool(running) and not self.mixed_batches and self._prefill_streak >= self.max_consecutive_prefills
         if self.prefill_manager.runnable and not hold:
@@ -217,8 +216,7 @@ class Scheduler:
     def _make_room(self) -> bool:
         """Free or evictable pages for every running request's next token, retracting requests until
         there are; False (and nothing changed) while a batch in flight still holds pages."""
-        running = self.decode_manager.ordered()
-        need = sum(self._next_pages(r) for r in running)
+        need = sum(self._next_pages(r) for r in self.decode_manager.running.values())
         if need <= self.cache.available_size:
             return True
         if self.inflight_batches:

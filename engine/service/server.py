@@ -154,11 +154,11 @@ class EngineServer:
         try:
             msg = protocol.decode_client(body[0])
         except protocol.DecodeError as e:
-            bad_params = invalid_params(e)
-            if bad_params is not None:
-                self._error(identity, "invalid_params", str(bad_params), protocol.salvage_rid(body[0]))
+            rid, bad_params = protocol.salvage_rid(body[0]), invalid_params(e)
+            if bad_params is not None:  # values that cannot work, rather than a malformed message
+                self._error(identity, "invalid_params", str(bad_params), rid)
             else:
-                self._error(identity, "bad_message", f"not a valid message: {e}", protocol.salvage_rid(body[0]))
+                self._error(identity, "bad_message", f"not a valid message: {e}", rid)
             return
         rid = getattr(msg, "rid", None)
         try:
