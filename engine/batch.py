@@ -13,21 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.params import SamplingParams
 from engine.request import Req
+from engine.sampling import Logprobs, SamplingBatch
 from kernels.attention.base import AttentionMetadata
-
-
-@dataclass
-class SamplingBatch:
-    """How to pick each sampled row's token: one SamplingParams and generator per row."""
-
-    params: list[SamplingParams]
-    generators: list[torch.Generator | None]
-
-    @property
-    def all_greedy(self) -> bool:
-        return all(p.greedy for p in self.params)
 
 
 @dataclass
@@ -54,6 +42,10 @@ class ForwardBatch:
     sampling: SamplingBatch
     num_tokens: int
     schedule_time: float = 0.0  # seconds spent building this batch (host)
+    # With prompt log-probabilities the logits rows are the sampled ones and the prompt positions, in
+    # position order: `logits_select` lists the sampled rows' places, then the prompt rows'.
+    logits_select: torch.Tensor | None = None
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (index in reqs, positions scored)
 
 
 @dataclass
@@ -67,6 +59,8 @@ class ForwardOutput:
     next_tokens: torch.Tensor  # int64 [S]
     run_time: float = 0.0  # host seconds to launch (CUDA) or run (CPU) the step
     ready: torch.cuda.Event | None = None
+    logprobs: Logprobs | None = None  # the sampled tokens', for the rows that asked
+    prompt_logprobs: Logprobs | None = None  # the prompt positions' (`ForwardBatch.prompt_rows`)
 
     def tokens(self) -> list[int]:
         if self.ready is not None:

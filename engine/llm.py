@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+import msgspec
 import torch
 from tqdm import tqdm
 
@@ -30,13 +31,14 @@ from engine.model.loader import (
     resolve_model_path,
 )
 from engine.outputs import Final, RequestOutput, StepResult
-from engine.params import SamplingParams
+from engine.params import InvalidParams, SamplingParams
 from engine.prompt import Prompt, is_chat, is_token_ids
-from engine.request import PromptTooLong, Req
+from engine.request import Group, PromptTooLong, Req
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
 from engine.scheduler.snapshot import SchedulerSnapshot
+from engine.structured import GrammarCompiler, GrammarMatcher, InvalidGrammar
 from engine.threads import ThreadGovernor, usable_cores, wait_policy
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from kernels.attention import make_backend
@@ -126,6 +128,7 @@ class LLM:
             self.workers.expect("ready")
         backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels)
         backend.setup(attention_shape(self.model, cfg.dtype), self.device)
+        self.model.use_attention_backend(backend)
         # Worker ranks run every step eagerly, so under tensor parallelism decode is never graphed.
         use_graphs = cfg.cuda_graph and backend.supports_cuda_graph and self.workers is None
         # CUDA graphs pad decode batches with dummy requests writing to a scratch page no request owns.
@@ -143,11 +146,19 @@ class LLM:
                                   graphs, self.governor)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids,
                                    cfg.mixed_batches, cfg.admission, cfg.schedule_policy, cfg.max_wait_steps,
-                                   cfg.max_consecutive_prefills)
+                                   cfg.max_consecutive_prefills, self._token_text)
         self.loop = StepLoop(self.scheduler, self.runner)
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self._uid = 0
         self._live: dict[str, Req] = {}
+        self._token_texts: dict[int, str] = {}
+
+    def _token_text(self, token: int) -> str:
+        """One token's text, as log-probabilities show it (remembered: the same tokens come back)."""
+        if token not in self._token_texts:
+            text = self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+            self._token_texts[token] = text if isinstance(text, str) else "".join(text)
+        return self._token_texts[token]
 
     # -- request intake ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -174,13 +185,19 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
                     arrival_time: float | None = None) -> str:
         """Queue a request at the back of the waiting queue; returns its request id. `arrival_time`
-        (time.monotonic()) is when it arrived, if earlier than now: its timings count from there."""
+        (time.monotonic()) is when it arrived, if earlier than now: its timings count from there.
+        With `params.n` > 1 the request is a Group of n choices (engine/request.py)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
         params.validate()
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this checkpoint has none")
+        vocab = self.model.spec.vocab_size
+        outside = sorted(t for t in params.token_ids() if t >= vocab)
+        if outside:
+            raise InvalidParams(f"logit_bias and stop_token_ids name token ids in [0, {vocab}); got {outside[:5]}")
+        grammars = self._grammar_matchers(params)
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_seq_len:
             raise PromptTooLong(f"the prompt has {len(ids)} tokens, but at most {self.max_seq_len - 1} fit "
@@ -191,17 +208,41 @@ class LLM:
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use; choose another")
         # Like the seed's _process_one_msg: shrink the output budget to what the context allows.
-        max_output = min(params.max_tokens, self.max_seq_len - len(ids))
+        # Like the seed's _process_one_msg: shrink the output budget to what the context allows (a request
+        # that only scores its prompt still samples once, unseen: max_tokens 0 is handled at processing).
+        max_output = max(1, min(params.max_tokens, self.max_seq_len - len(ids)))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        generator = None if params.greedy else torch.Generator(device=self.device).manual_seed(seed)
-        self._uid += 1
-        req = Req(rid=rid, uid=self._uid, input_ids=ids, params=params, max_output=max_output, generator=generator,
-                  detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        self._live[rid] = req
-        self.scheduler.add_request(req)
+        group = Group(rid) if params.n > 1 else None
+        for index in range(params.n):
+            self._uid += 1
+            req = Req(rid=rid if index == 0 else f"{rid}#{index}", uid=self._uid, input_ids=ids, params=params,
+                      max_output=max_output, seed=seed + index, group=group, index=index,
+                      scored=1 if index == 0 else len(ids), grammar=grammars[index] if grammars else None,
+                      detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+            if arrival_time is not None:
+                req.arrival_time = arrival_time
+            if group is not None:
+                group.members.append(req)
+            if index == 0:
+                self._live[rid] = req
+            self.scheduler.add_request(req)
         return rid
+
+    def _grammar_matchers(self, params: SamplingParams) -> list[GrammarMatcher]:
+        """One matcher per choice for `params.structured` (none without it), compiled once per grammar
+        (xgrammar caches them); InvalidParams for a grammar that cannot work, before anything queues."""
+        if params.structured is None:
+            return []
+        if self.tokenizer is None:
+            raise InvalidParams("structured output needs a tokenizer, and this checkpoint has none")
+        try:
+            if self.scheduler.grammar is None:
+                self.scheduler.grammar = GrammarCompiler(self.tokenizer, self.model.spec.vocab_size, self.eos_ids)
+            compiler = self.scheduler.grammar
+            compiled = compiler.compile(params.structured)
+        except InvalidGrammar as e:
+            raise InvalidParams(f"structured: {e}") from e
+        return [compiler.matcher(compiled) for _ in range(params.n)]
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self, overlap: bool = False) -> StepResult:
@@ -296,7 +337,8 @@ class LLM:
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion through the scheduler; outputs come back in prompt order."""
+        """Run prompts to completion through the scheduler; outputs come back in prompt order (a prompt
+        with n > 1 choices gives n outputs in a row, by `index`)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
@@ -313,11 +355,19 @@ class LLM:
                         bar.update()
         if self.loop.has_inflight:  # settle: the batch scheduled ahead may still hold finished requests' pages
             self.step()
-        return [_output(reqs[rid], finals[rid]) for rid in rids]
+        return [_output(choice, finals[rid]) for rid in rids for choice in _choices(reqs[rid])]
+
+
+def _choices(req: Req) -> list[Req]:
+    return req.group.members if req.group is not None else [req]
 
 
 def _output(req: Req, final: Final) -> RequestOutput:
-    """The whole request: its Final's accounting with every token and the whole text."""
-    return RequestOutput(rid=req.rid, text=req.detokenizer.text if req.detokenizer else "",
-                         token_ids=list(req.output_ids), finish_reason=final.finish_reason, usage=final.usage,
-                         timings=final.timings, prompt_token_ids=req.input_ids)
+    """One choice of a whole request: every token and the whole text, the request's timings, its own
+    finish reason and token count."""
+    usage = msgspec.structs.replace(final.usage, completion_tokens=len(req.output_ids))
+    return RequestOutput(rid=req.client_rid, index=req.index, text=req.detokenizer.text if req.detokenizer else "",
+                         token_ids=list(req.output_ids), finish_reason=req.finish_reason or final.finish_reason,
+                         usage=usage, timings=final.timings, prompt_token_ids=req.input_ids,
+                         logprobs=None if req.params.logprobs is None else req.logprobs,
+                         prompt_logprobs=req.prompt_logprobs)

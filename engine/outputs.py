@@ -26,12 +26,30 @@ class Timings(msgspec.Struct, kw_only=True):
     total: float
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One token's log-probability under the model (None for a prompt's first token, which nothing
+    predicts), its text, and the `top` most likely alternatives at that position as (id, text, logprob)."""
+
+    token_id: int
+    text: str
+    logprob: float | None
+    top: list[tuple[int, str, float]]
+
+
 class Delta(msgspec.Struct, tag_field="type", tag="delta", kw_only=True):
-    """New output of a running request from one step: token ids and the text they completed (may be empty)."""
+    """New output of a running request from one step: token ids and the text they completed (may be empty).
+
+    `index` is the choice among a request's `n`; `logprobs` has one entry per token when asked for;
+    `prompt_logprobs` comes once, with a request's first output, one entry per prompt token. A choice
+    that ends while others go on ends with a Delta carrying its `finish_reason`."""
 
     rid: str
     text: str
     token_ids: list[int]
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -47,6 +65,9 @@ class _Ended(msgspec.Struct, kw_only=True):
     finish_reason: str
     usage: Usage
     timings: Timings
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Final(_Ended, tag_field="type", tag="final"):
@@ -96,6 +117,10 @@ class RequestOutput(_Ended):
         final = outputs[-1]
         if not isinstance(final, Final):
             raise ValueError(f"request {final.rid!r} has not finished: its outputs end without a Final")
+        logprobs = [lp for o in outputs for lp in o.logprobs or ()]
+        prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
         return cls(rid=final.rid, text="".join(o.text for o in outputs),
                    token_ids=[t for o in outputs for t in o.token_ids], finish_reason=final.finish_reason,
-                   usage=final.usage, timings=final.timings)
+                   usage=final.usage, timings=final.timings, index=final.index,
+                   logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,
+                   prompt_logprobs=prompt_logprobs)

@@ -6,11 +6,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.kv.cache import PrefixMatch
-from engine.outputs import Final, Timings, Usage
+from engine.outputs import Final, Timings, TokenLogprob, Usage
 from engine.params import SamplingParams
+from engine.structured import GrammarMatcher
 from engine.tokenizer import IncrementalDetokenizer
 
 
@@ -28,6 +27,22 @@ class ReqState(enum.Enum):
 
 
 @dataclass(eq=False)
+class Group:
+    """The `n` choices of one submitted request. They share its rid on the wire (each output names its
+    choice's `index`); the first choice leads: the others wait until its prompt is in the prefix cache
+    (`shared`), then match it instead of computing it again. A choice that ends before the others ends
+    in a Delta with its `finish_reason`; the last one's Final ends the request, with the usage of all."""
+
+    rid: str
+    members: list[Req] = field(default_factory=list)
+    shared: bool = False
+
+    @property
+    def open(self) -> list[Req]:
+        return [r for r in self.members if r.state is not ReqState.FINISHED]
+
+
+@dataclass(eq=False)
 class Req:
     """One request's scheduler-visible state.
 
@@ -37,8 +52,11 @@ class Req:
     (the ones the host has seen) while steps are in flight; `inflight` counts scheduled batches
     not yet processed, and a finished request keeps its slot and pages until it drops to 0.
     `pages` lists the KV pages the request reads, in position order; `slot` is its request-table row.
-    A request retracted to the waiting queue (`retractions` counts it) keeps its output and generator
-    and is prefilled again up to `fill_len`, prompt and output alike, before it samples its next token.
+    A request retracted to the waiting queue (`retractions` counts it) keeps its output and is prefilled
+    again up to `fill_len`, prompt and output alike, before it samples its next token; its draws depend
+    on `seed` and the position only (engine/sampling.py), so it samples what it would have.
+    `prompt_logprobs` collects the prompt's log-probabilities chunk by chunk (`scored`: prompt tokens
+    done, the first needs none) when the params ask for them (a group's first choice alone scores).
     """
 
     rid: str
@@ -46,7 +64,9 @@ class Req:
     input_ids: list[int]
     params: SamplingParams
     max_output: int
-    generator: torch.Generator | None = None
+    seed: int = 0
+    group: Group | None = None  # n > 1: the choices this one belongs to
+    index: int = 0  # which of the group's choices
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0
     prefix_len: int = 0
@@ -65,6 +85,26 @@ class Req:
     finish_time: float | None = None
     arrival_step: int = 0  # the scheduler's step count when it arrived (the starvation bound counts from it)
     retractions: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
+    scored: int = 1
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the sampled tokens', when asked for
+    grammar: GrammarMatcher | None = None  # params.structured's matcher: what may come next
+
+    @property
+    def client_rid(self) -> str:
+        """The rid the client gave (a group's choices have rids of their own inside the engine)."""
+        return self.group.rid if self.group is not None else self.rid
+
+    @property
+    def held(self) -> bool:
+        """A choice that waits for its group's leader to put the prompt in the prefix cache."""
+        return self.group is not None and self.index > 0 and not self.group.shared
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Prompt log-probabilities are asked for and some are still to compute (the prefix cache is
+        skipped for such a prompt: its cached part has no logits)."""
+        return self.params.prompt_logprobs is not None and self.scored < self.input_len
 
     @property
     def input_len(self) -> int:
@@ -104,12 +144,14 @@ class Req:
             return self.output_ids[start - n : end - n]
         return self.input_ids[start:] + self.output_ids[: end - n]
 
-    def final(self, token_ids: list[int], text: str) -> Final:
-        """The request's last output (it has finished): new tokens and text, usage and timings."""
+    def final(self, token_ids: list[int], text: str, completion_tokens: int | None = None) -> Final:
+        """The request's last output (it has finished): new tokens and text, usage and timings.
+        `completion_tokens` counts a group's choices together."""
         arrival = self.arrival_time
-        return Final(rid=self.rid, text=text, token_ids=token_ids, finish_reason=self.finish_reason or "",
-                     usage=Usage(prompt_tokens=self.input_len, completion_tokens=len(self.output_ids),
-                                 cached_tokens=self.prefix_len),
+        done = len(self.output_ids) if completion_tokens is None else completion_tokens
+        return Final(rid=self.client_rid, index=self.index, text=text, token_ids=token_ids,
+                     finish_reason=self.finish_reason or "",
+                     usage=Usage(prompt_tokens=self.input_len, completion_tokens=done, cached_tokens=self.prefix_len),
                      timings=Timings(queue=None if self.admit_time is None else self.admit_time - arrival,
                                      ttft=None if self.first_token_time is None else self.first_token_time - arrival,
                                      total=(self.finish_time or time.monotonic()) - arrival))

@@ -15,7 +15,7 @@ from engine.distributed.workers import WorkerPool
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.model.llama import CausalLM
-from engine.sampling import sample
+from engine.sampling import logprobs, sample
 from engine.threads import ThreadGovernor
 from kernels.attention.base import AttentionBackend
 
@@ -45,6 +45,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [S, vocab] for the batch's sampled rows (intermediate prefill chunks get none)."""
         input_ids = batch.input_ids
+        if input_ids is not None:  # the prompt tokens join the token table, where penalties count them
+            self.table.token_ids.view(-1)[batch.input_index[batch.num_decode :]] = input_ids
         if batch.num_decode:  # decode tokens: what the previous step's sampler wrote to the token table
             sampled = self.table.token_ids.view(-1)[batch.input_index[: batch.num_decode]]
             input_ids = sampled if input_ids is None else torch.cat((sampled, input_ids))
@@ -69,22 +71,39 @@ class ModelRunner:
         start = time.perf_counter()
         if self.stream is None:
             if self.governor is None:
-                next_tokens = self._forward_and_sample(batch)
+                output = self._forward_and_sample(batch)
             else:  # set here: torch's thread count is the calling thread's (the model's)
                 shape = (batch.kind, batch.num_tokens.bit_length())
                 torch.set_num_threads(self.governor.threads(shape))
-                next_tokens = self._forward_and_sample(batch)
+                output = self._forward_and_sample(batch)
                 self.governor.record(shape, (time.perf_counter() - start) / batch.num_tokens)
-            return ForwardOutput(next_tokens=next_tokens, run_time=time.perf_counter() - start)
+            output.run_time = time.perf_counter() - start
+            return output
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the batch was built on the default stream
         with torch.cuda.stream(self.stream):
-            host = self._forward_and_sample(batch).to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        return ForwardOutput(next_tokens=host, run_time=time.perf_counter() - start, ready=ready)
+            output = self._forward_and_sample(batch)
+            output.next_tokens = output.next_tokens.to("cpu", non_blocking=True)
+            output.logprobs = output.logprobs and output.logprobs.to_host()
+            output.prompt_logprobs = output.prompt_logprobs and output.prompt_logprobs.to_host()
+            output.ready = torch.cuda.Event()
+            output.ready.record()
+        output.run_time = time.perf_counter() - start
+        return output
 
-    def _forward_and_sample(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward_and_sample(self, batch: ForwardBatch) -> ForwardOutput:
+        """Sample the sampled rows; log-probabilities (of the raw logits) for the rows that asked."""
         logits = self.forward(batch)
-        next_tokens = sample(logits, batch.sampling.params, batch.sampling.generators)
+        prompt: torch.Tensor | None = None
+        if batch.logits_select is not None:  # rows in position order: ours first, then the prompt's
+            rows = logits[batch.logits_select]
+            logits, prompt = rows[: len(batch.sample_rows)], rows[len(batch.sample_rows) :]
+        sampling = batch.sampling
+        next_tokens = sample(logits, sampling, self.table.token_ids)
         self.table.token_ids.view(-1)[batch.out_index] = next_tokens
-        return next_tokens
+        output = ForwardOutput(next_tokens=next_tokens)
+        if sampling.logprobs is not None:
+            rows_t, top = sampling.logprobs
+            output.logprobs = logprobs(logits[rows_t], next_tokens[rows_t], top)
+        if sampling.prompt_logprobs is not None and prompt is not None:
+            output.prompt_logprobs = logprobs(prompt, sampling.prompt_logprobs.targets, sampling.prompt_logprobs.top)
+        return output

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -42,8 +42,14 @@ def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None, hf_conf
     return ids
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: list[dict[str, str]]) -> list[int]:
-    """Render chat messages with the model's own template, ready for the assistant's turn."""
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: list[dict[str, Any]],
+                        add_generation_prompt: bool = True, *,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """Render chat messages with the model's own template, ready for the assistant's turn (unless
+    `add_generation_prompt` is off: then just the conversation, as a token count of it wants).
+
+    `tools` (OpenAI function tools) reach the templates that take them; engine/tools.py says which do
+    (`tool_format`) and shapes messages that carry tool calls for them (`template_messages`)."""
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer; send prompt token ids instead of chat messages")
     if not getattr(tokenizer, "chat_template", None):
@@ -52,7 +58,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: lis
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError("each chat message must be {'role': str, 'content': str}")
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(messages, tools=None if tools is None else [dict(t) for t in tools],
+                                            add_generation_prompt=add_generation_prompt, tokenize=True)
     except Exception as e:  # a template may raise anything (jinja's TemplateError, KeyError) for roles it rejects
         raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from e
     # token ids, in a BatchEncoding (or a dict) or as a list; transformers types the result for every set of flags

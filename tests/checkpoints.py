@@ -84,3 +84,57 @@ def with_context(src: Path, out: Path, max_positions: int) -> Path:
     config["max_position_embeddings"] = max_positions
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+# Tool-aware chat templates in the two families engine/tools.py parses, written for these tests after
+# the shape of the real ones: Qwen2.5's (tools listed in <tools>, calls in <tool_call> tags, results as
+# <tool_response>) and Llama 3.1's (tools as JSON in the system turn, a call as {"name", "parameters"}).
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or (m.role == 'assistant' and not m.tool_calls) %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
+    "{%- for call in m.tool_calls %}{%- set f = call.function if call.function is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments | tojson) "
+    "+ '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA3_TOOLS_TEMPLATE = (
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if tools %}{{- 'Environment: ipython\\n\\nYou have access to the following functions. To call a function, "
+    "respond with JSON in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+    "value}.\\n\\n' }}{%- for t in tools %}{{- (t | tojson) + '\\n\\n' }}{%- endfor %}{%- endif %}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}{{- '<|eot_id|>' }}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}{%- set f = m.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n{\"name\": \"' + f.name + '\", \"parameters\": ' "
+    "+ (f.arguments | tojson) + '}<|eot_id|>' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- elif m.role != 'system' %}"
+    "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def make_tools_tokenizer(out: Path, chat_template: str) -> Path:
+    """The test tokenizer with a tool-aware chat template (QWEN_TOOLS_TEMPLATE or LLAMA3_TOOLS_TEMPLATE)."""
+    make_tokenizer(out)
+    tok = PreTrainedTokenizerFast.from_pretrained(out)
+    tok.chat_template = chat_template
+    tok.save_pretrained(out)
+    return out

@@ -51,16 +51,24 @@ class HFOracle:
     def greedy(self, path: Path, prompt: list[int], max_new_tokens: int, eos: list[int] | None = None) -> list[int]:
         key = (path, tuple(prompt), max_new_tokens, tuple(eos or ()))
         if key not in self._memo:
-            from transformers import AutoModelForCausalLM
-
-            if path not in self._models:
-                self._models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            model = self._models[path]
+            model = self.model(path)
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=eos, pad_token_id=0)
             self._memo[key] = out[0, len(prompt):].tolist()
         return self._memo[key]
+
+    def model(self, path: Path) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        if path not in self._models:
+            self._models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return self._models[path]
+
+    def log_softmax(self, path: Path, ids: list[int]) -> torch.Tensor:
+        """Float32 log-probabilities [len(ids), vocab]: row i is the distribution of the token after ids[: i + 1]."""
+        with torch.no_grad():
+            return torch.log_softmax(self.model(path)(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
 @pytest.fixture(scope="session")

@@ -104,7 +104,7 @@ def test_async_client_streams_aborts_and_reads_stats(runtime: Path, llama_ckpt: 
                         break
 
                 with pytest.raises(EngineError) as err:
-                    async for _ in client.generate("x", max_tokens=0):
+                    async for _ in client.generate("x", max_tokens=-1):
                         pass
                 assert err.value.code == "invalid_params"
                 with pytest.raises(EngineError, match="unknown_request"):

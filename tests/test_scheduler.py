@@ -191,8 +191,18 @@ def test_sampling_with_seed_is_reproducible(llm):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logit_bias": {3: 150.0}}, "logit_bias"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"n": 65}, "n must"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": 0}, "top_k"),

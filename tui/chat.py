@@ -24,7 +24,7 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static, TextArea
 from textual.worker import WorkerCancelled, WorkerFailed
 
-from engine.service.client import EngineError, EngineUnavailable
+from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from tui.keys import InOrderKeys
 from tui.names import printable
 from tui.panels.base import update_text
@@ -323,9 +323,13 @@ class ChatPane(Vertical):
         await self.show_context_mark()
         self.show_settings()
 
-    async def _fit(self, prompt: str) -> None:
-        """Drop the oldest turns that no longer fit the model's context, and say so."""
-        if self.context is not None and (dropped := self.session.fit(prompt, self.context)):
+    async def _fit(self, client: AsyncEngineClient, prompt: str) -> None:
+        """Drop the oldest turns that no longer fit the model's context, as the engine counts tokens, and
+        say so."""
+        async def count(messages: list[dict[str, str]]) -> int:
+            return len(await client.tokenize(messages))
+
+        if self.context is not None and (dropped := await self.session.fit(prompt, self.context, count)):
             self.notify(f"{self.session.name}: the oldest {dropped} turn{'s' * (dropped > 1)} no longer fit the "
                         f"model's {self.context}-token context; they stay on screen but are not sent")
             await self.show_context_mark()
@@ -338,24 +342,12 @@ class ChatPane(Vertical):
         self._streaming = view
         try:
             client = await self.link.ready()
-            await self._fit(prompt)
-            while True:
-                messages = self.session.messages(prompt)
-                try:
-                    # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
-                    async with contextlib.aclosing(client.generate(messages, self.session.params,
-                                                                   rid=reply.rid)) as stream:
-                        async for out in stream:
-                            reply.add(out)
-                    self.session.learn(messages, reply)
-                    break
-                except EngineError as e:
-                    # the guess of the history's tokens was short: send the prompt alone once, before giving up
-                    alone = len(self.session.turns) - 1
-                    if e.code != "prompt_too_long" or self.session.context_start >= alone:
-                        raise
-                    self.session.context_start = alone
-                    await self.show_context_mark()
+            await self._fit(client, prompt)
+            # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
+            async with contextlib.aclosing(client.generate(self.session.messages(prompt), self.session.params,
+                                                           rid=reply.rid)) as stream:
+                async for out in stream:
+                    reply.add(out)
         except EngineError as e:
             reply.fail("error", e.message)
         except EngineUnavailable as e:

@@ -120,7 +120,8 @@ def stop(
 def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,
           request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
           timeout: float, baseline: str | None, json_path: Path | None, backend: str, base_url: str | None,
-          tokenizer: str | None, api_key: str | None, **engine_options: typing.Any) -> None:
+          tokenizer: str | None, api_key: str | None, json_schema: Path | None,
+          **engine_options: typing.Any) -> None:
     """Serving benchmark: throughput and TTFT / TPOT / ITL / E2E latency.
 
     --backend minichat (default) speaks the engine's protocol: it attaches to the engine at --address;
@@ -137,7 +138,7 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
                            warmup=warmup, ignore_eos=ignore_eos, temperature=temperature, address=address,
                            timeout=timeout, baseline=baseline, json_path=json_path,
                            engine_options=engine_options_given(engine_options), backend=backend, base_url=base_url,
-                           tokenizer=tokenizer, api_key=api_key)
+                           tokenizer=tokenizer, api_key=api_key, json_schema=json_schema)
     except (BenchError, ValueError) as e:
         typer.echo(f"minichat bench: error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -158,7 +159,10 @@ set_signature(bench, [
     option("temperature", float, 0.0, "Sampling temperature (0 = greedy)."),
     option("address", str | None, None, ADDRESS_HELP, "--address"),
     option("timeout", float, 600.0, "Seconds before one request counts as failed."),
-    option("baseline", str | None, None, "'hf': also run transformers generate in static batches."),
+    option("baseline", str | None, None, "'hf': also run transformers generate in static batches; 'unconstrained': "
+           "run the workload again without --json-schema."),
+    option("json_schema", Path | None, None, "Constrain every output to the JSON schema in this file (structured "
+           "output).", "--json-schema"),
     option("json_path", Path | None, None, "Write the figures and per-request records here.", "--json"),
     option("backend", str, "minichat", "minichat (the engine's protocol) or openai (any OpenAI-compatible server).",
            "--backend"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,10 +130,6 @@ class Turn:
     reply: Reply
 
 
-CHARS_PER_TOKEN = 2.0  # the guess until the engine has counted one of this session's prompts (most are 3-4)
-SAFETY = 1.1  # the guess of a prompt's tokens is inflated by this much: a refusal costs a round trip
-
-
 @dataclass
 class Session:
     """A conversation with its own system prompt and sampling parameters.
@@ -150,44 +146,51 @@ class Session:
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
     context_start: int = 0
-    chars_per_token: float = CHARS_PER_TOKEN
 
     @property
     def live(self) -> Reply | None:
         """The reply still generating, if any (a session runs one request at a time)."""
         return self.turns[-1].reply if self.turns and self.turns[-1].reply.live else None
 
-    def messages(self, prompt: str) -> list[dict[str, str]]:
-        """The history still in context plus `prompt`, for the engine to render with the chat template.
+    def messages(self, prompt: str, start: int | None = None) -> list[dict[str, str]]:
+        """The history from turn `start` (default: what is still in context) plus `prompt`, for the engine
+        to render with the chat template.
 
         Turns whose reply has no text are left out, so user and assistant messages alternate (some
         templates refuse anything else); an aborted reply's partial text counts as said.
         """
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        for turn in self.turns[self.context_start:]:
+        for turn in self.turns[self.context_start if start is None else start:]:
             if turn.reply.text:
                 msgs += [{"role": "user", "content": turn.prompt}, {"role": "assistant", "content": turn.reply.text}]
         return [*msgs, {"role": "user", "content": prompt}]
 
-    def estimate(self, messages: list[dict[str, str]]) -> int:
-        """Tokens these messages will take, guessed from this session's characters per token so far."""
-        chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
-        return round(SAFETY * chars / self.chars_per_token) + 4 * len(messages)
-
-    def fit(self, prompt: str, context: int) -> int:
+    async def fit(self, prompt: str, context: int, count: Callable[[list[dict[str, str]]], Awaitable[int]]) -> int:
         """Drop the oldest turns until the history plus `prompt` leaves room for a reply in a
-        `context`-token model (the system prompt always stays); returns how many were dropped."""
-        room = context - min(self.params.max_tokens, context // 4)
-        before = self.context_start
-        while self.context_start < len(self.turns) - 1 and self.estimate(self.messages(prompt)) > room:
-            self.context_start += 1
-        return self.context_start - before
+        `context`-token model (the system prompt and the turn being sent always stay); returns how many
+        were dropped.
 
-    def learn(self, messages: list[dict[str, str]], reply: Reply) -> None:
-        """The engine counted the prompt: refine the characters-per-token guess for the next fit."""
-        if reply.prompt_tokens:
-            chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
-            self.chars_per_token = max(0.5, chars / reply.prompt_tokens)
+        `count` is the engine's token count of some messages, a tokenize round trip: one for the history
+        as it stands, so one per message sent (never per keystroke); when that is too long, a galloping
+        then binary search finds the fewest turns to drop, one more call to drop one turn, about
+        2·log2(k) to drop k."""
+        room = context - min(self.params.max_tokens, context // 4)
+        first, last = self.context_start, len(self.turns) - 1
+
+        async def fits(start: int) -> bool:
+            return await count(self.messages(prompt, start)) <= room
+
+        if first >= last or await fits(first):
+            return 0
+        too_long, step = first, 1  # too_long: a start known not to fit
+        while too_long + step < last and not await fits(too_long + step):
+            too_long, step = too_long + step, step * 2
+        enough = min(too_long + step, last)  # fits, or is all that can be dropped
+        while enough - too_long > 1:
+            middle = (too_long + enough) // 2
+            too_long, enough = (too_long, middle) if await fits(middle) else (middle, enough)
+        self.context_start = enough
+        return enough - first
 
     @property
     def context_used(self) -> int | None:

@@ -77,6 +77,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
                 TORCH_DTYPES[spec.dtype], device)
     backend = make_backend(spec.attention_backend, spec.device, spec.dtype, spec.cpu_kernels)
     backend.setup(attention_shape(model, spec.dtype), device)
+    model.use_attention_backend(backend)
     conn.send(("ready",))
     steps = 0
     while (message := conn.recv()) is not None:

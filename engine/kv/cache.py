@@ -46,6 +46,12 @@ class CacheManager(ABC):
         """Take back a finished request's pages: `pages[i]` holds tokens [i*page_size, (i+1)*page_size)
         of `token_ids` (the tokens whose K/V were written). The request's own lock is released here."""
 
+    def share(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> PrefixMatch:
+        """Offer a running request's full pages of `token_ids` to other requests now, not at its release
+        (a group's choices share their prompt this way); returns the match the request holds instead of
+        `match`. Without prefix reuse there is nothing to share."""
+        return match
+
     @abstractmethod
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` unlocked cached pages; returns how many were freed."""

@@ -87,6 +87,25 @@ class RadixCacheManager(CacheManager):
         self.allocator.free(to_free)
         self.unlock(match.handle)
 
+    def share(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> PrefixMatch:
+        """Put the request's full pages in the tree (where the tokens are cached already, the tree's page
+        stays and ours stays the request's, freed at release as a duplicate) and lock the whole path."""
+        node, path = self.root, []
+        for key, page in zip(self._pages_of(token_ids), pages, strict=False):
+            child = node.children.get(key)
+            if child is None:
+                child = Node(node, key, page)
+                node.children[key] = child
+                self.by_page[page] = child
+                self.allocator.disown([page])
+            node = child
+            path.append(node.page)
+        if not path:
+            return match
+        self.lock(node)
+        self.unlock(match.handle)
+        return PrefixMatch(handle=node, pages=path)
+
     def evict(self, num_pages: int) -> int:
         leaves = [(n.last_access, n.page, n) for n in self.by_page.values() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)

@@ -34,6 +34,7 @@ from kernels.attention.base import AttentionBackend
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
     from transformers import PretrainedConfig
 
+    from kernels.attention.triton import TritonBackend, TritonStep
     from kernels.cpu import CpuKernels
 
 Rope = Callable[[torch.Tensor], torch.Tensor]
@@ -157,6 +158,22 @@ def rope_in_place(kernels: CpuKernels, x: torch.Tensor, positions: torch.Tensor,
     return x
 
 
+class TritonPath:
+    """The GPU path: the Triton attention backend and the fused Triton kernels around it (kernels/triton),
+    which take the place of the eager norms, RoPE, KV store and activation. Imported only when the model
+    runs on that backend, since the engine imports without Triton."""
+
+    def __init__(self, backend: TritonBackend) -> None:
+        from kernels.triton.activation import silu_mul
+        from kernels.triton.norm import add_rms_norm
+        from kernels.triton.rope import rope_store_kv
+
+        self.backend = backend
+        self.add_rms_norm = add_rms_norm
+        self.rope_store_kv = rope_store_kv
+        self.silu_mul = silu_mul
+
+
 class DecoderLayer(nn.Module):
     """One block; under tensor parallelism it holds this rank's heads and intermediate rows only."""
 
@@ -206,6 +223,21 @@ class DecoderLayer(nn.Module):
             act = F.silu(gate) * up
         return self._add_projection(x, self.down_proj, act)
 
+    def forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None, triton: TritonPath,
+                       positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       state: TritonStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` on the fused kernels, four launches besides the GEMMs and attention: the residual add
+        with each RMSNorm, q/k norm + RoPE + KV store, SiLU * up. Takes and returns the residual stream
+        apart from the block's last output (no residual before the first layer): the next norm adds them."""
+        eps, tokens = self.spec.rms_norm_eps, x.shape[0]
+        h, residual = triton.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
+        qk_norm = None if self.q_norm is None or self.k_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        q, k, v = triton.rope_store_kv(self.qkv_proj(h), self.num_heads, self.num_kv_heads, positions, cos_sin,
+                                       k_cache, v_cache, state.meta.out_slots, qk_norm, eps)
+        attn = triton.backend.attend(q, k, v, k_cache, v_cache, state, self.scale).reshape(tokens, self.q_size)
+        h, residual = triton.add_rms_norm(self.o_proj(attn), residual, self.post_attention_layernorm.weight, eps)
+        return self.down_proj(triton.silu_mul(self.gate_up_proj(h))), residual
+
     def _add_projection(self, residual: torch.Tensor, proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
         """residual + proj(x), rounded to the residual's dtype first (x may be a float32 activation of a
         bf16 model); inside the GEMM where `residual_in_gemm` allows."""
@@ -239,6 +271,8 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         self.cos_sin: torch.Tensor | None = None
         self.kernels: CpuKernels | None = None
+        self.backend: AttentionBackend | None = None  # the backend the layers' path was chosen for
+        self.triton: TritonPath | None = None  # the fused Triton kernels, on the Triton backend
 
     @property
     def num_kv_heads(self) -> int:
@@ -319,6 +353,13 @@ class CausalLM(nn.Module):
             if layer.gate_up_proj.weight.dtype == torch.float32 and layer.down_proj.tp.size == 1:
                 layer.mlp_kernels = kernels
 
+    def use_attention_backend(self, backend: AttentionBackend) -> None:
+        """Choose the layers' path for `backend`, once: on the Triton backend (the GPU path) the fused Triton
+        kernels (`TritonPath`); on any other the eager ops or minichat's C kernels. The engine calls this once
+        it has built its backend (after the model); `forward` calls it for a caller that did not."""
+        self.backend = backend
+        self.triton = TritonPath(cast("TritonBackend", backend)) if backend.name == "triton" else None
+
     def _rope(self, positions: torch.Tensor) -> Rope:
         if self.cos_sin is None:
             raise RuntimeError("CausalLM.load_weights() must run before the first step")
@@ -334,10 +375,29 @@ class CausalLM(nn.Module):
         """Run the flat batch; returns float32 logits only for the rows in `logits_index`
         (under tensor parallelism on rank 0 only; other ranks get None)."""
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a tied embedding may be stored upcast
-        rope = self._rope(positions)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, i, kv, backend, meta)
-        if logits_index.numel() != x.shape[0]:  # as many sampled rows as tokens: every row, in order
-            x = x[logits_index]
-        logits = self.lm_head(self.norm(x))
+        if backend is not self.backend:
+            self.use_attention_backend(backend)
+        if self.triton is not None:
+            x = self._forward_triton(x, positions, logits_index, kv, self.triton, cast("TritonStep", meta))
+        else:
+            rope = self._rope(positions)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, rope, i, kv, backend, meta)
+            if logits_index.numel() != x.shape[0]:  # as many sampled rows as tokens: every row, in order
+                x = x[logits_index]
+            x = self.norm(x)
+        logits = self.lm_head(x)
         return None if logits is None else logits.float()
+
+    def _forward_triton(self, x: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor, kv: KVPool,
+                        triton: TritonPath, state: TritonStep) -> torch.Tensor:
+        """The layers and the final norm on the fused kernels; each residual add runs inside the next norm."""
+        if self.cos_sin is None:
+            raise RuntimeError("CausalLM.load_weights() must run before the first step")
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer.forward_triton(x, residual, triton, positions, self.cos_sin, kv.k(i), kv.v(i), state)
+        if logits_index.numel() != x.shape[0]:
+            x = x[logits_index]
+            residual = None if residual is None else residual[logits_index]
+        return triton.add_rms_norm(x, residual, self.norm.weight, self.spec.rms_norm_eps)[0]

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from engine.kv.cache import CacheManager
+from engine.kv.cache import CacheManager, PrefixMatch
 from engine.kv.table import RequestTable
 from engine.request import Req, ReqState
 from engine.scheduler.admission import Admission
@@ -52,8 +52,9 @@ class PrefillAdder:
         if self.token_budget <= 0:
             self.blocked = "token_budget"
             return False
-        # Match at most fill_len - 1 tokens: the last one must be computed to get logits.
-        match = self.cache.match_prefix(req.tokens(0, req.fill_len - 1))
+        # Match at most fill_len - 1 tokens: the last one must be computed to get logits. A prompt to
+        # score is computed whole: its cached part would have no logits.
+        match = PrefixMatch() if req.scoring_prompt else self.cache.match_prefix(req.tokens(0, req.fill_len - 1))
         self.cache.lock(match.handle)  # locking can make cached pages unevictable, so check after it
         req.pages = list(match.pages)
         need = self.admission.claim(req)
@@ -83,6 +84,8 @@ class PrefillManager:
     the last two, a request that has waited `max_wait_steps` steps is admitted next (fcfs already
     admits the longest-waiting first). Admission walks that order and stops at the first request that
     does not fit; `blocked` remembers which and why (`reason`): everyone after it waits for its turn.
+    A choice waiting for its group's leader to cache the prompt (`Req.held`, reason "sibling") is passed
+    over meanwhile.
     """
 
     def __init__(self, table: RequestTable, cache: CacheManager, admission: Admission, policy: str = "fcfs",
@@ -116,6 +119,8 @@ class PrefillManager:
     def reason(self, req: Req) -> str:
         """Why a waiting request waits, as the last admission found: the limit that stopped it, or
         "queue" (admission stopped at a request ahead of it, or has not looked since it arrived)."""
+        if req.held:
+            return "sibling"
         return self.blocked[1] if self.blocked is not None and self.blocked[0] == req.rid else "queue"
 
     def ordered(self, step: int) -> Sequence[Req]:
@@ -142,6 +147,8 @@ class PrefillManager:
         self.blocked = None
         admitted: list[Req] = []
         for req in self.ordered(step):
+            if req.held:
+                continue
             if not adder.try_add_one(req):
                 self.blocked = (req.rid, adder.blocked)
                 break

@@ -11,24 +11,35 @@ Retraction (optimistic admission, engine/scheduler/admission.py): when the runni
 need more pages than are free or evictable, running requests go back to the front of the waiting
 queue, latest arrival first (under the priority policy: lowest priority first). Their written pages
 go to the prefix cache, so their next admission recomputes only what was evicted meanwhile, and they
-keep their output and generator: a retracted request samples exactly the tokens it would have. A
+keep their output and seed: a retracted request samples exactly the tokens it would have. A
 retraction happens only with no batch in flight (a batch in flight still writes the victims' pages);
 until then `schedule()` returns None, and the step loop processes the batch in flight first.
+
+Log-probabilities: a prompt asking for its own (`prompt_logprobs`) adds the logits rows of its
+positions to the step's, kept in position order; `process` turns the runner's numbers into
+`TokenLogprob`s. The `n` choices of a request (engine/request.py's Group) are requests of their own
+that share the leader's prompt pages through the prefix cache once the leader has scheduled them.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import threading
 import time
+from collections.abc import Callable
 from types import MappingProxyType
 
+import msgspec
 import torch
 
-from engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
+from engine.batch import ForwardBatch, ForwardOutput
 from engine.kv.cache import CacheManager, PrefixMatch
 from engine.kv.table import RequestTable
-from engine.outputs import Delta, Output, StepResult
-from engine.request import Req, ReqState
+from engine.outputs import Delta, Output, StepResult, TokenLogprob
+from engine.request import Group, Req, ReqState
 from engine.runner import ModelRunner
+from engine.sampling import Grammars, Logprobs, SamplingBatch
 from engine.scheduler.admission import Admission
 from engine.scheduler.budget import pages_for
 from engine.scheduler.decode import DecodeManager
@@ -40,7 +51,11 @@ from engine.scheduler.snapshot import (
     SchedulerSnapshot,
     WaitingEntry,
 )
+from engine.structured import GrammarCompiler
 from kernels.attention.base import build_metadata
+
+log = logging.getLogger(__name__)
+GRAMMAR_WAIT = 60.0  # seconds a step's sampler waits for the previous step's processing before giving up
 
 
 class Scheduler:
@@ -49,8 +64,9 @@ class Scheduler:
     def __init__(self, runner: ModelRunner | None, cache: CacheManager, table: RequestTable,
                  max_prefill_tokens: int, eos_ids: set[int], mixed_batches: bool = True,
                  admission: str = "optimistic", policy: str = "fcfs", max_wait_steps: int = 1000,
-                 max_consecutive_prefills: int = 8) -> None:
+                 max_consecutive_prefills: int = 8, token_text: Callable[[int], str] = str) -> None:
         self.runner = runner
+        self.token_text = token_text  # a token id's text, for log-probabilities
         self.mixed_batches = mixed_batches
         self.cache = cache
         self.table = table
@@ -63,6 +79,11 @@ class Scheduler:
         self.prefill_manager = PrefillManager(table, cache, self.admission, policy, max_wait_steps)
         self.decode_manager = DecodeManager()
         self.reqs: dict[str, Req] = {}
+        self.groups: dict[str, Group] = {}  # requests with n > 1, by the client's rid
+        self.grammar: GrammarCompiler | None = None  # set by the engine once a request asks for structure
+        self._processed = threading.Condition()  # batches processed so far (`_processed_count`), for grammars
+        self._processed_count = 0
+        self._scheduled_count = 0
         self._pending: list[Output] = []
         self._unreleased: set[Req] = set()  # finished, but a batch in flight still uses their slot/pages
         self._prefill_streak = 0  # prefill-only steps in a row while running requests waited
@@ -74,6 +95,8 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         req.arrival_step = self.counters["steps"]
         self.reqs[req.rid] = req
+        if req.group is not None:
+            self.groups[req.group.rid] = req.group
         self.prefill_manager.add_one_req(req)
 
     @property
@@ -89,12 +112,12 @@ class Scheduler:
         return bool(self.reqs) or bool(self._pending) or self.inflight_batches > 0
 
     def abort(self, rid: str) -> bool:
-        """Abort in any state; False if the request is unknown or already finished."""
-        req = self.reqs.get(rid)
-        if req is None:
-            return False
-        self._finish(req, "abort")
-        return True
+        """Abort in any state (every open choice of a group); False if the request is unknown or finished."""
+        group = self.groups.get(rid)
+        reqs = group.open if group is not None else [r for r in (self.reqs.get(rid),) if r is not None]
+        for req in reqs:
+            self._finish(req, "abort")
+        return bool(reqs)
 
     def snapshot(self) -> SchedulerSnapshot:
         """A read-only picture of queues, slots, pages and counters (see engine/scheduler/snapshot.py)."""
@@ -167,7 +190,11 @@ class Scheduler:
         input_index: list[int] = []
         input_ids: list[int] = []
         positions: list[int] = []
-        q_lens, kv_lens, logits_at, out_index, sample_rows = [], [], [], [], []
+        q_lens, kv_lens, out_index, sample_rows = [], [], [], []
+        logits_at: list[int] = []
+        prompt_rows: list[tuple[int, int]] = []  # (request, positions scored) in batch order
+        prompt_at: list[int] = []
+        prompt_targets: list[int] = []
         for i, req in enumerate(reqs):
             start_pos, end = req.cached_len, req.cached_len + req.extend_len
             assert req.slot is not None  # a scheduled request holds a slot
@@ -178,30 +205,59 @@ class Scheduler:
             positions += range(start_pos, end)
             q_lens.append(req.extend_len)
             kv_lens.append(end)
+            if req.scoring_prompt:  # position q's logits score prompt token q + 1
+                first, last = max(start_pos, req.scored - 1), min(end, req.input_len - 1)
+                if last > first:
+                    offset = len(positions) - end
+                    prompt_at += range(offset + first, offset + last)
+                    prompt_rows.append((i, last - first))
+                    prompt_targets += req.input_ids[first + 1 : last + 1]
+                    req.scored = last + 1
             # A request samples when this step reaches the end of its tokens; mid-chunk ones do not.
             if end == req.input_len + req.sampled:
                 sample_rows.append(i)
                 logits_at.append(len(positions) - 1)
                 out_index.append(base + end)
         dev = self.table.table.device
+        # Sampled rows then prompt rows; the model reads the rows in position order (so that as many rows
+        # as tokens are all of them, in order), `select` says where each of ours went.
+        select: list[int] = []
+        if prompt_rows:
+            rows_at = logits_at + prompt_at
+            order = sorted(range(len(rows_at)), key=rows_at.__getitem__)
+            logits_at = [rows_at[j] for j in order]
+            select = [0] * len(order)
+            for place, j in enumerate(order):
+                select[j] = place
         # one host-to-device tensor for every index list (a tensor per list costs more than the lists)
-        sizes = [len(positions), len(positions), len(logits_at), len(out_index), len(reqs), len(input_ids)]
-        packed = torch.tensor(input_index + positions + logits_at + out_index + [r.slot for r in reqs] + input_ids,
-                              dtype=torch.int64, device=dev)
-        input_index_t, positions_t, logits_index, out_index_t, rows, input_ids_t = packed.split(sizes)
+        sizes = [len(positions), len(positions), len(logits_at), len(out_index), len(reqs), len(input_ids),
+                 len(select)]
+        packed = torch.tensor(input_index + positions + logits_at + out_index + [r.slot for r in reqs] + input_ids
+                              + select, dtype=torch.int64, device=dev)
+        input_index_t, positions_t, logits_index, out_index_t, rows, input_ids_t, select_t = packed.split(sizes)
         # the KV slot of each new token is its entry in the request table, where input_index points
         out_slots = self.table.table.view(-1).index_select(0, input_index_t)
         sampled = [reqs[i] for i in sample_rows]
+        self._scheduled_count += 1
         batch = ForwardBatch(
             kind=kind, reqs=reqs, sample_rows=sample_rows, num_decode=len(decode),
             input_ids=input_ids_t if input_ids else None, input_index=input_index_t, positions=positions_t,
             logits_index=logits_index, out_index=out_index_t,
             attn=build_metadata(q_lens, kv_lens, rows, self.table.table, out_slots),
-            sampling=SamplingBatch([r.params for r in sampled], [r.generator for r in sampled]),
-            num_tokens=len(positions))
+            sampling=SamplingBatch.build(sampled, self.eos_ids, dev, prompt_targets,
+                                         max((reqs[i].params.prompt_logprobs or 0 for i, _ in prompt_rows), default=0)),
+            num_tokens=len(positions), logits_select=select_t if prompt_rows else None, prompt_rows=prompt_rows)
+        if self.grammar is not None and any(r.grammar is not None for r in sampled):
+            batch.sampling.grammars = Grammars(
+                [r.grammar for r in sampled], self.grammar.allocate_bitmask(len(sampled)),
+                functools.partial(self._wait_processed, self._scheduled_count - 1))
         for req in reqs:
             req.cached_len += req.extend_len
             req.inflight += 1
+            group = req.group
+            if group is not None and req.index == 0 and not group.shared and req.cached_len >= req.input_len:
+                req.prefix = self.cache.share(req.input_ids, req.pages, req.prefix)
+                group.shared = True
         for req in sampled:
             req.sampled += 1
         self.decode_manager.filter_reqs(sampled)
@@ -270,13 +326,18 @@ class Scheduler:
         self.inflight_batches -= 1
         for req in batch.reqs:
             req.inflight -= 1
+        self._collect_prompt_logprobs(batch, output.prompt_logprobs)
+        logprobs = self._token_logprobs(batch, tokens, output.logprobs)
         for row, token in zip(batch.sample_rows, tokens, strict=True):
             req = batch.reqs[row]
             if req.state is not ReqState.FINISHED:
-                self._append_token(req, token)
+                self._append_token(req, token, logprobs.get(row))
         for req in batch.reqs:
             if req in self._unreleased and req.inflight == 0:
                 self._release(req)
+        with self._processed:
+            self._processed_count += 1
+            self._processed.notify_all()
         self.counters["steps"] += 1
         if batch.num_decode:
             self.admission.decoded()
@@ -285,13 +346,63 @@ class Scheduler:
         duration = batch.schedule_time + output.run_time + time.perf_counter() - start
         return self._result(batch.kind, [r.rid for r in batch.reqs], batch.num_tokens, duration, batch.num_decode)
 
-    def _append_token(self, req: Req, token: int) -> None:
+    def _wait_processed(self, count: int) -> None:
+        """Block (the model's thread) until `count` batches are processed: their tokens are then accepted
+        into the grammars of the batch about to sample."""
+        with self._processed:
+            if not self._processed.wait_for(lambda: self._processed_count >= count, GRAMMAR_WAIT):
+                raise RuntimeError(f"step {count + 1} waited {GRAMMAR_WAIT:.0f} s for the previous step's tokens")
+
+    def _collect_prompt_logprobs(self, batch: ForwardBatch, numbers: Logprobs | None) -> None:
+        """Add this step's prompt log-probabilities to their requests (the first prompt token has none)."""
+        if numbers is None:
+            return
+        chosen, top_ids, top_values = numbers.chosen.tolist(), numbers.top_ids.tolist(), numbers.top_values.tolist()
+        at = 0
+        for row, count in batch.prompt_rows:
+            req = batch.reqs[row]
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [self._logprob(req.input_ids[0], None, [], [], 0)]
+            first = len(req.prompt_logprobs)
+            k = req.params.prompt_logprobs or 0
+            req.prompt_logprobs += [self._logprob(req.input_ids[first + j], chosen[at + j], top_ids[at + j],
+                                                  top_values[at + j], k) for j in range(count)]
+            at += count
+
+    def _token_logprobs(self, batch: ForwardBatch, tokens: list[int],
+                        numbers: Logprobs | None) -> dict[int, TokenLogprob]:
+        """Each sampled token's log-probability, by batch row, for the rows that asked."""
+        if numbers is None:
+            return {}
+        chosen, top_ids, top_values = numbers.chosen.tolist(), numbers.top_ids.tolist(), numbers.top_values.tolist()
+        out = {}
+        for j, i in enumerate(batch.sampling.logprob_rows or ()):
+            row = batch.sample_rows[i]
+            out[row] = self._logprob(tokens[i], chosen[j], top_ids[j], top_values[j],
+                                     batch.reqs[row].params.logprobs or 0)
+        return out
+
+    def _logprob(self, token: int, value: float | None, ids: list[int], values: list[float], k: int) -> TokenLogprob:
+        text = self.token_text
+        return TokenLogprob(token, text(token), value, [(t, text(t), v) for t, v in zip(ids[:k], values[:k],
+                                                                                        strict=True)])
+
+    def _append_token(self, req: Req, token: int, logprob: TokenLogprob | None = None) -> None:
         now = time.monotonic()
-        req.output_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = now
+        if req.params.max_tokens == 0:  # scoring only: the prompt's log-probabilities, no output
+            self._finish(req, "length")
+            return
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
         reason = None
-        if token in self.eos_ids and not req.params.ignore_eos:
+        if req.grammar is not None and (not req.grammar.accept(token) or req.grammar.is_terminated):
+            if not req.grammar.is_terminated:  # the mask allowed it, so this is a bug, but only this request's
+                log.error("request %s sampled token %d, which its grammar rejects; it ends here", req.rid, token)
+            reason = "stop"
+        elif (token in self.eos_ids and not req.params.ignore_eos) or token in (req.params.stop_token_ids or ()):
             reason = "stop"
         else:
             if req.detokenizer is not None:
@@ -302,12 +413,23 @@ class Scheduler:
                 reason = "length"
         if reason is None:
             text = req.detokenizer.take(final=False) if req.detokenizer else ""
-            self._pending.append(Delta(rid=req.rid, text=text, token_ids=[token]))
+            self._pending.append(Delta(rid=req.client_rid, index=req.index, text=text, token_ids=[token],
+                                       logprobs=None if logprob is None else [logprob],
+                                       prompt_logprobs=self._first_prompt_logprobs(req)))
         else:
-            self._finish(req, reason, last_token=token)
+            self._finish(req, reason, last_token=token, logprob=logprob)
 
-    def _finish(self, req: Req, reason: str, last_token: int | None = None) -> None:
-        """The one way out: leave every queue, emit the Final, release now or after the batches in flight."""
+    @staticmethod
+    def _first_prompt_logprobs(req: Req) -> list[TokenLogprob] | None:
+        """A request's prompt log-probabilities, with its first output only."""
+        if req.params.prompt_logprobs is None or len(req.output_ids) > 1:
+            return None
+        return req.prompt_logprobs
+
+    def _finish(self, req: Req, reason: str, last_token: int | None = None,
+                logprob: TokenLogprob | None = None) -> None:
+        """The one way out: leave every queue, emit the Final (a group's choices but the last: a Delta with
+        the choice's finish reason), release now or after the batches in flight."""
         self.prefill_manager.remove_req(req)
         self.decode_manager.remove_req(req)
         req.state = ReqState.FINISHED
@@ -321,7 +443,19 @@ class Scheduler:
         if req.inflight == 0:
             self._release(req)
         text = req.detokenizer.take(final=True) if req.detokenizer else ""
-        self._pending.append(req.final([] if last_token is None else [last_token], text))
+        tokens = [] if last_token is None else [last_token]
+        extra = {"logprobs": None if logprob is None else [logprob],
+                 "prompt_logprobs": self._first_prompt_logprobs(req) if tokens or not req.output_ids else None}
+        group = req.group
+        if group is None:
+            self._pending.append(msgspec.structs.replace(req.final(tokens, text), **extra))
+        elif group.open:
+            self._pending.append(Delta(rid=group.rid, index=req.index, text=text, token_ids=tokens,
+                                       finish_reason=reason, **extra))
+        else:
+            del self.groups[group.rid]
+            done = sum(len(r.output_ids) for r in group.members)
+            self._pending.append(msgspec.structs.replace(req.final(tokens, text, done), **extra))
 
     def _release(self, req: Req) -> None:
         """Free the request slot and hand the KV pages to the cache manager (only whole, known tokens are cached)."""

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 class WaitingEntry:
     """A waiting request, in admission order. `reason` is why the last admission left it waiting:
     "slot" (none free), "token_budget" (the step's budget was spent), "kv_pages" (its pages do not fit)
-    or "queue" (admission stopped at a request ahead of it). A retracted request has `retractions` > 0
+    or "queue" (admission stopped at a request ahead of it) or "sibling" (one of n choices, waiting for
+    the first to put the prompt in the prefix cache). A retracted request has `retractions` > 0
     and its `generated` tokens kept."""
 
     rid: str

@@ -66,7 +66,25 @@ class Shutdown(_ClientMsg, tag="shutdown"):
     request ends with a `Final` ("abort") and the engine exits, as on SIGTERM."""
 
 
-ClientMessage = Submit | Abort | Ping | GetInfo | Shutdown
+class Tokenize(_ClientMsg, tag="tokenize"):
+    """Token ids of a prompt as a `Submit` of it would get them: text (with the tokenizer's special
+    tokens) or chat messages through the model's chat template. Answered by `Tokens` with the same `rid`,
+    which only pairs the reply with its call: it is no request, and may repeat a live request's id."""
+
+    rid: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # chat only: end with the assistant turn's opening, as a Submit does
+
+
+class Detokenize(_ClientMsg, tag="detokenize"):
+    """The text of token ids (special tokens included); answered by `Text` with the same `rid`."""
+
+    rid: str
+    token_ids: list[int]
+
+
+ClientMessage = Submit | Abort | Ping | GetInfo | Shutdown | Tokenize | Detokenize
 
 
 # -- engine -> client ---------------------------------------------------------------------------
@@ -130,7 +148,21 @@ class Heartbeat(_EngineMsg, tag="heartbeat"):
     client is still connected (a failed send aborts its requests) and the engine still alive."""
 
 
-EngineMessage = Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat
+class Tokens(_EngineMsg, tag="tokens"):
+    """Answers `Tokenize`: the prompt's token ids (their count is what a Submit's usage would report)."""
+
+    rid: str
+    token_ids: list[int]
+
+
+class Text(_EngineMsg, tag="text"):
+    """Answers `Detokenize`."""
+
+    rid: str
+    text: str
+
+
+EngineMessage = Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat | Tokens | Text
 
 
 # -- stats (PUB socket) -------------------------------------------------------------------------
@@ -236,14 +268,14 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo | Shutdown:
+def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo | Shutdown | Tokenize | Detokenize:
     try:
         return _client_decoder.decode(data)
     except RecursionError:  # an unknown field whose value nests thousands deep
         raise msgspec.DecodeError("the message nests too deeply") from None
 
 
-def decode_engine(data: bytes) -> Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat:
+def decode_engine(data: bytes) -> Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat | Tokens | Text:
     return _engine_decoder.decode(data)
 
 

@@ -5,9 +5,9 @@ The loop blocks on the socket only when the scheduler has nothing to do; otherwi
 whatever messages arrived and runs the next step. Every message is validated; a bad one (or any
 exception while handling one) gets an `Error` reply and the engine carries on. Text prompts are
 tokenized on a worker thread (tokenizers releases the GIL), so a huge prompt never stalls the loop,
-and ping / shutdown stay answered under any load. A client that disappears (a send to it fails: ROUTER is
-in mandatory mode, so a vanished peer is an error, not a silent drop) has its requests aborted,
-which frees their request slots and KV pages.
+and so are `tokenize` / `detokenize` calls; ping / shutdown stay answered under any load. A client
+that disappears (a send to it fails: ROUTER is in mandatory mode, so a vanished peer is an error, not
+a silent drop) has its requests aborted, which frees their request slots and KV pages.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ import os
 import signal
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import zmq
+from transformers import PreTrainedTokenizerBase
 
 import engine
 from engine.config import DEMO_MODEL_DIR, EngineConfig
@@ -38,7 +41,7 @@ from engine.service.options import ServerOptions
 from engine.service.publisher import StatsPublisher
 from engine.service.sockets import Sockets
 from engine.service.stats import StatsRecorder
-from engine.tokenizer import max_prompt_chars
+from engine.tokenizer import apply_chat_template, max_prompt_chars
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,15 @@ class _Encoding:
     arrival: float
 
 
+@dataclass
+class _Answer:
+    """A `tokenize` / `detokenize` call the tokenizer worker is still working on: `reply` is its answer."""
+
+    identity: bytes
+    rid: str
+    reply: Future[msgspec.Struct]
+
+
 class EngineServer:
     """Runs an LLM behind the sockets until `request_stop()` (signal-safe)."""
 
@@ -82,6 +94,7 @@ class EngineServer:
         self.publisher = StatsPublisher(sockets.pub, self.stats.snapshot)
         self.owners: dict[str, bytes] = {}  # live request -> the identity of the client that submitted it
         self.encoding: dict[str, _Encoding] = {}
+        self.answering: deque[_Answer] = deque()  # in the order the one tokenizer worker finishes them
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._max_prompt_chars = max_prompt_chars(llm.tokenizer, llm.max_seq_len)
         self._last_sent: dict[bytes, float] = {}
@@ -108,6 +121,7 @@ class EngineServer:
                 busy = self.llm.has_unfinished()
                 self._receive(0 if busy else self._idle_wait_ms())
                 self._admit_encoded()
+                self._answer()
                 if self.llm.has_unfinished():
                     self._deliver(self.llm.step(self.llm.config.use_overlap))
                 self._sweep_clients()
@@ -123,7 +137,7 @@ class EngineServer:
     def _idle_wait_ms(self) -> int:
         """How long an idle loop may block on the sockets: until the next stats snapshot is due while
         someone subscribes, else a heartbeat interval (the health check still runs that often)."""
-        if self.encoding:
+        if self.encoding or self.answering:
             return 5
         if self.publisher.listening:
             return self.publisher.wait_ms()
@@ -180,13 +194,15 @@ class EngineServer:
             log.info("shutdown requested by client %s", identity.hex())
             self._send(identity, protocol.ShuttingDown(pid=os.getpid()))
             self.request_stop()
+        elif isinstance(msg, protocol.Tokenize):
+            self._tokenize(identity, msg)
+        elif isinstance(msg, protocol.Detokenize):
+            self._detokenize(identity, msg)
         else:
             self._send(identity, self._info())
 
     def _submit(self, identity: bytes, msg: protocol.Submit) -> None:
-        rid = msg.rid
-        if not rid or len(rid) > MAX_RID_LEN:
-            raise Refused("invalid_request", f"rid must be a non-empty string of at most {MAX_RID_LEN} characters")
+        rid = _checked_rid(msg.rid)
         if rid in self.owners or rid in self.encoding or self.llm.request(rid) is not None:
             raise Refused("duplicate_request", f"request id {rid!r} is already in use; choose another")
         waiting = self.llm.num_waiting + len(self.encoding)
@@ -234,6 +250,61 @@ class EngineServer:
             except Exception as e:
                 log.exception("internal error tokenizing request %s", rid)
                 self._error(enc.identity, "internal", f"{type(e).__name__}: {e}", rid)
+
+    def _tokenize(self, identity: bytes, msg: protocol.Tokenize) -> None:
+        """Token ids as a Submit of the same prompt gets them (the same code on the same worker thread)."""
+        self._need_tokenizer()
+        if (msg.prompt is None) == (msg.messages is None):
+            raise Refused("invalid_request", "give exactly one of prompt (text) or messages (chat)")
+        if not (msg.prompt or msg.messages):
+            raise Refused("invalid_request", "nothing to tokenize: the prompt is empty")
+        rid, prompt, messages = msg.rid, msg.prompt, [msgspec.structs.asdict(m) for m in msg.messages or ()]
+
+        def work() -> protocol.Tokens:
+            if prompt is not None:
+                return protocol.Tokens(rid=rid, token_ids=self.llm.encode_prompt(prompt))
+            ids = apply_chat_template(self.llm.tokenizer, messages, msg.add_generation_prompt)
+            return protocol.Tokens(rid=rid, token_ids=ids)
+
+        self._answer_later(identity, rid, work)
+
+    def _detokenize(self, identity: bytes, msg: protocol.Detokenize) -> None:
+        tokenizer = self._need_tokenizer()
+        if not msg.token_ids:
+            raise Refused("invalid_request", "nothing to detokenize: token_ids is empty")
+        rid, ids = msg.rid, msg.token_ids
+
+        def work() -> protocol.Text:  # encode_prompt checks the ids against the vocabulary, as for a Submit
+            text = tokenizer.decode(self.llm.encode_prompt(ids))  # a str for one sequence (typed for batches too)
+            return protocol.Text(rid=rid, text=cast("str", text))
+
+        self._answer_later(identity, rid, work)
+
+    def _need_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.llm.tokenizer is None:
+            raise Refused("invalid_request", "this checkpoint has no tokenizer files, so it cannot (de)tokenize")
+        return self.llm.tokenizer
+
+    def _answer_later(self, identity: bytes, rid: str, work: Callable[[], msgspec.Struct]) -> None:
+        """Run `work` on the tokenizer worker; `_answer` sends its reply (or its ValueError) when done."""
+        _checked_rid(rid)
+        if len(self.answering) >= self.options.max_waiting_requests:
+            raise Refused("overloaded", f"{len(self.answering)} tokenize calls are queued already; retry later")
+        self.answering.append(_Answer(identity, rid, self._tokenizer.submit(work)))
+
+    def _answer(self) -> None:
+        """Send the replies of the tokenize / detokenize calls that are done."""
+        while self.answering and self.answering[0].reply.done():
+            job = self.answering.popleft()
+            try:
+                reply = job.reply.result()
+            except ValueError as e:  # ids out of the vocabulary, messages the chat template refuses
+                self._error(job.identity, "invalid_request", str(e), job.rid)
+            except Exception as e:
+                log.exception("internal error answering %s", job.rid)
+                self._error(job.identity, "internal", f"{type(e).__name__}: {e}", job.rid)
+            else:
+                self._send(job.identity, reply)
 
     def _abort(self, identity: bytes, rid: str) -> None:
         try:
@@ -340,6 +411,12 @@ class EngineServer:
             self._deliver(self.llm.step())
         self.publisher.publish(idle=True, force=True)
         log.info("engine stopping: aborted %d in-flight request(s)", len(rids))
+
+
+def _checked_rid(rid: str) -> str:
+    if not rid or len(rid) > MAX_RID_LEN:
+        raise Refused("invalid_request", f"rid must be a non-empty string of at most {MAX_RID_LEN} characters")
+    return rid
 
 
 def _final_unstarted(rid: str, arrival: float) -> Final:

@@ -2,7 +2,8 @@
 
 A pure-decode step uses the split-KV decode kernels (the grouped one when query heads share a KV
 head); any step with a multi-token request runs the extend kernel for the whole ragged batch, since a
-decode request is just an extend of one token.
+decode request is just an extend of one token. The model's fused path (kernels/triton/rope.py) writes
+K/V into the pool itself and calls `attend`, the attention alone.
 """
 
 from __future__ import annotations
@@ -58,9 +59,15 @@ class TritonBackend(AttentionBackend[TritonStep]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, state: TritonStep, scale: float) -> torch.Tensor:
-        meta = state.meta
         k, v = k.contiguous(), v.contiguous()
-        store_kv(k, v, k_cache, v_cache, meta.out_slots)
+        store_kv(k, v, k_cache, v_cache, state.meta.out_slots)
+        return self.attend(q, k, v, k_cache, v_cache, state, scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, state: TritonStep, scale: float) -> torch.Tensor:
+        """`forward` without the store, for K/V already in the pool at `out_slots`; this step's k and v are
+        still read (by the extend kernel) and may be strided views (unit stride along head_dim)."""
+        meta = state.meta
         if not state.decode:
             return extend_attention(q, k, v, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                                     state.max_q_len, scale)

@@ -89,6 +89,7 @@ class Shape(TypedDict):
     ignore_eos: bool
     temperature: float
     timeout: float
+    json_schema: str | None  # every output constrained to this JSON schema (structured output)
 
 
 Measured = tuple[list[RequestRecord], float, int]  # per-request records, duration, peak concurrency
@@ -127,25 +128,33 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
               request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
               timeout: float, baseline: str | None, json_path: Path | None, engine_options: dict[str, Any],
               backend: str = "minichat", base_url: str | None = None, tokenizer: str | None = None,
-              api_key: str | None = None) -> dict:
+              api_key: str | None = None, json_schema: Path | None = None) -> dict:
     if concurrency < 1:
         raise BenchError("--concurrency must be at least 1")
-    if baseline not in (None, "hf"):
-        raise BenchError(f"--baseline must be 'hf'; got {baseline!r}")
+    if baseline not in (None, "hf", "unconstrained"):
+        raise BenchError(f"--baseline must be 'hf' or 'unconstrained'; got {baseline!r}")
+    if baseline == "unconstrained" and json_schema is None:
+        raise BenchError("--baseline unconstrained compares a --json-schema run with the same workload without it")
+    schema = None
+    if json_schema is not None:
+        try:
+            schema = json.dumps(json.loads(json_schema.read_text()))
+        except (OSError, ValueError) as e:
+            raise BenchError(f"--json-schema {json_schema}: {e}") from e
     if backend not in ("minichat", "openai"):
         raise BenchError(f"--backend must be 'minichat' or 'openai'; got {backend!r}")
     shape = Shape(concurrency=concurrency, request_rate=request_rate, seed=seed, ignore_eos=ignore_eos,
-                  temperature=temperature, timeout=timeout)
+                  temperature=temperature, timeout=timeout, json_schema=schema)
     handle: EngineHandle | None = None
     try:
         if backend == "openai":
             model = engine_options.pop("model", None)
-            if base_url is None or engine_options or address is not None or baseline is not None:
+            if base_url is None or engine_options or address is not None or baseline == "hf":
                 raise BenchError("--backend openai takes --base-url (and --model, --tokenizer, --api-key), not "
                                  "--address, engine options or --baseline")
             target, served = openai_target(base_url, model, tokenizer, api_key)
 
-            def launch(workload: list[BenchRequest], warm: int) -> Coroutine[Any, Any, Measured]:
+            def launch(workload: list[BenchRequest], warm: int, shape: Shape) -> Coroutine[Any, Any, Measured]:
                 return run_openai_bench(base_url, served, api_key, workload, warmup=warm, **shape)
         else:
             handle = connect(address, engine_options)
@@ -156,7 +165,7 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
                              "engine_execution": info.execution})
             engine_address = handle.address
 
-            def launch(workload: list[BenchRequest], warm: int) -> Coroutine[Any, Any, Measured]:
+            def launch(workload: list[BenchRequest], warm: int, shape: Shape) -> Coroutine[Any, Any, Measured]:
                 return run_engine_bench(engine_address, workload, warmup=warm, **shape)
 
         workload = make_workload(ordinary_vocab(target.tokenizer), num_requests + warmup, input_len, output_len,
@@ -167,18 +176,25 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
             raise BenchError(f"{len(too_long)} requests exceed the server's max_seq_len {target.max_seq_len}; "
                              f"lower --input-len/--output-len")
         warm, measured = workload[:warmup], workload[warmup:]
-        records, duration, peak = asyncio.run(launch(warm + measured, len(warm)))
+        records, duration, peak = asyncio.run(launch(warm + measured, len(warm), shape))
         records = records[len(warm):] if warm else records
         summary = summarize(records, duration, peak)
         result: dict = {
             "config": {"concurrency": concurrency, "num_requests": num_requests, "input_len": input_len,
                        "output_len": output_len, "range_ratio": range_ratio, "request_rate": request_rate,
                        "seed": seed, "ignore_eos": ignore_eos, "temperature": temperature, "model": target.tokenizer,
-                       **target.config},
+                       "json_schema": schema, **target.config},
             "engine": summary.to_dict(),
             "records": [asdict(r) | {"tpot": r.tpot} for r in records],
         }
-        console.print(render(target.title, summary))
+        console.print(render(target.title + (" · JSON schema" if schema else ""), summary))
+        if baseline == "unconstrained":  # the same workload again, free: what structure costs the batch
+            records, duration, peak = asyncio.run(launch(warm + measured, len(warm), shape | {"json_schema": None}))
+            free = summarize(records[len(warm):], duration, peak)
+            console.print(render(target.title + " · unconstrained (baseline)", free))
+            ratio = summary.output_throughput / free.output_throughput if free.output_throughput else math.inf
+            console.print(f"output throughput JSON schema / unconstrained: [bold]{ratio:.2f}x[/bold]")
+            result |= {"baseline": free.to_dict(), "ratio_output_throughput": ratio}
         if baseline == "hf":
             result |= _baseline(info, measured, concurrency, ignore_eos, temperature, seed, result["engine"])
     finally:

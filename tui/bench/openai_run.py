@@ -34,9 +34,12 @@ def client(base_url: str, api_key: str | None, timeout: float, connections: int 
 
 
 async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eos: bool, temperature: float,
-               seed: int | None) -> RequestRecord:
-    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+               seed: int | None, json_schema: str | None) -> RequestRecord:
+    body: dict = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": temperature,
+                  "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    if json_schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "bench", "schema": json.loads(json_schema)}}
     if seed is not None:
         body["seed"] = seed
     record = RequestRecord(prompt_len=len(req.prompt_ids))
@@ -71,8 +74,10 @@ async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eo
 
 async def run_openai_bench(base_url: str, model: str, api_key: str | None, workload: list[BenchRequest],
                            concurrency: int, request_rate: float, seed: int, ignore_eos: bool, temperature: float,
-                           timeout: float, warmup: int = 0) -> tuple[list[RequestRecord], float, int]:
+                           timeout: float, json_schema: str | None = None,
+                           warmup: int = 0) -> tuple[list[RequestRecord], float, int]:
     """Returns per-request records, the measured duration and the peak number of requests in flight."""
     async with client(base_url, api_key, timeout, concurrency) as http:
-        return await run_workload(lambda req, s: _one(http, model, req, ignore_eos, temperature, s), workload,
+        return await run_workload(lambda req, s: _one(http, model, req, ignore_eos, temperature, s, json_schema),
+                                  workload,
                                   concurrency, request_rate, seed, temperature, timeout, warmup)

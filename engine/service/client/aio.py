@@ -13,11 +13,11 @@ import zmq.asyncio
 
 from engine.outputs import Output, RequestOutput
 from engine.params import SamplingParams
-from engine.prompt import Prompt
+from engine.prompt import ChatMessage, Prompt
 from engine.service import protocol
 from engine.service.addresses import default_address, stats_address
 from engine.service.client import core, sockets
-from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats
+from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats, Text, Tokens
 
 T = TypeVar("T")
 
@@ -131,6 +131,17 @@ class AsyncEngineClient:
     async def shutdown(self, timeout: float | None = None) -> int:
         """Ask the engine to stop; returns its pid once it agreed."""
         return (await self._call(("shutdown", None), protocol.Shutdown(), ShuttingDown, timeout)).pid
+
+    async def tokenize(self, prompt: str | list[ChatMessage], *, add_generation_prompt: bool = True,
+                       timeout: float | None = None) -> list[int]:
+        """See EngineClient.tokenize."""
+        msg = core.tokenize_message(prompt, add_generation_prompt)
+        return (await self._call(("req", msg.rid), msg, Tokens, timeout)).token_ids
+
+    async def detokenize(self, token_ids: list[int], timeout: float | None = None) -> str:
+        """See EngineClient.detokenize."""
+        msg = core.detokenize_message(token_ids)
+        return (await self._call(("req", msg.rid), msg, Text, timeout)).text
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
                        **overrides: object) -> AsyncGenerator[Output, None]:

@@ -13,11 +13,11 @@ import zmq
 
 from engine.outputs import Output, RequestOutput
 from engine.params import SamplingParams
-from engine.prompt import Prompt
+from engine.prompt import ChatMessage, Prompt
 from engine.service import protocol
 from engine.service.addresses import default_address, ipc_listening, split, stats_address
 from engine.service.client import core, sockets
-from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats
+from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats, Text, Tokens
 
 T = TypeVar("T")
 
@@ -178,6 +178,20 @@ class EngineClient:
     def shutdown(self, timeout: float | None = None) -> int:
         """Ask the engine to stop (in-flight requests end with "abort"); returns its pid once it agreed."""
         return self._call(("shutdown", None), protocol.Shutdown(), ShuttingDown, timeout).pid
+
+    def tokenize(self, prompt: str | list[ChatMessage], *, add_generation_prompt: bool = True,
+                 timeout: float | None = None) -> list[int]:
+        """The token ids a `generate` of this text or these chat messages would start from (chat:
+        through the model's template, ending with the assistant's turn unless `add_generation_prompt`
+        is off); EngineError `invalid_request` for what the engine cannot tokenize."""
+        msg = core.tokenize_message(prompt, add_generation_prompt)
+        return self._call(("req", msg.rid), msg, Tokens, timeout).token_ids
+
+    def detokenize(self, token_ids: list[int], timeout: float | None = None) -> str:
+        """The text of these token ids, special tokens included; EngineError `invalid_request` for ids
+        outside the vocabulary or none at all."""
+        msg = core.detokenize_message(token_ids)
+        return self._call(("req", msg.rid), msg, Text, timeout).text
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self, timeout: float = 5.0) -> Stats:

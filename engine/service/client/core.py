@@ -18,11 +18,13 @@ import msgspec
 
 from engine.outputs import Delta, Final, Output
 from engine.params import SamplingParams
-from engine.prompt import Prompt
+from engine.prompt import ChatMessage, Prompt
 from engine.service import protocol
-from engine.service.protocol import Aborted, Error, Info, Pong, ShuttingDown
+from engine.service.protocol import Aborted, Error, Info, Pong, ShuttingDown, Text, Tokens
 
-Key = tuple[str, object]  # ("req", rid), ("abort", rid), ("pong", nonce), ("info", None), ("shutdown", None)
+# ("req", rid): a request's stream or a (de)tokenize call's reply; ("abort", rid), ("pong", nonce), ("info", None),
+# ("shutdown", None)
+Key = tuple[str, object]
 Reply = protocol.EngineMessage | Delta | Final
 T = TypeVar("T")
 AUTH_USER = "minichat"  # the ZeroMQ PLAIN user name; the auth token is the password
@@ -66,14 +68,29 @@ def submit_message(prompt: Prompt, params: SamplingParams | None, rid: str | Non
         return protocol.Submit(rid=rid, prompt=prompt, params=params)
     messages = [m for m in prompt if isinstance(m, dict)]
     if prompt and len(messages) == len(prompt):
-        return protocol.Submit(rid=rid, params=params,
-                               messages=[protocol.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+        return protocol.Submit(rid=rid, params=params, messages=_chat(messages))
     return protocol.Submit(rid=rid, token_ids=[t for t in prompt if not isinstance(t, dict)], params=params)
+
+
+def tokenize_message(prompt: str | list[ChatMessage], add_generation_prompt: bool) -> protocol.Tokenize:
+    """A Tokenize of text or chat messages, under a fresh id its reply comes back with."""
+    rid = uuid.uuid4().hex
+    if isinstance(prompt, str):
+        return protocol.Tokenize(rid=rid, prompt=prompt)
+    return protocol.Tokenize(rid=rid, messages=_chat(prompt), add_generation_prompt=add_generation_prompt)
+
+
+def detokenize_message(token_ids: list[int]) -> protocol.Detokenize:
+    return protocol.Detokenize(rid=uuid.uuid4().hex, token_ids=token_ids)
+
+
+def _chat(messages: list[ChatMessage]) -> list[protocol.ChatMessage]:
+    return [protocol.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
 
 
 def route(msg: Reply) -> Key | None:
     """Which waiter a reply belongs to: a request's stream, an abort, a ping, an info (None: nobody)."""
-    if isinstance(msg, (Delta, Final)):
+    if isinstance(msg, (Delta, Final, Tokens, Text)):
         return ("req", msg.rid)
     if isinstance(msg, Aborted):
         return ("abort", msg.rid)

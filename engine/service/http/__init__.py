@@ -1,6 +1,8 @@
-"""The OpenAI-compatible HTTP front end: FastAPI routes (app), request bodies (schemas), Prometheus
-metrics (metrics). It is one more client of the engine, like the console: it reaches the engine over
-the ZeroMQ protocol through `AsyncEngineClient`, so the engine loop knows nothing about HTTP.
+"""The OpenAI-compatible HTTP front end: FastAPI routes (app), request bodies and the engine requests
+they stand for (schemas), running those and dressing their outputs as choices (generation), OpenAI's
+error shape and wording (errors), what the app shares (state), Prometheus metrics (metrics). It is
+one more client of the engine, like the console: it reaches the engine over the ZeroMQ protocol
+through `AsyncEngineClient`, so the engine loop knows nothing about HTTP.
 
     minichat serve --http 127.0.0.1:8000          # an engine and this front end
     minichat api --address ipc:///... --port 8000  # this front end for a running engine
@@ -11,7 +13,8 @@ from __future__ import annotations
 import signal
 
 from engine.service.addresses import AddressError, is_loopback
-from engine.service.http.app import ApiOptions, create_app
+from engine.service.http.app import create_app
+from engine.service.http.state import ApiOptions
 
 __all__ = ["ApiOptions", "check_host", "create_app", "run_api"]
 

@@ -83,9 +83,9 @@ class Metrics:
                                      registry=self.registry)
         self.generation_tokens = Counter("minichat_generation_tokens", "Tokens generated for HTTP requests.",
                                          registry=self.registry)
-        self.requests = Counter("minichat_http_requests", "HTTP generation requests by endpoint and outcome "
-                                "(stop, length, abort, or the error status).", ["endpoint", "outcome"],
-                                registry=self.registry)
+        self.requests = Counter("minichat_http_requests", "HTTP generation requests by endpoint and outcome: "
+                                "stop, length or abort for each of a request's prompts, or the error status "
+                                "once for a refused request.", ["endpoint", "outcome"], registry=self.registry)
         self.ttft = Histogram("minichat_time_to_first_token_seconds", "Request arrival to first token, at the "
                               "front end.", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("minichat_inter_token_latency_seconds", "Gap between consecutive streamed outputs.",

@@ -1,26 +1,58 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic, validated by FastAPI).
+"""Request bodies of the OpenAI-compatible API (pydantic, validated by FastAPI), and the one place a
+generation body becomes engine requests (`GenerationRequest.engine_requests`).
 
-Field names and shapes follow the OpenAI reference; `top_k`, `ignore_eos` and `priority` are accepted
-as vLLM accepts them. Unknown fields are ignored, as OpenAI-compatible servers do, but fields whose meaning
-we cannot honour (`n` > 1, `logprobs`, `echo`, `best_of` > 1, tools) are refused with a 400 rather
-than silently dropped. Everything here turns into one `engine.SamplingParams` for the engine.
+Field names and shapes follow the OpenAI reference; `top_k`, `ignore_eos`, `priority` and
+`stream_options.continuous_usage_stats` are accepted as vLLM accepts them, and so are vLLM's
+`/tokenize` and `/detokenize` bodies. Unknown fields are ignored, as OpenAI-compatible servers do, but
+fields whose meaning we cannot honour (`n` > 1, `logprobs`, `echo`, `best_of` > 1, `suffix`, tools)
+are refused with a 400 rather than silently dropped. Every rule is declared on its field (a bound, a
+length, `unsupported`), so errors.py words every refusal the same way.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.params import SamplingParams
+from engine.prompt import ChatMessage, Prompt
+
+T = TypeVar("T")
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat: whatever fits)
+
+
+def unsupported(*accepted: object) -> AfterValidator:
+    """For a field this server cannot honour: only the values that ask for nothing (`accepted`) pass."""
+    shown = " or ".join(json.dumps(a) for a in accepted)
+
+    def check(value: T) -> T:
+        if value not in accepted:
+            raise PydanticCustomError("unsupported", "this server supports only {accepted}", {"accepted": shown})
+        return value
+
+    return AfterValidator(check)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One engine request of an HTTP request: a prompt, its sampling, and the choice it fills."""
+
+    index: int
+    prompt: Prompt
+    params: SamplingParams
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the whole request's usage
+    continuous_usage_stats: bool = False  # vLLM's extension: every chunk carries the usage so far
 
 
-class Sampling(BaseModel):
-    """Fields both endpoints share."""
+class GenerationRequest(BaseModel):
+    """Fields both generation endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -34,7 +66,7 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     priority: int = 0  # vLLM's extension: lower runs first under --schedule-policy priority
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, unsupported(1)] = 1
 
     @field_validator("stop")
     @classmethod
@@ -44,18 +76,36 @@ class Sampling(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops or None
 
-    def budget(self) -> int | None:  # the endpoints name the output budget differently
+    def budget(self, context: int) -> int:
+        """The output budget asked for, or the endpoint's default (`context`: the model's)."""
         raise NotImplementedError
 
-    def params(self, default_max_tokens: int) -> SamplingParams:
+    def prompts(self) -> list[Prompt]:
+        """The body's prompts, one per choice."""
+        raise NotImplementedError
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def usage_at_the_end(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def params(self, context: int) -> SamplingParams:
         """The engine's sampling parameters (temperature defaults to 1.0, as in the OpenAI API);
         InvalidParams for values the engine cannot use."""
         assert not isinstance(self.stop, str)  # `_stop_strings` has made it a list
-        return SamplingParams(max_tokens=self.budget() or default_max_tokens,
-                      temperature=1.0 if self.temperature is None else self.temperature,
-                      top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
-                      top_p=1.0 if self.top_p is None else self.top_p,
-                      ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority)
+        return SamplingParams(max_tokens=self.budget(context),
+                              temperature=1.0 if self.temperature is None else self.temperature,
+                              top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
+                              top_p=1.0 if self.top_p is None else self.top_p,
+                              ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority)
+
+    def engine_requests(self, context: int) -> list[EngineRequest]:
+        """The engine requests this body stands for, in choice order (they run concurrently, and batch)."""
+        params = self.params(context)
+        return [EngineRequest(index, prompt, params) for index, prompt in enumerate(self.prompts())]
 
 
 class TextPart(BaseModel):
@@ -73,39 +123,86 @@ class Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(Sampling):
+def _chat(messages: list[Message]) -> list[ChatMessage]:
+    """Messages as the engine's chat template takes them ("developer" is OpenAI's new "system")."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Literal[False] | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+    logprobs: Annotated[bool | None, unsupported(None, False)] = None
+    tools: Annotated[list[Any] | None, unsupported(None, [])] = None
 
-    def budget(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def budget(self, context: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or context
 
-    def chat(self) -> list[dict[str, str]]:
-        """The messages as the engine's chat template takes them ("developer" is OpenAI's new "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def prompts(self) -> list[Prompt]:
+        return [_chat(self.messages)]
 
 
-class CompletionRequest(Sampling):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+def _prompt_shape(value: Any) -> str | None:
+    """Which of the four prompt forms a value is, from its first item (the form then checks every item)."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        return {str: "texts", int: "tokens", list: "token lists"}.get(type(value[0]) if value else int)
+    return None
+
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+CompletionPrompt = Annotated[
+    Annotated[NonEmpty, Tag("text")]
+    | Annotated[list[NonEmpty], Field(min_length=1), Tag("texts")]
+    | Annotated[TokenIds, Tag("tokens")]
+    | Annotated[list[TokenIds], Field(min_length=1), Tag("token lists")],
+    Discriminator(_prompt_shape, custom_error_type="prompt_form", custom_error_message=(
+        "must be a string, a list of strings, a list of token ids or a list of token-id lists"))]
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: CompletionPrompt
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    echo: Literal[False] = False
-    logprobs: None = None
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
-    suffix: None = None
+    echo: Annotated[bool, unsupported(False)] = False
+    logprobs: Annotated[int | None, unsupported(None)] = None
+    best_of: Annotated[int | None, unsupported(None, 1)] = None
+    suffix: Annotated[str | None, unsupported(None)] = None
+
+    def budget(self, context: int) -> int:
+        return self.max_tokens or DEFAULT_COMPLETION_TOKENS
+
+    def prompts(self) -> list[Prompt]:
+        """One prompt per choice: text or token ids (a list of ints is one prompt; lists are homogeneous)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        ids = [t for t in self.prompt if isinstance(t, int)]
+        return [ids] if ids else [p for p in self.prompt if not isinstance(p, int)]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a text `prompt`, or chat `messages` rendered with the model's template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: NonEmpty | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
-    def _non_empty(self) -> CompletionRequest:
-        if isinstance(self.prompt, str) and not self.prompt:
-            raise ValueError("prompt must not be empty")
+    def _one_prompt(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat)")
         return self
 
-    def budget(self) -> int | None:
-        return self.max_tokens
+    def target(self) -> str | list[ChatMessage]:
+        return self.prompt if self.prompt is not None else _chat(self.messages or [])
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """The OpenAI error shape: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: TokenIds

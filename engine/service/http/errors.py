@@ -1,0 +1,138 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and the one translation
+from pydantic's validation errors into them: `param` names the field as the client wrote it
+(`messages[0].role`) and the message is a sentence about that field ("temperature: must be >= 0, got -1",
+"'messages' must contain at least one message"), never pydantic's "Input should be ..." or the names it
+gives a union's members.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body and `status`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status, headers=headers)
+
+
+# pydantic's type errors -> what the field must be (a union's members' errors at one place are merged)
+_KINDS = {"string_type": "a string", "int_type": "an integer", "int_parsing": "an integer",
+          "int_from_float": "an integer", "float_type": "a number", "float_parsing": "a number",
+          "bool_type": "a boolean", "bool_parsing": "a boolean",
+          "list_type": "a list", "dict_type": "an object", "model_type": "an object",
+          "model_attributes_type": "an object"}
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="),
+           "less_than": ("lt", "<")}
+
+
+def validation_error(errors: Sequence[Any], body: Any) -> ApiError:
+    """The 400 for a body pydantic refused: its most telling error, as a sentence naming the field.
+
+    A union reports one error per member, so the pick prefers a broken rule (a bound, a length, a
+    missing field) over a type mismatch, then the deepest place; type mismatches at that place are
+    merged into one "must be a string or a list"."""
+    if not errors:
+        return ApiError(400, "The request body is invalid.", code="invalid_value")
+    placed = [(_path(e.get("loc", ()), body, e["type"]), e) for e in errors]
+    path, first = min(placed, key=lambda pe: (pe[1]["type"] in _KINDS, -len(pe[0])))
+    kinds = [_KINDS[e["type"]] for p, e in placed if p == path and e["type"] in _KINDS]
+    message = _message(first, path, list(dict.fromkeys(kinds)) if first["type"] in _KINDS else [])
+    return ApiError(400, message, param=_param(path), code="invalid_value")
+
+
+def _message(error: dict[str, Any], path: list[str | int], kinds: list[str]) -> str:
+    """The sentence for one pydantic error (`kinds`: what a type mismatch wanted instead)."""
+    kind, ctx, param = error["type"], error.get("ctx") or {}, _param(path)
+    quoted = f"'{param}'" if param else "the request body"
+
+    def must(clause: str) -> str:
+        return f"{param or 'body'}: {clause}, got {_shown(error.get('input'))}"
+
+    if kinds:
+        return must("must be " + " or ".join(kinds))
+    if kind == "missing":
+        return f"Missing required parameter: {quoted}."
+    if kind == "json_invalid":
+        return f"We could not parse the JSON body of your request: {ctx.get('error', 'invalid JSON')}."
+    if kind == "value_error":  # a validator's own sentence
+        return f"{param}: {ctx['error']}" if param else str(ctx["error"])
+    if kind in _BOUNDS:
+        key, sign = _BOUNDS[kind]
+        return must(f"must be {sign} {_shown(ctx[key])}")
+    if kind == "literal_error":
+        expected = ctx["expected"]  # pydantic's: "'system', 'user' or 'assistant'"
+        return must(f"must be {'one of ' if ' or ' in expected else ''}{expected}")
+    if kind == "string_too_short":
+        least = ctx["min_length"]
+        return f"{quoted} must not be empty" if least == 1 else f"{quoted} must be at least {least} characters long"
+    if kind == "string_too_long":
+        return f"{quoted} must be at most {_count(ctx['max_length'], 'character')} long"
+    if kind == "too_short":
+        least = ctx["min_length"]
+        return f"{quoted} must contain at least {'one ' + _noun(path) if least == 1 else _count(least, _noun(path))}"
+    if kind == "too_long":
+        return f"{quoted} must contain at most {_count(ctx['max_length'], _noun(path))}"
+    msg = str(error.get("msg", "is invalid"))  # our own errors (PydanticCustomError) and pydantic's rarer ones
+    return must(msg[:1].lower() + msg[1:])
+
+
+def _path(loc: Sequence[str | int], body: Any, kind: str) -> list[str | int]:
+    """`loc` without what pydantic adds that the client never wrote: "body", and a union member's name
+    (found by walking the body itself: a member's name is no key of it). A missing field is kept."""
+    parts = loc[1:] if loc and loc[0] == "body" else loc
+    path: list[str | int] = []
+    node = body
+    for i, part in enumerate(parts):
+        written = ((isinstance(node, dict) and part in node)
+                   or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)))
+        if written:
+            node = node[part]
+        elif not (kind == "missing" and isinstance(node, dict) and i == len(parts) - 1):
+            continue
+        path.append(part)
+    return path
+
+
+def _param(path: list[str | int]) -> str | None:
+    """`messages[0].content` from ["messages", 0, "content"]."""
+    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    return text or None
+
+
+def _noun(path: list[str | int]) -> str:
+    """What a list holds, from its name: "messages" -> "message"; else "item"."""
+    name = path[-1] if path and isinstance(path[-1], str) else ""
+    return name[:-1] if name.endswith("s") and len(name) > 1 else "item"
+
+
+def _count(n: int, unit: str) -> str:
+    return f"{n} {unit}{'s' if n != 1 else ''}"
+
+
+def _shown(value: Any) -> str:
+    """A value as the client wrote it (JSON), short; containers by kind."""
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, float) and value.is_integer():
+        return f"{value:g}"
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."

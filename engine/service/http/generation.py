@@ -1,0 +1,353 @@
+"""Generation requests from body to response: a body's engine requests (schemas.py) run concurrently
+through the engine (they batch there), and their outputs become the response's choices, whole or
+streamed as server-sent events, with the usage summed over them.
+
+A client that goes away aborts its engine requests at once: before the first outputs by racing the
+engine against `http.disconnect`, while streaming by closing the streams (Starlette cancels a response
+whose client left, and `_EventStream` then closes the generators, whose `finally` sends the aborts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.outputs import Final, Output
+from engine.params import InvalidParams
+from engine.prompt import is_chat, is_token_ids
+from engine.service.client import EngineError, EngineUnavailable
+from engine.service.http.errors import ApiError
+from engine.service.http.metrics import RequestTimer
+from engine.service.http.schemas import EngineRequest, GenerationRequest
+from engine.service.http.state import ApiState, engine_call
+
+log = logging.getLogger("minichat.http")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready; its engine requests were aborted."""
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """`awaitable`'s result, unless the client disconnects first: then it is cancelled (an engine stream's
+    cancellation aborts its request) and ClientGone is raised."""
+    work = asyncio.ensure_future(awaitable)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled (server shutdown): never leave `work` running
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise ClientGone
+    return work.result()
+
+
+async def all_of(awaitables: Iterable[Awaitable[T]], undo: Callable[[T], Awaitable[None]] | None = None) -> list[T]:
+    """Their results, run concurrently. When one fails (or this is cancelled) the others are cancelled,
+    those already done are undone, and the failure is raised: nothing is left running."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if undo is not None and not isinstance(result, BaseException):
+                await undo(result)
+        raise
+
+
+@dataclass
+class Generation:
+    """One engine request of an HTTP request on its way through the engine, with its timing and accounting.
+    `index` is the choice it fills; `prompt_tokens` is known before the Final when the prompt went as ids."""
+
+    state: ApiState
+    endpoint: str
+    index: int
+    outputs: AsyncGenerator[Output, None]
+    timer: RequestTimer
+    prompt_tokens: int | None
+    final: Final | None = None
+
+    @classmethod
+    async def start(cls, state: ApiState, endpoint: str, req: EngineRequest, count_prompt: bool) -> Generation:
+        """Submit, and wait for the first output: a refusal (bad prompt, too long) is still an HTTP error then.
+        With `count_prompt` (the prompt's length is needed before its Final) a text or chat prompt is
+        tokenized by the engine first and submitted as those ids, so it is still tokenized only once."""
+        timer = RequestTimer(state.metrics)
+        prompt = req.prompt
+        if count_prompt and (isinstance(prompt, str) or is_chat(prompt)):
+            prompt = await engine_call(state.client.tokenize(prompt))
+        outputs = state.client.generate(prompt, req.params, rid=f"http-{uuid.uuid4().hex[:16]}")
+        first = await engine_call(anext(outputs))
+        return cls(state, endpoint, req.index, _prepend(first, outputs), timer,
+                   len(prompt) if is_token_ids(prompt) else None)
+
+    async def stream(self) -> AsyncGenerator[Output, None]:
+        """Outputs up to the Final; an engine that vanishes mid-stream just ends it (headers are gone).
+        Closing this generator early aborts the engine request."""
+        try:
+            async for out in self.outputs:
+                if out.token_ids:
+                    self.timer.tokens()
+                if isinstance(out, Final):
+                    self.final = out
+                yield out
+        except (EngineUnavailable, EngineError) as e:
+            log.warning("stream ended by the engine: %s", e)
+        finally:
+            await self.outputs.aclose()
+            self._account()
+
+    async def collect(self) -> tuple[str, Final]:
+        """The whole output."""
+        async with contextlib.aclosing(self.stream()) as outputs:
+            text = "".join([out.text async for out in outputs])
+        if self.final is None:
+            raise ApiError(503, "the engine stopped answering mid-request", "server_error", code="engine_unavailable")
+        return text, self.final
+
+    async def close(self) -> None:
+        """Abort the engine request unless it is over (nothing happens to a finished or closed one)."""
+        await self.outputs.aclose()
+
+    def _account(self) -> None:
+        m = self.state.metrics
+        if self.final is None:
+            m.requests.labels(self.endpoint, "abort").inc()
+            return
+        self.timer.done()
+        m.requests.labels(self.endpoint, self.final.finish_reason).inc()
+        m.prompt_tokens.inc(self.final.usage.prompt_tokens)
+        m.generation_tokens.inc(self.final.usage.completion_tokens)
+
+
+async def _prepend(first: Output, rest: AsyncGenerator[Output, None]) -> AsyncGenerator[Output, None]:
+    try:
+        yield first
+        if not isinstance(first, Final):
+            async for out in rest:
+                yield out
+    finally:
+        await rest.aclose()
+
+
+async def start_all(state: ApiState, request: Request, endpoint: str, requests: list[EngineRequest],
+                    count_prompt: bool) -> list[Generation]:
+    """Submit every engine request of one HTTP request at once and wait for each one's first output; one
+    refusal, or the client leaving, aborts them all. Counted in the metrics once if refused."""
+    try:
+        await state.require_engine()
+        starts = (Generation.start(state, endpoint, req, count_prompt) for req in requests)
+        return await unless_disconnected(request, all_of(starts, undo=Generation.close))
+    except ApiError as e:
+        state.metrics.requests.labels(endpoint, str(e.status)).inc()
+        raise
+    except ClientGone:
+        state.metrics.requests.labels(endpoint, "abort").inc()
+        raise
+
+
+async def merged(generations: list[Generation]) -> AsyncGenerator[tuple[Generation, Output], None]:
+    """Every generation's outputs as they come, each with its generation. Closing this closes them all,
+    which aborts the unfinished ones."""
+    if len(generations) == 1:  # no tasks needed
+        async with contextlib.aclosing(generations[0].stream()) as outputs:
+            async for out in outputs:
+                yield generations[0], out
+        return
+    queue: asyncio.Queue[tuple[Generation, Output] | None] = asyncio.Queue()
+
+    async def pump(gen: Generation) -> None:
+        try:
+            async with contextlib.aclosing(gen.stream()) as outputs:
+                async for out in outputs:
+                    queue.put_nowait((gen, out))
+        finally:
+            queue.put_nowait(None)  # this one is over
+
+    tasks = [asyncio.create_task(pump(gen)) for gen in generations]
+    try:
+        for _ in tasks:
+            while (item := await queue.get()) is not None:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Tally:
+    """The token usage of one HTTP request summed over its choices, as far as their outputs have come:
+    completion tokens as they stream, each choice's exact numbers once its Final is in. Cached prompt
+    tokens are known only from the Finals, so `prompt_tokens_details` waits for all of them."""
+
+    def __init__(self, generations: list[Generation]) -> None:
+        self.prompt = {gen.index: gen.prompt_tokens for gen in generations}
+        self.completion = dict.fromkeys(self.prompt, 0)
+        self.cached: dict[int, int] = {}
+
+    def add(self, index: int, out: Output) -> None:
+        if isinstance(out, Final):
+            u = out.usage
+            self.prompt[index], self.completion[index], self.cached[index] = \
+                u.prompt_tokens, u.completion_tokens, u.cached_tokens
+        else:
+            self.completion[index] += len(out.token_ids)
+
+    def body(self) -> dict[str, Any]:
+        prompt, completion = sum(n or 0 for n in self.prompt.values()), sum(self.completion.values())
+        done = len(self.cached) == len(self.prompt)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())} if done else None}
+
+
+class Shape:
+    """How an endpoint dresses outputs as choices: its object names, a whole choice, a streamed one."""
+
+    endpoint = ""  # the metrics label
+    id_prefix = ""
+    object = ""
+    chunk_object = ""
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        """A streamed choice's first chunk, before any output."""
+        return None
+
+
+class ChatShape(Shape):
+    endpoint, id_prefix, object, chunk_object = "chat", "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+class CompletionShape(Shape):
+    endpoint, id_prefix, object, chunk_object = "completions", "cmpl", "text_completion", "text_completion"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return self.choice(index, text, finish_reason)
+
+
+CHAT, COMPLETION = ChatShape(), CompletionShape()
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every response and chunk of one HTTP request starts with."""
+
+    id: str
+    created: int
+    model: str
+
+    def of(self, object_: str, **fields: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model, **fields}
+
+
+async def respond(state: ApiState, request: Request, body: GenerationRequest, shape: Shape) -> Response:
+    """One generation request from body to response."""
+    model = await state.check_model(body.model)
+    try:
+        requests = body.engine_requests((await state.info()).max_seq_len)
+    except InvalidParams as e:  # values pydantic let through that the engine cannot use, in its words
+        raise ApiError(400, str(e), code="invalid_params") from e
+    count_prompt = body.stream and body.usage_in_every_chunk
+    generations = await start_all(state, request, shape.endpoint, requests, count_prompt)
+    envelope = Envelope(f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+    if body.stream:
+        return _EventStream(_events(generations, shape, envelope, body), generations)
+    results = await unless_disconnected(request, all_of(gen.collect() for gen in generations))
+    usage = Tally(generations)
+    choices = []
+    for gen, (text, final) in zip(generations, results, strict=True):
+        usage.add(gen.index, final)
+        choices.append(shape.choice(gen.index, text, final.finish_reason))
+    return JSONResponse(envelope.of(shape.object, choices=choices, usage=usage.body()))
+
+
+async def _events(generations: list[Generation], shape: Shape, envelope: Envelope,
+                  body: GenerationRequest) -> AsyncGenerator[str, None]:
+    """The SSE stream: each chunk carries one choice's output under its index; finish reasons come in a
+    chunk of their own; usage per `stream_options`; `[DONE]` last."""
+    usage = Tally(generations)
+
+    def chunk(choice: dict[str, Any]) -> str:
+        if body.usage_in_every_chunk:
+            return sse(envelope.of(shape.chunk_object, choices=[choice], usage=usage.body()))
+        if body.usage_at_the_end:  # OpenAI's SDK expects the field in every chunk then, null until the last
+            return sse(envelope.of(shape.chunk_object, choices=[choice], usage=None))
+        return sse(envelope.of(shape.chunk_object, choices=[choice]))
+
+    for gen in generations:
+        if (opening := shape.opening(gen.index)) is not None:
+            yield chunk(opening)
+    async with contextlib.aclosing(merged(generations)) as outputs:
+        async for gen, out in outputs:
+            usage.add(gen.index, out)
+            if out.text:
+                yield chunk(shape.delta(gen.index, out.text, None))
+            if isinstance(out, Final):
+                yield chunk(shape.delta(gen.index, "", out.finish_reason))
+    if body.usage_at_the_end:
+        yield sse(envelope.of(shape.chunk_object, choices=[], usage=usage.body()))
+    yield sse("[DONE]")
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generations are closed however the response ends (client gone included,
+    and before the events generator ever ran)."""
+
+    def __init__(self, events: AsyncGenerator[str, None], generations: list[Generation]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events, self._generations = events, generations
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            for gen in self._generations:
+                await gen.close()
