@@ -191,7 +191,8 @@ def assert_error(e: openai.APIStatusError, status: int, param: str | None = None
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),

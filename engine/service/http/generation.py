@@ -5,6 +5,10 @@ streamed as server-sent events, with the usage summed over them.
 A client that goes away aborts its engine requests at once: before the first outputs by racing the
 engine against `http.disconnect`, while streaming by closing the streams (Starlette cancels a response
 whose client left, and `_EventStream` then closes the generators, whose `finally` sends the aborts).
+
+An engine request with `n` choices streams them all (each output names its `index`); a choice ends
+at its Delta's `finish_reason` or at the request's Final. Log-probabilities are the engine's
+(`TokenLogprob`), dressed per endpoint: chat's `content` list, completions' legacy columns.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.outputs import Final, Output
+from engine.outputs import Final, Output, TokenLogprob
 from engine.params import InvalidParams
 from engine.prompt import is_chat, is_token_ids
 from engine.service.client import EngineError, EngineUnavailable
@@ -121,13 +125,15 @@ class Generation:
             await self.outputs.aclose()
             self._account()
 
-    async def collect(self) -> tuple[str, Final]:
-        """The whole output."""
+    async def collect(self) -> tuple[list[Choice], Final]:
+        """Every choice whole, in index order, and the Final."""
+        choices: dict[int, Choice] = {}
         async with contextlib.aclosing(self.stream()) as outputs:
-            text = "".join([out.text async for out in outputs])
+            async for out in outputs:
+                choices.setdefault(out.index, Choice(self.index + out.index)).add(out)
         if self.final is None:
             raise ApiError(503, "the engine stopped answering mid-request", "server_error", code="engine_unavailable")
-        return text, self.final
+        return [choices[i] for i in sorted(choices)], self.final
 
     async def close(self) -> None:
         """Abort the engine request unless it is over (nothing happens to a finished or closed one)."""
@@ -199,6 +205,25 @@ async def merged(generations: list[Generation]) -> AsyncGenerator[tuple[Generati
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@dataclass
+class Choice:
+    """One choice's output as far as it has come: text, how it ended, log-probabilities."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    def add(self, out: Output) -> None:
+        self.text += out.text
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.finish_reason = out.finish_reason or self.finish_reason
+
+
 class Tally:
     """The token usage of one HTTP request summed over its choices, as far as their outputs have come:
     completion tokens as they stream, each choice's exact numbers once its Final is in. Cached prompt
@@ -225,17 +250,21 @@ class Tally:
 
 
 class Shape:
-    """How an endpoint dresses outputs as choices: its object names, a whole choice, a streamed one."""
+    """How an endpoint dresses outputs as choices: its object names, a whole choice, a streamed one, and
+    log-probabilities (`entries`; None: not asked for). `offset` is where a piece's text starts in its
+    choice's text (completions report it per token)."""
 
     endpoint = ""  # the metrics label
     id_prefix = ""
     object = ""
     chunk_object = ""
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               entries: list[TokenLogprob] | None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None,
+              offset: int = 0) -> dict[str, Any]:
         raise NotImplementedError
 
     def opening(self, index: int) -> dict[str, Any] | None:
@@ -243,15 +272,29 @@ class Shape:
         return None
 
 
+def _bytes(text: str) -> list[int]:
+    return list(text.encode())
+
+
 class ChatShape(Shape):
     endpoint, id_prefix, object, chunk_object = "chat", "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    @staticmethod
+    def logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": _bytes(e.text),
+                             "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for _, t, v in e.top]}
+                            for e in entries]}
+
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               entries: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(entries),
                 "finish_reason": finish_reason}
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None,
+              offset: int = 0) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": self.logprobs(entries),
                 "finish_reason": finish_reason}
 
     def opening(self, index: int) -> dict[str, Any] | None:
@@ -261,11 +304,27 @@ class ChatShape(Shape):
 class CompletionShape(Shape):
     endpoint, id_prefix, object, chunk_object = "completions", "cmpl", "text_completion", "text_completion"
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    @staticmethod
+    def logprobs(entries: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+        """OpenAI's legacy columns; a prompt's first token has no logprob and no alternatives (null)."""
+        if entries is None:
+            return None
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.text)
+        return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [None if e.logprob is None else {t: v for _, t, v in e.top} for e in entries],
+                "text_offset": offsets}
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return self.choice(index, text, finish_reason)
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               entries: list[TokenLogprob] | None) -> dict[str, Any]:
+        return self.delta(index, text, finish_reason, entries)
+
+    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None,
+              offset: int = 0) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": self.logprobs(entries, offset),
+                "finish_reason": finish_reason}
 
 
 CHAT, COMPLETION = ChatShape(), CompletionShape()
@@ -291,24 +350,44 @@ async def respond(state: ApiState, request: Request, body: GenerationRequest, sh
     except InvalidParams as e:  # values pydantic let through that the engine cannot use, in its words
         raise ApiError(400, str(e), code="invalid_params") from e
     count_prompt = body.stream and body.usage_in_every_chunk
+    echo = await _echo_texts(state, body, requests)
     generations = await start_all(state, request, shape.endpoint, requests, count_prompt)
     envelope = Envelope(f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()), model)
     if body.stream:
-        return _EventStream(_events(generations, shape, envelope, body), generations)
+        return _EventStream(_events(generations, shape, envelope, body, echo), generations)
     results = await unless_disconnected(request, all_of(gen.collect() for gen in generations))
     usage = Tally(generations)
     choices = []
-    for gen, (text, final) in zip(generations, results, strict=True):
+    for gen, (outs, final) in zip(generations, results, strict=True):
         usage.add(gen.index, final)
-        choices.append(shape.choice(gen.index, text, final.finish_reason))
+        scored = outs[0].prompt_logprobs  # the first choice scores the prompt for all of them
+        for c in outs:
+            if gen.index in echo:
+                entries = None if c.logprobs is None and scored is None else [*(scored or ()), *(c.logprobs or ())]
+                choices.append(shape.choice(c.index, echo[gen.index] + c.text, c.finish_reason, entries))
+            else:
+                choices.append(shape.choice(c.index, c.text, c.finish_reason, c.logprobs))
     return JSONResponse(envelope.of(shape.object, choices=choices, usage=usage.body()))
 
 
+async def _echo_texts(state: ApiState, body: GenerationRequest, requests: list[EngineRequest]) -> dict[int, str]:
+    """With `echo`, each prompt's text by its first choice's index (token ids are detokenized by the engine)."""
+    if not getattr(body, "echo", False):
+        return {}
+    texts = {}
+    for req in requests:
+        texts[req.index] = req.prompt if isinstance(req.prompt, str) else \
+            await engine_call(state.client.detokenize(list(req.prompt)))  # type: ignore[arg-type]
+    return texts
+
+
 async def _events(generations: list[Generation], shape: Shape, envelope: Envelope,
-                  body: GenerationRequest) -> AsyncGenerator[str, None]:
-    """The SSE stream: each chunk carries one choice's output under its index; finish reasons come in a
-    chunk of their own; usage per `stream_options`; `[DONE]` last."""
+                  body: GenerationRequest, echo: dict[int, str]) -> AsyncGenerator[str, None]:
+    """The SSE stream: each chunk carries one choice's output under its index (after its echoed prompt);
+    finish reasons come in a chunk of their own; usage per `stream_options`; `[DONE]` last."""
     usage = Tally(generations)
+    offsets: dict[int, int] = {}  # choice -> characters sent
+    scored: dict[int, list[TokenLogprob]] = {}  # prompt (its first choice's index) -> prompt log-probabilities
 
     def chunk(choice: dict[str, Any]) -> str:
         if body.usage_in_every_chunk:
@@ -318,15 +397,27 @@ async def _events(generations: list[Generation], shape: Shape, envelope: Envelop
         return sse(envelope.of(shape.chunk_object, choices=[choice]))
 
     for gen in generations:
-        if (opening := shape.opening(gen.index)) is not None:
-            yield chunk(opening)
+        for k in range(body.n):
+            if (opening := shape.opening(gen.index + k)) is not None:
+                yield chunk(opening)
     async with contextlib.aclosing(merged(generations)) as outputs:
         async for gen, out in outputs:
             usage.add(gen.index, out)
-            if out.text:
-                yield chunk(shape.delta(gen.index, out.text, None))
-            if isinstance(out, Final):
-                yield chunk(shape.delta(gen.index, "", out.finish_reason))
+            index = gen.index + out.index
+            text, entries = out.text, out.logprobs
+            if out.prompt_logprobs is not None:
+                scored[gen.index] = out.prompt_logprobs
+            if index not in offsets:
+                offsets[index] = 0
+                if gen.index in echo:
+                    text = echo[gen.index] + text
+                    if gen.index in scored:
+                        entries = [*scored[gen.index], *(entries or ())]
+            if text or entries:
+                yield chunk(shape.delta(index, text, None, entries, offsets[index]))
+                offsets[index] += len(text)
+            if out.finish_reason:
+                yield chunk(shape.delta(index, "", out.finish_reason, None))
     if body.usage_at_the_end:
         yield sse(envelope.of(shape.chunk_object, choices=[], usage=usage.body()))
     yield sse("[DONE]")

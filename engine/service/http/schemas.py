@@ -1,11 +1,12 @@
 """Request bodies of the OpenAI-compatible API (pydantic, validated by FastAPI), and the one place a
 generation body becomes engine requests (`GenerationRequest.engine_requests`).
 
-Field names and shapes follow the OpenAI reference; `top_k`, `ignore_eos`, `priority` and
-`stream_options.continuous_usage_stats` are accepted as vLLM accepts them, and so are vLLM's
+Field names and shapes follow the OpenAI reference; `top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `priority`, the `guided_*` and `structured_outputs`
+fields and `stream_options.continuous_usage_stats` are accepted as vLLM accepts them, and so are vLLM's
 `/tokenize` and `/detokenize` bodies. Unknown fields are ignored, as OpenAI-compatible servers do, but
-fields whose meaning we cannot honour (`n` > 1, `logprobs`, `echo`, `best_of` > 1, `suffix`, tools)
-are refused with a 400 rather than silently dropped. Every rule is declared on its field (a bound, a
+fields whose meaning we cannot honour (`best_of` > n, `suffix`, tools) are refused with a 400 rather
+than silently dropped. Every rule is declared on its field (a bound, a
 length, `unsupported`), so errors.py words every refusal the same way.
 """
 
@@ -18,8 +19,9 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.params import SamplingParams
+from engine.params import MAX_LOGPROBS, MAX_N, InvalidParams, SamplingParams
 from engine.prompt import ChatMessage, Prompt
+from engine.structured import GrammarSpec
 
 T = TypeVar("T")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat: whatever fits)
@@ -51,6 +53,29 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's extension: every chunk carries the usage so far
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object: exactly one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class GenerationRequest(BaseModel):
     """Fields both generation endpoints share."""
 
@@ -66,7 +91,57 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     priority: int = 0  # vLLM's extension: lower runs first under --schedule-policy priority
-    n: Annotated[int, unsupported(1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and not all(k.isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids (strings of digits)")
+        return v
+
+    def structured(self) -> GrammarSpec | None:
+        """The one structure the output must follow, from whichever field asked for it (a 400 for two)."""
+        fmt, so = self.response_format, self.structured_outputs
+        asked: list[tuple[str, GrammarSpec]] = []
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", GrammarSpec(kind="json_object")))
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ValueError("response_format: json_schema needs its 'json_schema' object with a 'schema'")
+            schema = json.dumps(fmt.json_schema.schema_)
+            asked.append(("response_format", GrammarSpec(kind="json_schema", value=schema)))
+        for name, kind, value in (("guided_json", "json_schema", self.guided_json),
+                                  ("guided_regex", "regex", self.guided_regex),
+                                  ("guided_choice", "choice", self.guided_choice),
+                                  ("guided_grammar", "grammar", self.guided_grammar),
+                                  ("structured_outputs", "json_schema", so and so.json_),
+                                  ("structured_outputs", "regex", so and so.regex),
+                                  ("structured_outputs", "choice", so and so.choice),
+                                  ("structured_outputs", "grammar", so and so.grammar)):
+            if value is not None:
+                text = value if isinstance(value, (str, list)) else json.dumps(value)
+                asked.append((name, GrammarSpec(kind=kind, value=text)))  # type: ignore[arg-type]
+        if len(asked) > 1:
+            raise ValueError(f"ask for one output structure, not {len(asked)} ({', '.join(n for n, _ in asked)})")
+        return asked[0][1] if asked else None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(top alternatives per sampled token, per prompt token), None where not asked for."""
+        return None, None
 
     @field_validator("stop")
     @classmethod
@@ -96,16 +171,27 @@ class GenerationRequest(BaseModel):
         """The engine's sampling parameters (temperature defaults to 1.0, as in the OpenAI API);
         InvalidParams for values the engine cannot use."""
         assert not isinstance(self.stop, str)  # `_stop_strings` has made it a list
+        logprobs, prompt_logprobs = self.logprob_counts()
+        try:
+            structured = self.structured()
+        except ValueError as e:
+            raise InvalidParams(str(e)) from e
         return SamplingParams(max_tokens=self.budget(context),
                               temperature=1.0 if self.temperature is None else self.temperature,
                               top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
-                              top_p=1.0 if self.top_p is None else self.top_p,
+                              top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty,
+                              logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                              min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, n=self.n,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
                               ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority)
 
     def engine_requests(self, context: int) -> list[EngineRequest]:
-        """The engine requests this body stands for, in choice order (they run concurrently, and batch)."""
+        """The engine requests this body stands for, one per prompt (they run concurrently, and batch);
+        prompt i's n choices are choices i*n .. i*n + n - 1."""
         params = self.params(context)
-        return [EngineRequest(index, prompt, params) for index, prompt in enumerate(self.prompts())]
+        return [EngineRequest(i * self.n, prompt, params) for i, prompt in enumerate(self.prompts())]
 
 
 class TextPart(BaseModel):
@@ -132,8 +218,18 @@ class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Annotated[bool | None, unsupported(None, False)] = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: Annotated[list[Any] | None, unsupported(None, [])] = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs 'logprobs': true")
+        return self
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def budget(self, context: int) -> int:
         return self.max_completion_tokens or self.max_tokens or context
@@ -164,14 +260,23 @@ CompletionPrompt = Annotated[
 
 class CompletionRequest(GenerationRequest):
     prompt: CompletionPrompt
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    echo: Annotated[bool, unsupported(False)] = False
-    logprobs: Annotated[int | None, unsupported(None)] = None
-    best_of: Annotated[int | None, unsupported(None, 1)] = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 with echo: score the prompt (lm-eval)
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: int | None = None
     suffix: Annotated[str | None, unsupported(None)] = None
 
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported: every sample is returned")
+        return self
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
+
     def budget(self, context: int) -> int:
-        return self.max_tokens or DEFAULT_COMPLETION_TOKENS
+        return DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
 
     def prompts(self) -> list[Prompt]:
         """One prompt per choice: text or token ids (a list of ints is one prompt; lists are homogeneous)."""
