@@ -32,7 +32,7 @@ from engine.model.loader import (
 )
 from engine.outputs import Final, RequestOutput, StepResult
 from engine.params import InvalidParams, SamplingParams
-from engine.prompt import Prompt, is_chat, is_token_ids
+from engine.prompt import Prompt, Tools, is_chat, is_token_ids
 from engine.request import Group, PromptTooLong, Req
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -41,6 +41,7 @@ from engine.scheduler.snapshot import SchedulerSnapshot
 from engine.structured import GrammarCompiler, GrammarMatcher, InvalidGrammar
 from engine.threads import ThreadGovernor, usable_cores, wait_policy
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
+from engine.tools import ToolFormat, template_messages, tool_format
 from kernels.attention import make_backend
 
 log = logging.getLogger(__name__)
@@ -161,14 +162,20 @@ class LLM:
         return self._token_texts[token]
 
     # -- request intake ---------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids for a text prompt, chat messages, or ids given directly (checked against the vocab)."""
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """How this model writes tool calls, read off its chat template (None: it has none)."""
+        return tool_format(self.tokenizer)
+
+    def encode_prompt(self, prompt: Prompt, tools: Tools | None = None) -> list[int]:
+        """Token ids for a text prompt, chat messages (with `tools` for the template), or ids given
+        directly (checked against the vocab)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer files; pass the prompt as a list of token ids")
             ids = self.tokenizer.encode(prompt)
         elif is_chat(prompt):
-            ids = apply_chat_template(self.tokenizer, prompt)
+            ids = apply_chat_template(self.tokenizer, template_messages(prompt), tools=tools)
         elif is_token_ids(prompt):
             vocab = self.model.spec.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
-ChatMessage = dict[str, str]
-"""One chat turn: {"role": ..., "content": ...}, rendered through the model's chat template."""
+ChatMessage = dict[str, Any]
+"""One chat turn: {"role": ..., "content": ...}, rendered through the model's chat template; an
+assistant turn may carry `tool_calls`, a "tool" turn its `tool_call_id` (OpenAI's shapes)."""
+
+Tools = list[dict[str, Any]]
+"""OpenAI function tools ({"type": "function", "function": {"name", "description", "parameters"}})."""
 
 Prompt = str | list[int] | list[ChatMessage]
 """Text, token ids given directly, or chat messages."""

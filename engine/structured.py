@@ -49,9 +49,10 @@ KINDS: tuple[GrammarKind, ...] = ("json_object", "json_schema", "regex", "choice
 
 # A grammar is compiled in the engine process; this bounds what one request can make it compile.
 MAX_SPEC_CHARS = 1 << 18
-# Whitespace allowed between JSON tokens: more than any sane indentation, few enough that a small model
-# caught in a loop of newlines reaches the next token instead of its max_tokens.
-MAX_JSON_WHITESPACE = 64
+# Whitespace allowed between JSON tokens: a newline and 2-space indentation to depth 7, few enough that
+# a small model given to whitespace (the random test models are) reaches the next token instead of its
+# max_tokens after a few such runs.
+MAX_JSON_WHITESPACE = 16
 # Any JSON object: the `json_object` kind (OpenAI's response_format {"type": "json_object"}).
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar's errors start with "[time] /path/file.cc:line: " and sometimes a failed check's text.

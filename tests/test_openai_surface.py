@@ -267,7 +267,7 @@ def test_cached_tokens_count_a_repeated_prefix(server: Server, engine: EngineCli
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "top_logprobs: must be <= 20, got 21"),
     ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty: must be <= 2, got 2.5"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role",
-     "messages[0].role: must be one of 'system', 'developer', 'user' or 'assistant', got \"wizard\""),
+     "messages[0].role: must be one of 'system', 'developer', 'user', 'assistant' or 'tool', got \"wizard\""),
     ({"messages": None}, "messages", "messages: must be a list, got null"),
     ({"stop": ["x", ""]}, "stop", "stop: stop strings must not be empty"),
 ])

@@ -27,9 +27,15 @@ class _EngineMsg(msgspec.Struct, tag_field="type", kw_only=True):
 
 
 # -- client -> engine ---------------------------------------------------------------------------
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One chat turn; `tool_calls` on an assistant turn that called tools, `tool_call_id` (and `name`)
+    on the "tool" turn answering one."""
+
     role: str
-    content: str
+    content: str  # "" for an assistant turn that only called tools
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class Submit(_ClientMsg, tag="submit"):
@@ -43,6 +49,7 @@ class Submit(_ClientMsg, tag="submit"):
     messages: list[ChatMessage] | None = None
     token_ids: list[int] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, rendered by the chat template
 
 
 class Abort(_ClientMsg, tag="abort"):
@@ -135,6 +142,7 @@ class Info(_EngineMsg, tag="info"):
     num_pages: int
     config: dict[str, Any]
     execution: dict[str, str] = msgspec.field(default_factory=dict)
+    tool_format: str | None = None  # how the model writes tool calls (engine/tools.py); None: it does not
 
 
 class ShuttingDown(_EngineMsg, tag="shutting_down"):

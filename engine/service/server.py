@@ -212,6 +212,10 @@ class EngineServer:
         if len(given) != 1:
             raise Refused("invalid_request", "give exactly one of prompt (text), messages (chat) or token_ids")
         params = msg.params  # validated as it decoded
+        if msg.tools is not None and msg.messages is None:
+            raise Refused("invalid_request", "tools go with chat messages")
+        if msg.tools is not None and self.llm.tool_format is None:
+            raise Refused("invalid_request", "this model's chat template has no tool calling; send no tools")
         if msg.token_ids is not None:
             self._add(identity, rid, msg.token_ids, params, time.monotonic())
         else:  # text: tokenized off the loop, after a size check that costs nothing
@@ -219,9 +223,9 @@ class EngineServer:
             if chars > self._max_prompt_chars:
                 raise Refused("prompt_too_long", f"the prompt has {chars} characters, more than the "
                                                  f"{self.llm.max_seq_len - 1} tokens that fit could spell")
-            prompt = msg.prompt if msg.prompt is not None else [msgspec.structs.asdict(m) for m in msg.messages or ()]
-            self.encoding[rid] = _Encoding(identity, self._tokenizer.submit(self.llm.encode_prompt, prompt), params,
-                                           time.monotonic())
+            prompt = msg.prompt if msg.prompt is not None else [msgspec.to_builtins(m) for m in msg.messages or ()]
+            self.encoding[rid] = _Encoding(identity, self._tokenizer.submit(self.llm.encode_prompt, prompt, msg.tools),
+                                           params, time.monotonic())
         self.stats.submitted += 1
         self.publisher.changed()
 
@@ -258,7 +262,7 @@ class EngineServer:
             raise Refused("invalid_request", "give exactly one of prompt (text) or messages (chat)")
         if not (msg.prompt or msg.messages):
             raise Refused("invalid_request", "nothing to tokenize: the prompt is empty")
-        rid, prompt, messages = msg.rid, msg.prompt, [msgspec.structs.asdict(m) for m in msg.messages or ()]
+        rid, prompt, messages = msg.rid, msg.prompt, [msgspec.to_builtins(m) for m in msg.messages or ()]
 
         def work() -> protocol.Tokens:
             if prompt is not None:
@@ -333,7 +337,8 @@ class EngineServer:
         return protocol.Info(version=engine.__version__, pid=os.getpid(), host=socket.gethostname(),
                              model=str(self.llm.model_path), address=self.sockets.address,
                              stats_address=self.sockets.stats_address, max_seq_len=self.llm.max_seq_len,
-                             num_pages=self.llm.num_pages, config=config, execution=self.llm.execution)
+                             num_pages=self.llm.num_pages, config=config, execution=self.llm.execution,
+                             tool_format=self.llm.tool_format)
 
     # -- sending ----------------------------------------------------------------------------------
     def _send(self, identity: bytes, msg: msgspec.Struct) -> bool:

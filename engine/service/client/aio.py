@@ -13,7 +13,7 @@ import zmq.asyncio
 
 from engine.outputs import Output, RequestOutput
 from engine.params import SamplingParams
-from engine.prompt import ChatMessage, Prompt
+from engine.prompt import ChatMessage, Prompt, Tools
 from engine.service import protocol
 from engine.service.addresses import default_address, stats_address
 from engine.service.client import core, sockets
@@ -144,10 +144,10 @@ class AsyncEngineClient:
         return (await self._call(("req", msg.rid), msg, Text, timeout)).text
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                       **overrides: object) -> AsyncGenerator[Output, None]:
+                       tools: Tools | None = None, **overrides: object) -> AsyncGenerator[Output, None]:
         """Submit (at the first iteration) and stream: Deltas, then a Final. Same arguments as
         EngineClient.submit. Left before its Final, the request is aborted (see core.Stream)."""
-        msg = core.submit_message(prompt, params, rid, overrides)
+        msg = core.submit_message(prompt, params, rid, overrides, tools)
         key = self._mail.check_new_stream(msg.rid)
         box = self._open(key)
         stream = core.Stream(msg.rid, box)
@@ -158,11 +158,13 @@ class AsyncEngineClient:
         finally:
             self._mail.close(key)
             if stream.abandoned and not self._sock.closed:  # queued, not awaited: a closing generator may not wait
+                self._mail.abandoned(msg.rid)
                 self._sock.send(protocol.encode(protocol.Abort(rid=msg.rid)))
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                       **overrides: object) -> RequestOutput:
-        return RequestOutput.collect([out async for out in self.generate(prompt, params, rid=rid, **overrides)])
+                       tools: Tools | None = None, **overrides: object) -> RequestOutput:
+        outputs = self.generate(prompt, params, rid=rid, tools=tools, **overrides)
+        return RequestOutput.collect([out async for out in outputs])
 
     async def abort(self, rid: str, timeout: float | None = None) -> None:
         """Abort any live request; EngineError `unknown_request` if there is none by that id."""

@@ -13,7 +13,7 @@ import zmq
 
 from engine.outputs import Output, RequestOutput
 from engine.params import SamplingParams
-from engine.prompt import ChatMessage, Prompt
+from engine.prompt import ChatMessage, Prompt, Tools
 from engine.service import protocol
 from engine.service.addresses import default_address, ipc_listening, split, stats_address
 from engine.service.client import core, sockets
@@ -130,13 +130,13 @@ class EngineClient:
         return self._call(("info", None), protocol.GetInfo(), Info, timeout)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-               **overrides: object) -> str:
+               tools: Tools | None = None, **overrides: object) -> str:
         """Queue a request and return its id without reading output; read it with `stream(rid)`.
 
-        `prompt` is text, token ids or chat messages; sampling options come from `params` and/or
-        keywords (max_tokens, temperature, top_k, top_p, ignore_eos, stop, seed).
+        `prompt` is text, token ids or chat messages (with `tools` for the chat template); sampling
+        options come from `params` and/or keywords (max_tokens, temperature, top_k, top_p, ...).
         """
-        msg = core.submit_message(prompt, params, rid, overrides)
+        msg = core.submit_message(prompt, params, rid, overrides, tools)
         key = self._mail.check_new_stream(msg.rid)
         self._open(key)
         try:
@@ -160,16 +160,17 @@ class EngineClient:
             if stream.abandoned and not self._sock.closed:  # queued without waiting; no connection: nothing runs
                 with contextlib.suppress(zmq.Again):
                     self._sock.send(protocol.encode(protocol.Abort(rid=rid)), zmq.NOBLOCK)
+                    self._mail.abandoned(rid)
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                 **overrides: object) -> Iterator[Output]:
+                 tools: Tools | None = None, **overrides: object) -> Iterator[Output]:
         """Submit (at once) and stream: Deltas as tokens are produced, then a Final with usage and timings."""
-        return self.stream(self.submit(prompt, params, rid=rid, **overrides))
+        return self.stream(self.submit(prompt, params, rid=rid, tools=tools, **overrides))
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                 **overrides: object) -> RequestOutput:
+                 tools: Tools | None = None, **overrides: object) -> RequestOutput:
         """Submit and wait for the whole output."""
-        return RequestOutput.collect(list(self.generate(prompt, params, rid=rid, **overrides)))
+        return RequestOutput.collect(list(self.generate(prompt, params, rid=rid, tools=tools, **overrides)))
 
     def abort(self, rid: str, timeout: float | None = None) -> None:
         """Abort any live request (not only this client's); EngineError `unknown_request` if none."""

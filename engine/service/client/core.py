@@ -9,6 +9,7 @@ gives it a reply or raises.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import uuid
 from collections import deque
@@ -18,7 +19,7 @@ import msgspec
 
 from engine.outputs import Delta, Final, Output
 from engine.params import SamplingParams
-from engine.prompt import ChatMessage, Prompt
+from engine.prompt import ChatMessage, Prompt, Tools
 from engine.service import protocol
 from engine.service.protocol import Aborted, Error, Info, Pong, ShuttingDown, Text, Tokens
 
@@ -55,8 +56,9 @@ def resolve_auth_token(given: str | None = None) -> str | None:
 
 
 def submit_message(prompt: Prompt, params: SamplingParams | None, rid: str | None,
-                   overrides: dict[str, object]) -> protocol.Submit:
-    """A Submit for the prompt forms `LLM.add_request` takes (text, token ids, chat messages).
+                   overrides: dict[str, object], tools: Tools | None = None) -> protocol.Submit:
+    """A Submit for the prompt forms `LLM.add_request` takes (text, token ids, chat messages; `tools`
+    go with chat messages).
 
     Parameters the engine would refuse are refused here, with the engine's code and sentence."""
     rid = rid if rid is not None else uuid.uuid4().hex
@@ -68,7 +70,7 @@ def submit_message(prompt: Prompt, params: SamplingParams | None, rid: str | Non
         return protocol.Submit(rid=rid, prompt=prompt, params=params)
     messages = [m for m in prompt if isinstance(m, dict)]
     if prompt and len(messages) == len(prompt):
-        return protocol.Submit(rid=rid, params=params, messages=_chat(messages))
+        return protocol.Submit(rid=rid, params=params, messages=_chat(messages), tools=tools)
     return protocol.Submit(rid=rid, token_ids=[t for t in prompt if not isinstance(t, dict)], params=params)
 
 
@@ -85,7 +87,8 @@ def detokenize_message(token_ids: list[int]) -> protocol.Detokenize:
 
 
 def _chat(messages: list[ChatMessage]) -> list[protocol.ChatMessage]:
-    return [protocol.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+    return [protocol.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=m.get("tool_calls"),
+                                 tool_call_id=m.get("tool_call_id"), name=m.get("name")) for m in messages]
 
 
 def route(msg: Reply) -> Key | None:
@@ -154,6 +157,13 @@ class Mailroom:
         self.timeout = timeout  # how long the connection may stay silent while someone waits
         self.refused = False  # the engine refused this client's handshake: final for this connection
         self.boxes: dict[Key, Box] = {}
+        # Replies nobody waits for and nobody may get: the answer to the abort an abandoned stream sent
+        # (a later `abort` of the same rid must get its own answer, not that one).
+        self.unclaimed: collections.Counter[Key] = collections.Counter()
+
+    def abandoned(self, rid: str) -> None:
+        """An abandoned stream sent an abort for `rid`: its answer is dropped when it comes."""
+        self.unclaimed[("abort", rid)] += 1
 
     def open(self, key: Key, arrived: asyncio.Event | None = None) -> Box:
         """Start filing replies for `key`; a connection failure from now on fails its waits."""
@@ -173,6 +183,11 @@ class Mailroom:
     def file(self, data: bytes) -> None:
         for msg in decode(data):
             key = route(msg)
+            if key is not None and self.unclaimed[key]:
+                self.unclaimed[key] -= 1
+                if not self.unclaimed[key]:
+                    del self.unclaimed[key]
+                continue
             box = self.boxes.get(key) if key is not None else None
             if box is not None:
                 box.items.append(msg)

@@ -8,7 +8,9 @@ whose client left, and `_EventStream` then closes the generators, whose `finally
 
 An engine request with `n` choices streams them all (each output names its `index`); a choice ends
 at its Delta's `finish_reason` or at the request's Final. Log-probabilities are the engine's
-(`TokenLogprob`), dressed per endpoint: chat's `content` list, completions' legacy columns.
+(`TokenLogprob`), dressed per endpoint: chat's `content` list, completions' legacy columns. A chat
+request with tools has each choice's text parsed for calls (engine/tools.py), whole or as it streams;
+a reply that made calls ends with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +37,7 @@ from engine.service.http.errors import ApiError
 from engine.service.http.metrics import RequestTimer
 from engine.service.http.schemas import EngineRequest, GenerationRequest
 from engine.service.http.state import ApiState, engine_call
+from engine.tools import ToolCallStreamParser, ToolFormat, parse_tool_calls
 
 log = logging.getLogger("minichat.http")
 T = TypeVar("T")
@@ -104,7 +107,7 @@ class Generation:
         prompt = req.prompt
         if count_prompt and (isinstance(prompt, str) or is_chat(prompt)):
             prompt = await engine_call(state.client.tokenize(prompt))
-        outputs = state.client.generate(prompt, req.params, rid=f"http-{uuid.uuid4().hex[:16]}")
+        outputs = state.client.generate(prompt, req.params, rid=f"http-{uuid.uuid4().hex[:16]}", tools=req.tools)
         first = await engine_call(anext(outputs))
         return cls(state, endpoint, req.index, _prepend(first, outputs), timer,
                    len(prompt) if is_token_ids(prompt) else None)
@@ -345,16 +348,20 @@ class Envelope:
 async def respond(state: ApiState, request: Request, body: GenerationRequest, shape: Shape) -> Response:
     """One generation request from body to response."""
     model = await state.check_model(body.model)
+    info = await state.info()
     try:
-        requests = body.engine_requests((await state.info()).max_seq_len)
+        requests = body.engine_requests(info.max_seq_len, cast("ToolFormat | None", info.tool_format))
     except InvalidParams as e:  # values pydantic let through that the engine cannot use, in its words
-        raise ApiError(400, str(e), code="invalid_params") from e
+        field = str(e).split(":", 1)[0]  # a sentence that starts with a field's name names it
+        raise ApiError(400, str(e), param=field if field in type(body).model_fields else None,
+                       code="invalid_params") from e
     count_prompt = body.stream and body.usage_in_every_chunk
     echo = await _echo_texts(state, body, requests)
     generations = await start_all(state, request, shape.endpoint, requests, count_prompt)
     envelope = Envelope(f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+    calls_in = cast("ToolFormat", info.tool_format) if requests[0].tools else None  # chat with tools: parse calls
     if body.stream:
-        return _EventStream(_events(generations, shape, envelope, body, echo), generations)
+        return _EventStream(_events(generations, shape, envelope, body, echo, calls_in), generations)
     results = await unless_disconnected(request, all_of(gen.collect() for gen in generations))
     usage = Tally(generations)
     choices = []
@@ -365,9 +372,19 @@ async def respond(state: ApiState, request: Request, body: GenerationRequest, sh
             if gen.index in echo:
                 entries = None if c.logprobs is None and scored is None else [*(scored or ()), *(c.logprobs or ())]
                 choices.append(shape.choice(c.index, echo[gen.index] + c.text, c.finish_reason, entries))
+            elif calls_in is not None:
+                content, calls = parse_tool_calls(c.text, calls_in)
+                choice = shape.choice(c.index, content or "", _with_calls(c.finish_reason, bool(calls)), c.logprobs)
+                choice["message"] |= {"content": content, "tool_calls": [call.to_openai() for call in calls]}
+                choices.append(choice)
             else:
                 choices.append(shape.choice(c.index, c.text, c.finish_reason, c.logprobs))
     return JSONResponse(envelope.of(shape.object, choices=choices, usage=usage.body()))
+
+
+def _with_calls(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason for a reply that ended by itself after making tool calls."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 async def _echo_texts(state: ApiState, body: GenerationRequest, requests: list[EngineRequest]) -> dict[int, str]:
@@ -381,13 +398,28 @@ async def _echo_texts(state: ApiState, body: GenerationRequest, requests: list[E
     return texts
 
 
-async def _events(generations: list[Generation], shape: Shape, envelope: Envelope,
-                  body: GenerationRequest, echo: dict[int, str]) -> AsyncGenerator[str, None]:
+async def _events(generations: list[Generation], shape: Shape, envelope: Envelope, body: GenerationRequest,
+                  echo: dict[int, str], calls_in: ToolFormat | None) -> AsyncGenerator[str, None]:
     """The SSE stream: each chunk carries one choice's output under its index (after its echoed prompt);
     finish reasons come in a chunk of their own; usage per `stream_options`; `[DONE]` last."""
     usage = Tally(generations)
     offsets: dict[int, int] = {}  # choice -> characters sent
     scored: dict[int, list[TokenLogprob]] = {}  # prompt (its first choice's index) -> prompt log-probabilities
+    parsers: dict[int, ToolCallStreamParser] = {}  # choice -> its tool-call parser (chat with tools)
+
+    def with_calls(index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None) -> str:
+        """A chat chunk of the parser's content and call pieces for `text` (and the rest at the finish)."""
+        parser = parsers.setdefault(index, ToolCallStreamParser(cast("ToolFormat", calls_in)))
+        piece = parser.feed(text)
+        if finish_reason:
+            rest = parser.finish()
+            piece.content += rest.content
+            piece.tool_calls += rest.tool_calls
+        delta: dict[str, Any] = {"content": piece.content} if piece.content else {}
+        if piece.tool_calls:
+            delta["tool_calls"] = [d.to_openai() for d in piece.tool_calls]
+        choice = shape.delta(index, "", _with_calls(finish_reason, bool(parser.calls)), entries)
+        return chunk(choice | {"delta": delta})
 
     def chunk(choice: dict[str, Any]) -> str:
         if body.usage_in_every_chunk:
@@ -413,6 +445,12 @@ async def _events(generations: list[Generation], shape: Shape, envelope: Envelop
                     text = echo[gen.index] + text
                     if gen.index in scored:
                         entries = [*scored[gen.index], *(entries or ())]
+            if calls_in is not None:
+                if text or entries:
+                    yield with_calls(index, text, None, entries)
+                if out.finish_reason:
+                    yield with_calls(index, "", out.finish_reason, None)
+                continue
             if text or entries:
                 yield chunk(shape.delta(index, text, None, entries, offsets[index]))
                 offsets[index] += len(text)

@@ -5,8 +5,8 @@ Field names and shapes follow the OpenAI reference; `top_k`, `min_p`, `repetitio
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `priority`, the `guided_*` and `structured_outputs`
 fields and `stream_options.continuous_usage_stats` are accepted as vLLM accepts them, and so are vLLM's
 `/tokenize` and `/detokenize` bodies. Unknown fields are ignored, as OpenAI-compatible servers do, but
-fields whose meaning we cannot honour (`best_of` > n, `suffix`, tools) are refused with a 400 rather
-than silently dropped. Every rule is declared on its field (a bound, a
+fields whose meaning we cannot honour (`best_of` other than n, `suffix`, tools for a model whose
+template has none) are refused with a 400 rather than silently dropped. Every rule is declared on its field (a bound, a
 length, `unsupported`), so errors.py words every refusal the same way.
 """
 
@@ -20,8 +20,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 from pydantic_core import PydanticCustomError
 
 from engine.params import MAX_LOGPROBS, MAX_N, InvalidParams, SamplingParams
-from engine.prompt import ChatMessage, Prompt
+from engine.prompt import ChatMessage, Prompt, Tools
 from engine.structured import GrammarSpec
+from engine.tools import InvalidTools, ToolFormat, forced_tool_grammar, tool_functions
 
 T = TypeVar("T")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat: whatever fits)
@@ -46,6 +47,7 @@ class EngineRequest:
     index: int
     prompt: Prompt
     params: SamplingParams
+    tools: Tools | None = None
 
 
 class StreamOptions(BaseModel):
@@ -143,6 +145,10 @@ class GenerationRequest(BaseModel):
         """(top alternatives per sampled token, per prompt token), None where not asked for."""
         return None, None
 
+    def tools_for(self, tool_format: ToolFormat | None) -> tuple[Tools | None, GrammarSpec | None]:
+        """The tools for the chat template and the grammar forcing calls (tool_choice), if any."""
+        return None, None
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v: str | list[str] | None) -> list[str] | None:
@@ -167,15 +173,18 @@ class GenerationRequest(BaseModel):
     def usage_at_the_end(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def params(self, context: int) -> SamplingParams:
+    def params(self, context: int, forced: GrammarSpec | None = None) -> SamplingParams:
         """The engine's sampling parameters (temperature defaults to 1.0, as in the OpenAI API);
-        InvalidParams for values the engine cannot use."""
+        InvalidParams for values the engine cannot use. `forced`: the grammar of forced tool calls."""
         assert not isinstance(self.stop, str)  # `_stop_strings` has made it a list
         logprobs, prompt_logprobs = self.logprob_counts()
         try:
             structured = self.structured()
         except ValueError as e:
             raise InvalidParams(str(e)) from e
+        if forced is not None and structured is not None:
+            raise InvalidParams("tool_choice forces tool calls; it cannot go with another output structure")
+        structured = structured or forced
         return SamplingParams(max_tokens=self.budget(context),
                               temperature=1.0 if self.temperature is None else self.temperature,
                               top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
@@ -187,11 +196,12 @@ class GenerationRequest(BaseModel):
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
                               ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority)
 
-    def engine_requests(self, context: int) -> list[EngineRequest]:
+    def engine_requests(self, context: int, tool_format: ToolFormat | None = None) -> list[EngineRequest]:
         """The engine requests this body stands for, one per prompt (they run concurrently, and batch);
         prompt i's n choices are choices i*n .. i*n + n - 1."""
-        params = self.params(context)
-        return [EngineRequest(i * self.n, prompt, params) for i, prompt in enumerate(self.prompts())]
+        tools, forced = self.tools_for(tool_format)
+        params = self.params(context, forced)
+        return [EngineRequest(i * self.n, prompt, params, tools) for i, prompt in enumerate(self.prompts())]
 
 
 class TextPart(BaseModel):
@@ -199,19 +209,69 @@ class TextPart(BaseModel):
     text: str
 
 
-class Message(BaseModel):
-    """One chat turn; `content` may be a string or a list of text parts (other parts are refused)."""
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    """One chat turn; `content` may be a string or a list of text parts (other parts are refused). An
+    assistant turn that called tools has `tool_calls` (and may have no content); a "tool" turn answers
+    the call `tool_call_id`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 def _chat(messages: list[Message]) -> list[ChatMessage]:
     """Messages as the engine's chat template takes them ("developer" is OpenAI's new "system")."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    out: list[ChatMessage] = []
+    for m in messages:
+        turn: ChatMessage = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            turn["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            turn["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            turn["name"] = m.name
+        out.append(turn)
+    return out
+
+
+class FunctionTool(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionTool
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -220,7 +280,28 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: Annotated[list[Any] | None, unsupported(None, [])] = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # calls are parsed however many there are
+
+    def tools_for(self, tool_format: ToolFormat | None) -> tuple[Tools | None, GrammarSpec | None]:
+        """The tools (for the template, unless tool_choice is "none") and, for "required" or a named
+        function, the grammar that makes the reply those calls; InvalidParams naming what is wrong."""
+        if not self.tools or self.tool_choice == "none":
+            return None, None
+        if tool_format is None:
+            raise InvalidParams("tools: this model's chat template has no tool calling")
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        try:
+            names = tool_functions(tools)
+            if isinstance(self.tool_choice, NamedToolChoice):
+                if self.tool_choice.function.name not in names:
+                    raise InvalidTools(f"tool_choice names {self.tool_choice.function.name!r}, which is not among "
+                                       f"the tools ({', '.join(names)})")
+                return tools, forced_tool_grammar(tool_format, tools, self.tool_choice.function.name)
+            return tools, forced_tool_grammar(tool_format, tools) if self.tool_choice == "required" else None
+        except InvalidTools as e:
+            raise InvalidParams(str(e)) from e
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
