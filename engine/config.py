@@ -28,7 +28,10 @@ class EngineConfig:
     `cpu_kernels` runs RMSNorm, RoPE, the MLP activation and (with attention_backend auto or cpu) attention through
     minichat's C kernels on a float32/bfloat16 CPU model, built once with the system's C compiler
     (kernels/cpu); where none builds, the torch paths run instead.
-    `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA).
+    `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA);
+    with `nnodes` > 1 they spread over that many machines, `tensor_parallel_size / nnodes` each: node 0
+    (`node_rank` 0) runs the engine and meets the others at `dist_init_addr` (HOST:PORT, SGLang's
+    spelling), and a node of rank > 0 only runs its ranks (engine/distributed/node.py).
     `overlap` schedules step N+1 while step N runs (the model in a worker thread or on a CUDA stream);
     None picks per device: on for CUDA, off on CPU (see `use_overlap` and docs/architecture.md);
     `mixed_batches` lets running requests decode in the same step as a prefill (see `Scheduler.schedule`);
@@ -57,13 +60,16 @@ class EngineConfig:
     max_running_requests: int | None = None
     max_prefill_tokens: int = 2048
     max_model_len: int | None = None
-    seed: int = 0
+    seed: int | None = None  # the seeds of requests that bring none: from this, else from the OS
     attention_backend: str = "auto"
     prefix_cache: str = "radix"
     linear_dtype: str = "auto"
     prepack_weights: bool = True
     cpu_kernels: bool = True
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     overlap: bool | None = None
     mixed_batches: bool = True
     cuda_graph: bool = True
@@ -96,6 +102,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1 (or None: as many as suit the machine); got {self.threads}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes) and nnodes at least 1; got node_rank "
+                             f"{self.node_rank} of nnodes {self.nnodes}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
+                             f"{self.nnodes} (each node runs the same number of ranks)")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT: where node 0 meets the others")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
 

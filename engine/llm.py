@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import fields
@@ -16,6 +17,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.distributed import TensorParallel
+from engine.distributed.node import Meeting
 from engine.distributed.workers import WorkerPool, launch
 from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
@@ -37,7 +39,7 @@ from engine.request import Group, PromptTooLong, Req
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
-from engine.scheduler.snapshot import SchedulerSnapshot
+from engine.scheduler.snapshot import RequestDetail, SchedulerSnapshot
 from engine.structured import GrammarCompiler, GrammarMatcher, InvalidGrammar
 from engine.threads import ThreadGovernor, usable_cores, wait_policy
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
@@ -65,7 +67,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", page_size: int = 16,
                  num_pages: int | None = None, max_running_requests: int | None = None, max_prefill_tokens: int = 2048,
-                 seed: int = 0, **options: Any) -> None:
+                 seed: int | None = None, **options: Any) -> None:
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(options) - known
         if unknown:
@@ -76,16 +78,20 @@ class LLM:
         cfg = self.config
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {cfg.device!r} requested but CUDA is not available; use device='cpu'")
+        per_node = cfg.tensor_parallel_size // cfg.nnodes  # the ranks this machine runs
+        if cfg.node_rank != 0:
+            raise ValueError("an engine runs on node 0; a node of rank > 0 only runs its ranks "
+                             "(engine/distributed/node.py: minichat serve --node-rank N)")
         if cfg.device.startswith("cuda") and torch.cuda.device_count() < (torch.device(cfg.device).index or 0) + \
-                cfg.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size {cfg.tensor_parallel_size} needs that many GPUs from "
+                per_node:
+            raise ValueError(f"{per_node} tensor-parallel ranks on this node need that many GPUs from "
                              f"{cfg.device}; this machine has {torch.cuda.device_count()}")
         self.device = torch.device(cfg.device)
         self.model_path = resolve_model_path(cfg.model_path)
         self.tp = TensorParallel()
         self.workers: WorkerPool | None = None
         # CPU threads per rank: the ones asked for, or the usable cores; only a single rank adapts them to the load
-        threads = max(1, (cfg.threads or usable_cores()) // cfg.tensor_parallel_size)
+        threads = max(1, (cfg.threads or usable_cores()) // per_node)
         self.governor = None
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
@@ -96,7 +102,8 @@ class LLM:
             check_shardable(spec, cfg.tensor_parallel_size)
             self.tp, self.workers = launch(cfg.tensor_parallel_size, spec, str(self.model_path), cfg.dtype,
                                            cfg.device, cfg.page_size, cfg.attention_backend, cfg.linear_dtype,
-                                           cfg.prepack_weights, cfg.cpu_kernels, threads)
+                                           cfg.prepack_weights, cfg.cpu_kernels, threads, nnodes=cfg.nnodes,
+                                           meeting=Meeting.parse(cfg.dist_init_addr) if cfg.dist_init_addr else None)
         try:
             self._build()
         except BaseException:
@@ -149,7 +156,9 @@ class LLM:
                                    cfg.mixed_batches, cfg.admission, cfg.schedule_policy, cfg.max_wait_steps,
                                    cfg.max_consecutive_prefills, self._token_text)
         self.loop = StepLoop(self.scheduler, self.runner)
-        self._rng = torch.Generator().manual_seed(cfg.seed)
+        # requests without a seed draw one from here: from `seed` (reproducible runs), else from the OS, so
+        # replicas behind a gateway do not sample in lockstep
+        self._rng = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))
         self._uid = 0
         self._live: dict[str, Req] = {}
         self._token_texts: dict[int, str] = {}
@@ -190,9 +199,10 @@ class LLM:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, client: str = "") -> str:
         """Queue a request at the back of the waiting queue; returns its request id. `arrival_time`
         (time.monotonic()) is when it arrived, if earlier than now: its timings count from there.
+        `client` labels who sent it, for the stats and `describe`.
         With `params.n` > 1 the request is a Group of n choices (engine/request.py)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -214,7 +224,6 @@ class LLM:
         rid = rid if rid is not None else uuid.uuid4().hex[:12]
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use; choose another")
-        # Like the seed's _process_one_msg: shrink the output budget to what the context allows.
         # Like the seed's _process_one_msg: shrink the output budget to what the context allows (a request
         # that only scores its prompt still samples once, unseen: max_tokens 0 is handled at processing).
         max_output = max(1, min(params.max_tokens, self.max_seq_len - len(ids)))
@@ -225,7 +234,7 @@ class LLM:
             req = Req(rid=rid if index == 0 else f"{rid}#{index}", uid=self._uid, input_ids=ids, params=params,
                       max_output=max_output, seed=seed + index, group=group, index=index,
                       scored=1 if index == 0 else len(ids), grammar=grammars[index] if grammars else None,
-                      detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+                      detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop), client=client)
             if arrival_time is not None:
                 req.arrival_time = arrival_time
             if group is not None:
@@ -267,6 +276,10 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def describe(self, rid: str, text_from: int = 0) -> RequestDetail | None:
+        """One live request in detail (Scheduler.describe); None when it is not live."""
+        return self.scheduler.describe(rid, text_from)
 
     def request(self, rid: str) -> Req | None:
         """A live (not yet finished) request, for inspection."""

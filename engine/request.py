@@ -89,6 +89,7 @@ class Req:
     scored: int = 1
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the sampled tokens', when asked for
     grammar: GrammarMatcher | None = None  # params.structured's matcher: what may come next
+    client: str = ""  # who sent it, in a few words ("bench", "client 3"): what an operator sees it by
 
     @property
     def client_rid(self) -> str:

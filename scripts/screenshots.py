@@ -3,6 +3,7 @@ real engine process started for the occasion (and stopped afterwards).
 
     .venv/bin/python scripts/screenshots.py                   # the embedded demo model
     .venv/bin/python scripts/screenshots.py --model PATH      # any HF checkpoint directory
+    .venv/bin/python scripts/screenshots.py --only request_detail --only history   # some of them
 
 Writes SVG files into screenshots/ (or --out). Replies are sampled, so each run's text differs.
 Conversations are saved in a temporary data directory, never the user's own.
@@ -25,6 +26,8 @@ from engine.service.client import AsyncEngineClient
 from engine.service.launcher import start
 from tui.app import MinichatApp
 from tui.link import EngineLink
+from tui.panels import RequestTable
+from tui.panels.detail import RequestDetailScreen
 
 ENGINE_OPTIONS = {"max_running_requests": 8, "max_prefill_tokens": 256, "num_pages": 384}
 FAN_OUT = "/fanout 4 Once more unto the breach, dear friends | To be, or not to be | Shall I compare thee to a " \
@@ -148,10 +151,56 @@ async def session_list(address: str, out: Path) -> None:
         app.save_screenshot("session-list.svg", str(out))
 
 
+async def request_detail(address: str, out: Path) -> None:
+    """Enter on a row of the running set: one request of another client (a benchmark) in detail, its
+    tokens streaming in."""
+    app = MinichatApp(EngineLink(address=address, autostart=False))
+    async with app.run_test(size=(130, 40)) as pilot, AsyncEngineClient(address, name="bench") as load:
+        await connect(pilot)
+        app.ops_width = 100
+        tasks = [asyncio.ensure_future(load.complete(LOAD_PROMPT, max_tokens=400, ignore_eos=True, temperature=0.8,
+                                                     seed=i, rid=f"bench-{i}")) for i in range(10)]
+        await until(pilot, lambda: len(app.last_stats.running) >= 8)  # type: ignore[union-attr]
+        running = app.query_one("#running", RequestTable)
+        running.focus()
+        await until(pilot, lambda: "bench-3" in [key.value for key in running.rows])
+        running.select("bench-3")
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, RequestDetailScreen) and len(app.screen.output) > 600)
+        await pilot.pause(0.3)
+        app.save_screenshot("request-detail.svg", str(out))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def history(address: str, out: Path) -> None:
+    """Waves of load for about a minute: the history panel draws the queue, the running set and the KV
+    pages in use, beside the throughput."""
+    app = MinichatApp(EngineLink(address=address, autostart=False))
+    async with app.run_test(size=(130, 40)) as pilot, AsyncEngineClient(address, name="bench") as load:
+        await connect(pilot)
+        app.ops_width = 100
+        tasks: list[asyncio.Future[object]] = []
+        for wave, (count, tokens) in enumerate(((6, 120), (14, 200), (4, 80), (18, 160), (10, 240), (20, 160))):
+            tasks += [asyncio.ensure_future(load.complete(LOAD_PROMPT, max_tokens=tokens, ignore_eos=True,
+                                                          rid=f"wave{wave}-{i}")) for i in range(count)]
+            await pilot.pause(9 if wave < 5 else 4)  # a wave every 9 s: the one-second samples show each
+        app.save_screenshot("history.svg", str(out))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+SHOTS = (chat_sessions, ops_under_load, small_terminal, context_gauge, session_list, request_detail, history)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="HF checkpoint directory (default: the embedded demo model)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "screenshots")
+    parser.add_argument("--only", action="append", choices=[shot.__name__ for shot in SHOTS],
+                        help="take only this shot (repeatable; default: all)")
     args = parser.parse_args()
     if args.model is None and not (DEMO_MODEL_DIR / "config.json").is_file():
         parser.error(f"the demo model is not built ({DEMO_MODEL_DIR}); pass --model PATH")
@@ -160,7 +209,9 @@ def main() -> None:
         os.environ["MINICHAT_DATA_DIR"] = tmp  # the shots' conversations are not the user's
         address = f"ipc://{tmp}/engine.sock"
         with start(address, model=args.model, **ENGINE_OPTIONS):
-            for shoot in (chat_sessions, ops_under_load, small_terminal, context_gauge, session_list):
+            for shoot in SHOTS:
+                if args.only and shoot.__name__ not in args.only:
+                    continue
                 asyncio.run(shoot(address, args.out))
                 print(f"{shoot.__name__}: done")
     print(f"screenshots in {args.out}")

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -39,13 +40,13 @@ def test_short_bench_reports_every_metric_and_valid_json(engine_address, tmp_pat
                    "--input-len", "20", "--output-len", "5", "--range-ratio", "0.5", "--warmup", "1",
                    "--json", str(out))
     assert run.returncode == 0, run.stderr
-    for label in ("completed / failed", "request throughput", "output throughput", "total throughput",
+    for label in ("completed / aborted / failed", "request throughput", "output throughput", "total throughput",
                   "peak concurrency", "TTFT", "TPOT", "ITL", "E2E"):
         assert label in run.stderr
     report = json.loads(out.read_text())
     assert report["config"]["engine_execution"]["attention_backend"] == "cpu"  # what the run really used
     engine = report["engine"]
-    assert engine["completed"] == 6 and engine["failed"] == 0
+    assert engine["completed"] == 6 and engine["aborted"] == engine["failed"] == 0
     assert len(report["records"]) == 6
     assert submitted(engine_address) - before == 6 + 1  # the warm-up request runs once, unmeasured
     assert engine["peak_concurrency"] == 3
@@ -85,3 +86,32 @@ def test_no_engine_fails_fast_with_a_clear_message():
 def test_bad_options_are_refused(engine_address):
     run = minichat("bench", "--address", engine_address, "--range-ratio", "1.5")
     assert run.returncode == 2 and "--range-ratio must be in [0, 1)" in run.stderr
+
+
+def test_a_request_an_operator_aborts_is_counted_aborted(long_ckpt: Path, tmp_path: Path) -> None:
+    """Two long requests; a second client (an operator) aborts one while both run: the report counts one
+    completed and one aborted (not two completed), leaves the aborted one out of the figures, and the
+    exit status is 3."""
+    out = tmp_path / "bench.json"
+    address = f"ipc://{tmp_path}/engine.sock"
+    with start(address, model=str(long_ckpt), timeout=120), EngineClient(address) as operator:
+        bench = subprocess.Popen([sys.executable, "-m", "tui.cli", "bench", "--address", address, "--num-requests",
+                                  "2", "--concurrency", "2", "--input-len", "16", "--output-len", "1500",
+                                  "--warmup", "0", "--json", str(out)], stderr=subprocess.PIPE, text=True)
+        try:
+            both = operator.wait_stats(lambda s: len(s.running) == 2 and all(r.generated for r in s.running), 120)
+            victim = both.running[0].rid
+            operator.abort(victim)
+            _, stderr = bench.communicate(timeout=300)
+        finally:
+            bench.kill()
+    assert bench.returncode == 3, stderr
+    assert "completed / aborted / failed" in stderr and "1 / 1 / 0" in stderr
+    assert "1 request was aborted by someone else" in stderr
+    report = json.loads(out.read_text())
+    assert (report["engine"]["completed"], report["engine"]["aborted"], report["engine"]["failed"]) == (1, 1, 0)
+    records = report["records"]
+    assert sorted(r["aborted"] for r in records) == [False, True] and all(r["error"] is None for r in records)
+    completed = next(r for r in records if not r["aborted"])
+    assert completed["output_len"] == 1500
+    assert report["engine"]["output_throughput"] == pytest.approx(1500 / report["engine"]["duration"])

@@ -182,3 +182,15 @@ def test_penalties_bias_min_tokens_and_stop_tokens_end_to_end(checkpoints, tmp_p
     assert len(held.token_ids) >= 6 and plain[0] not in held.token_ids[:6]
     with pytest.raises(ValueError, match="token ids in"):
         llm.add_request(prompt, SamplingParams(logit_bias={10**7: 1.0}))
+
+
+def test_unseeded_requests_differ_between_engines_unless_the_engine_is_seeded(checkpoints):
+    """Replicas behind a gateway must not sample in lockstep; `seed` keeps a run reproducible."""
+    path = str(checkpoints["llama"])
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+
+    def first(**engine: int) -> list[int]:
+        return LLM(path, **engine).generate([[1, 2, 3]], params)[0].token_ids
+
+    assert first() != first()
+    assert first(seed=7) == first(seed=7)

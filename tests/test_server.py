@@ -119,6 +119,53 @@ def test_abort_waiting_chunked_and_running_from_another_client(served: EngineHan
     assert err.value.code == "unknown_request"
 
 
+def test_requests_are_labelled_by_client_and_described(served: EngineHandle, ops: EngineClient) -> None:
+    """Stats name who sent each request (the client's label, else "client N"); `describe` tells all about
+    one, its output a piece at a time; once it is gone it is described as gone, and aborting it then is
+    answered but not counted as an error."""
+    with served.client(name="nightly eval") as named, served.client() as anonymous:
+        named.submit([5, 6, 7], max_tokens=3000, ignore_eos=True, rid="labelled")
+        named.submit([8, 9], max_tokens=3000, ignore_eos=True, rid="relabelled", client="console tab 3")
+        anonymous.submit("Once more unto the breach", max_tokens=3000, ignore_eos=True, rid="anonymous",
+                         temperature=0.5, priority=2)
+        rids = ("labelled", "relabelled", "anonymous")
+        snap = ops.wait_stats(lambda s: all(state_of(s, rid) == "running" for rid in rids))
+        clients = {e.rid: e.client for e in [*snap.waiting, *snap.running]}
+        assert clients["labelled"] == "nightly eval" and clients["relabelled"] == "console tab 3"
+        assert re.fullmatch(r"client \d+", clients["anonymous"]), clients
+
+        deadline = time.monotonic() + 60
+        while (d := ops.describe("anonymous")).output_chars < 8:
+            assert time.monotonic() < deadline, d
+        assert (d.state, d.client, d.slot is not None, d.reason) == ("running", clients["anonymous"], True, "")
+        assert d.params is not None and (d.params.temperature, d.params.priority, d.params.max_tokens) == (0.5, 2, 3000)
+        assert "unto the breach" in d.prompt_head and d.prompt_tail == "" and d.prompt_tokens > 0
+        assert d.pages > 0 and d.generated > 0 and d.max_tokens == 3000 and d.choices == 1
+        assert d.queue is not None and d.ttft is not None and 0 <= d.queue <= d.ttft <= d.age
+        assert len(d.output) == d.output_chars
+        more = ops.describe("anonymous", text_from=d.output_chars)
+        assert more.output_chars >= d.output_chars and len(more.output) == more.output_chars - d.output_chars
+        # the choices of a request with n > 1 are rows of their own ("pair#1"), described under that id
+        named.submit([4, 5], max_tokens=3000, ignore_eos=True, rid="pair", n=2)
+        ops.wait_stats(lambda s: state_of(s, "pair#1") is not None)
+        assert (ops.describe("pair#1").rid, ops.describe("pair#1").choices, ops.describe("pair").choices) == \
+            ("pair#1", 2, 2)
+        ops.abort("pair")
+        assert list(named.stream("pair"))[-1].finish_reason == "abort"
+
+        errors = ops.stats().counters.errors
+        for rid in rids:
+            ops.abort(rid)
+        assert list(anonymous.stream("anonymous"))[-1].finish_reason == "abort"
+        for rid in rids[:2]:
+            assert list(named.stream(rid))[-1].finish_reason == "abort"
+        gone = ops.describe("anonymous")
+        assert gone.state == "gone" and gone.params is None and gone.output == ""
+        with pytest.raises(EngineError, match="unknown_request"):
+            ops.abort("anonymous")  # it ended before the abort came: answered, and nobody's error
+        assert ops.wait_stats(idle).counters.errors == errors
+
+
 def test_raw_pyzmq_client_from_protocol_doc(served: EngineHandle, tmp_path: Path) -> None:
     doc = (ROOT / "docs" / "protocol.md").read_text()
     script = tmp_path / "raw_client.py"
@@ -165,7 +212,9 @@ BAD = [
     ([submit(params={"top_p": 0.0})], "invalid_params", "bad"),
     ([submit(params={"top_k": 0})], "invalid_params", "bad"),
     ([submit(params={"stop": [""]})], "invalid_params", "bad"),
-    ([pack({"type": "abort", "rid": "nobody"})], "unknown_request", "nobody"),
+    ([submit(client="")], "invalid_request", "bad"),
+    ([submit(client="x" * 129)], "invalid_request", "bad"),
+    ([pack({"type": "abort", "rid": "nobody"})], "unknown_request", "nobody"),  # answered, not counted
 ]
 
 
@@ -197,9 +246,13 @@ def test_bad_input_gets_error_replies_and_the_engine_keeps_serving(served: Engin
     for rid in [*queued, held]:  # the queue first: once `held` is gone, the queue moves
         ops.abort(rid)
 
-    # Oversized frames (MAXMSGSIZE) drop that connection and never become requests.
+    # A frame over --max-message-bytes is refused, naming its request, and never becomes one (only frames
+    # over four times the limit make ZeroMQ drop the connection).
     raw.send(submit(rid="huge", prompt="x" * (2 << 20)))
-    assert ops.wait_stats(idle).counters.errors >= errors_before + len(BAD) + 2
+    msg = reply(raw, timeout=30)
+    assert (msg["type"], msg["code"], msg["rid"]) == ("error", "too_large", "huge")
+    # every refusal but the abort of nobody (a race any operator can lose), plus the duplicate and the overload
+    assert ops.wait_stats(idle).counters.errors >= errors_before + len(BAD) - 1 + 2
     with pytest.raises(EngineError, match="unknown_request"):
         ops.abort("huge")
     assert ops.complete("still serving?", max_tokens=3).usage.completion_tokens >= 1

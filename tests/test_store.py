@@ -75,3 +75,36 @@ def test_a_damaged_locked_or_newer_database_is_refused_clearly(tmp_path: Path) -
     finally:
         holder.execute("ROLLBACK")
         holder.close()
+
+
+V1_SCHEMA = """
+CREATE TABLE sessions (uid TEXT PRIMARY KEY, name TEXT NOT NULL, system_prompt TEXT NOT NULL, params TEXT NOT NULL,
+                       context_start INTEGER NOT NULL, created REAL NOT NULL, updated REAL NOT NULL,
+                       open INTEGER NOT NULL);
+CREATE TABLE turns (session_uid TEXT NOT NULL REFERENCES sessions(uid) ON DELETE CASCADE, position INTEGER NOT NULL,
+                    prompt TEXT NOT NULL, reply TEXT NOT NULL, PRIMARY KEY (session_uid, position));
+PRAGMA user_version = 1;
+"""
+
+
+def test_an_older_file_is_migrated_and_the_list_previews_the_last_exchange(tmp_path: Path) -> None:
+    """A file written before titles (schema 1) opens, its sessions count as titled (never renamed by the
+    console), and the list carries each session's last prompt and reply; a new session keeps `titled`."""
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(V1_SCHEMA)
+        db.execute("INSERT INTO sessions VALUES ('old', 'chat 1', '', '{}', 0, 1.0, 2.0, 1)")
+        db.execute("INSERT INTO turns VALUES ('old', 0, 'first', ?)", ('{"rid": "r0", "text": "one"}',))
+        db.execute("INSERT INTO turns VALUES ('old', 1, 'second', ?)", ('{"rid": "r1", "text": "two"}',))
+    db.close()
+    store = Store(path)
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    old = store.load("old")
+    assert old.titled and [t.reply.text for t in old.turns] == ["one", "two"]
+    fresh = conversation("chat 2", "x" * 500, "y" * 500)
+    store.save(fresh)
+    assert not store.load(fresh.uid).titled
+    rows = {row.name: row for row in store.sessions()}
+    assert (rows["chat 1"].last_prompt, rows["chat 1"].last_reply) == ("second", "two")
+    assert len(rows["chat 2"].last_prompt) == len(rows["chat 2"].last_reply) == 200  # only the start is read
+    store.close()

@@ -8,6 +8,7 @@ re-finds the engine (tui/link.py), and tui/conversations.py keeps conversations 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -15,12 +16,14 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.app import App, ComposeResult, ScreenStackError, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.content import Content
 from textual.css.query import NoMatches
+from textual.events import Resize
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.theme import ThemeProvider
@@ -29,7 +32,7 @@ from textual.widgets import Footer, Static, TabbedContent, TabPane, Tabs
 
 from engine.service.protocol import Stats
 from tui.chat import ChatPane, PromptInput
-from tui.commands import BY_NAME, COMMANDS, Command, parse_fanout, parse_slash
+from tui.commands import BY_NAME, COMMANDS, Command, parse_fanout, parse_number, parse_slash
 from tui.conversations import Conversations
 from tui.dialogs import AskScreen, ConfirmScreen
 from tui.help import HelpScreen
@@ -37,13 +40,16 @@ from tui.link import EngineLink, LinkState
 from tui.palette import Palette
 from tui.panels import PANELS, OpsPanels, RequestTable
 from tui.panels.base import update_text
+from tui.panels.detail import RequestDetailScreen
 from tui.session import SETTINGS, Session, parse_setting
 from tui.sessions import Choice, SessionsScreen
 from tui.store import data_dir
+from tui.tablist import TabsScreen
 
-WIDE = 120  # columns from which the ops panels open beside the chat at start
+WIDE = 120  # columns from which the ops panels open beside the chat (below, one side at a time)
 OPS_STEP = 10  # percent of the width that f7 / f8 move the split by
 STALE_AFTER = 1.5  # seconds without a stats snapshot after which the status line shows their age
+TEXTUAL_DUPLICATES = {"Keys"}  # Textual's palette entries that minichat's own replace (its help: f1)
 STATE_STYLES = {"connected": "bold green", "stalled": "bold yellow", "connecting": "bold yellow",
                 "starting": "bold yellow", "lost": "bold red", "failed": "bold red"}
 
@@ -51,6 +57,30 @@ STATE_STYLES = {"connected": "bold green", "stalled": "bold yellow", "connecting
 def tab_id(session: Session) -> str:
     """The id of the tab that shows `session`."""
     return f"session-{session.uid}"
+
+
+def tab_label(session: Session) -> Content:
+    """The session's name, with a dot while its reply is generating."""
+    return Content(("● " if session.live is not None else "") + session.name)
+
+
+Piece = tuple[int, int, Text]
+"""Part of the status line: (group, priority, text); the highest priority is left out first."""
+
+
+def fit_status(head: Text, pieces: list[Piece], tail: Text, width: int) -> Text:
+    """`head`, the pieces (` · ` within a group, `  │  ` between groups) and `tail`, leaving out the least
+    important pieces (the highest priority first, then the next...) until what is left fits `width`
+    cells; the order is kept, priority 0 is never left out, and the tail is what a narrow line cuts."""
+    for most in sorted({priority for _, priority, _ in pieces}, reverse=True) or [0]:
+        groups: dict[int, list[Text]] = {}
+        for group, priority, text in pieces:
+            if priority <= most:
+                groups.setdefault(group, []).append(text)
+        body = [Text(" · ").join(texts) for texts in groups.values()]
+        if cell_len(head.plain) + 1 + sum(t.cell_len + 5 for t in body) <= width:
+            break
+    return Text.assemble(head, " ", Text("  │  ").join([*body, tail]))
 
 
 class SessionTabs(TabbedContent):
@@ -84,12 +114,15 @@ class MinichatApp(App[None]):
         Binding("ctrl+w", "close_session", "Close chat", priority=True, show=False),
         Binding("f2", "rename_session", "Rename chat", show=False),
         Binding("ctrl+f", "fan_out", "Fan out", show=False),
+        Binding("ctrl+g", "close_group", "Close this tab's fan-out group (all its tabs)", show=False),
+        Binding("ctrl+r", "regenerate", "Regenerate the last reply", show=False),
+        Binding("ctrl+t", "list_tabs", "Open tabs; then 1…9 goes to that tab", show=False),
         Binding("escape", "abort", "Stop reply"),
         Binding("ctrl+pagedown", "switch_session(1)", "Next chat", show=False),
         Binding("ctrl+pageup", "switch_session(-1)", "Previous chat", show=False),
-        Binding("f5", "toggle_ops", "Ops panels"),
+        Binding("f5", "cycle_layout", "Chat/split/ops"),
         # priority: the prompt box (a TextArea) would take f6 and f7 for selecting text
-        Binding("f6", "switch_focus", "Chat ⇄ ops focus", show=False, priority=True),
+        Binding("f6", "switch_focus", "Next panel: the prompt box, then each ops table", show=False, priority=True),
         Binding("f7", f"resize_ops({-OPS_STEP})", "Ops panels narrower", show=False, priority=True),
         Binding("f8", f"resize_ops({OPS_STEP})", "Ops panels wider", show=False, priority=True),
     ]
@@ -106,6 +139,8 @@ class MinichatApp(App[None]):
         self.last_stats: Stats | None = None
         self.stats_at = 0.0  # monotonic time of the last snapshot
         self._ops_restore = 50
+        self._fan_outs = 0  # fan-outs so far: each names its group of tabs
+        self._collapsed = False  # a split that a narrow terminal turned into one side
         self._context_shown: int | None = None  # the model context the chat tabs' gauges show
 
     # -- layout -----------------------------------------------------------------------------------
@@ -113,7 +148,7 @@ class MinichatApp(App[None]):
         yield Static(id="status")
         with Horizontal(id="main"):
             yield SessionTabs(id="chats")
-            yield OpsPanels(id="ops")
+            yield OpsPanels(self.link, id="ops")
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -172,24 +207,25 @@ class MinichatApp(App[None]):
 
     def show_status(self) -> None:
         state = self.link.state
-        # The state, the engine's numbers, anything amiss, and the engine's name and address (or what went
-        # wrong) last: one line, whose end an 80-column terminal cuts (a problem state wraps instead).
-        parts: list[Text] = []
+        # The state, the engine's live counts (never left out), anything amiss, the rates, and the engine's
+        # name and address (or what went wrong) last: one line, of which a narrow terminal loses the rates
+        # and the retraction count first and then cuts the end (a problem state wraps instead).
+        pieces: list[Piece] = []
         if (stats := self.last_stats) is not None and state.connected:
             busy = sum(rid is not None for rid in stats.slots)
             c = stats.counters
-            numbers = Text(f"running {len(stats.running)} · waiting {len(stats.waiting)}", "dim")
+            pieces.append((0, 0, Text(f"running {len(stats.running)} · waiting {len(stats.waiting)}", "dim")))
             if c.retractions:
-                numbers.append(" · ", "dim").append(f"retracted {c.retractions}", "magenta")
-            numbers.append(f" · slots {busy}/{len(stats.slots)} · prefill {c.prefill_tokens_per_s:.0f} · decode "
-                           f"{c.decode_tokens_per_s:.0f} tok/s", "dim")
+                pieces.append((0, 2, Text(f"retracted {c.retractions}", "magenta")))
+            pieces += [(0, 0, Text(f"slots {busy}/{len(stats.slots)}", "dim")),
+                       (0, 4, Text(f"prefill {c.prefill_tokens_per_s:.0f}", "dim")),
+                       (0, 3, Text(f"decode {c.decode_tokens_per_s:.0f} tok/s", "dim"))]
             if (age := time.monotonic() - self.stats_at) > STALE_AFTER:
-                numbers.append(f"  stale: {age:.0f} s old", "bold yellow")
-            parts.append(numbers)
+                pieces.append((1, 1, Text(f"stale: {age:.0f} s old", "bold yellow")))
         if self.conversations.problem:
-            parts.append(Text("not saving", "bold red"))
-        parts.append(Text(state.detail))
-        line = Text.assemble((f" {state.kind} ", STATE_STYLES.get(state.kind, "bold")), " ", Text("  │  ").join(parts))
+            pieces.append((2, 1, Text("not saving", "bold red")))
+        head = Text(f" {state.kind} ", STATE_STYLES.get(state.kind, "bold"))
+        line = fit_status(head, pieces, Text(state.detail), self.size.width)
         # query_one, not query: a query walks every widget of every tab, a few times a second
         if (status := self.query_one_optional("#status", Static)) is not None:  # none while the app is closing
             update_text(status, line)
@@ -201,8 +237,7 @@ class MinichatApp(App[None]):
         what changed in it, which is nothing at all while nothing moves. The chat tabs take no part."""
         self.last_stats, self.stats_at = stats, time.monotonic()
         with self.while_open():
-            if self.ops.display:
-                self.ops.show_stats(stats, self.link.names)
+            self.ops.show_stats(stats, self.link.names)  # draws only what is shown; keeps the history
             self.show_status()
 
     def on_engine_state(self, state: LinkState) -> None:
@@ -213,6 +248,8 @@ class MinichatApp(App[None]):
                 self._context_shown = context  # once per engine: the context gauges learn the model's context
                 for pane in self.query(ChatPane):
                     pane.show_settings()
+            if not state.connected:
+                self.ops.forget()  # its requests are gone with it: none is offered to abort
             if state.kind == "lost":
                 for pane in self.query(ChatPane):
                     pane.interrupt("interrupted", state.cause)
@@ -229,27 +266,12 @@ class MinichatApp(App[None]):
             if self.is_running:
                 raise
 
-    def on_request_table_abort_requested(self, event: RequestTable.AbortRequested) -> None:
-        label = self.link.names.label(event.rid, 40)
-
-        async def abort(yes: bool | None) -> None:
-            if not yes:
-                return
-            result = await self.link.abort(event.rid)
-            if result == "aborted":
-                self.notify(f"aborted {label}")
-            elif result == "finished":
-                self.notify(f"{label} had already finished")
-            else:
-                self.notify(f"could not reach the engine to abort {label}", severity="error")
-
-        self.push_screen(ConfirmScreen(f"Abort the request {label}?"), abort)
-
     # -- sessions ---------------------------------------------------------------------------------
     async def new_session(self, name: str | None = None, activate: bool = True,
                           like: Session | None = None) -> ChatPane:
-        """Open a session in a new tab, with `like`'s system prompt and sampling settings if given."""
-        session = Session(self.conversations.new_name(name))
+        """Open a session in a new tab, with `like`'s system prompt and sampling settings if given (without a
+        name it is `chat N` until its first exchange gives it a title)."""
+        session = Session(self.conversations.new_name(name), titled=name is not None)
         if like is not None:
             session.system_prompt, session.params = like.system_prompt, like.params
         return await self.open_session(session, activate)
@@ -261,7 +283,7 @@ class MinichatApp(App[None]):
                 break
         else:
             pane = ChatPane(session, self.link)
-            await self.tabs.add_pane(TabPane(Content(session.name), pane, id=tab_id(session)))
+            await self.tabs.add_pane(TabPane(tab_label(session), pane, id=tab_id(session)))
         if activate:
             self.tabs.active = tab_id(session)
             pane.focus_input()
@@ -276,8 +298,7 @@ class MinichatApp(App[None]):
         """The tab shows the session's name, with a dot while its reply is generating."""
         tab_pane = pane.parent
         if isinstance(tab_pane, TabPane) and tab_pane.id is not None:
-            live = pane.session.live is not None
-            self.tabs.get_tab(tab_pane.id).label = Content(("● " if live else "") + pane.session.name)
+            self.tabs.get_tab(tab_pane.id).label = tab_label(pane.session)
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         if (pane := self.current) is not None and self.tabs.display:
@@ -294,8 +315,18 @@ class MinichatApp(App[None]):
                 self.notify(str(e), severity="error")
                 return
             await self.run_command(command, arg, pane)
+        elif pane.editing is not None:
+            try:
+                await pane.resend(pane.editing, text.removeprefix("/"))
+            except ValueError as e:
+                self.notify(str(e), severity="error")
         else:
             await pane.send(text.removeprefix("/"))
+
+    async def on_prompt_input_edit_last(self, event: PromptInput.EditLast) -> None:
+        pane = event.prompt_input.query_ancestor(ChatPane)
+        if pane.session.turns:
+            await self.run_command(BY_NAME["edit"], "", pane)
 
     async def run_command(self, command: Command, arg: str, pane: ChatPane | None = None) -> None:
         """Carry out a session command on `pane` (the current session by default) with the handler its
@@ -319,8 +350,44 @@ class MinichatApp(App[None]):
         self.action_close_session()
 
     async def do_rename(self, command: Command, arg: str, pane: ChatPane) -> None:
-        pane.session.name = arg or pane.session.name
+        if arg:
+            pane.session.name, pane.session.titled = arg, True
         self.label_tab(pane)
+
+    async def do_tab(self, command: Command, arg: str, pane: ChatPane) -> None:
+        if (n := parse_number(arg, "/tab")) is None:
+            raise ValueError("/tab takes the tab's number, e.g. /tab 3 (ctrl+t lists them)")
+        self.go_to_tab(n - 1)
+
+    async def do_tabs(self, command: Command, arg: str, pane: ChatPane) -> None:
+        self.action_list_tabs()
+
+    async def do_regen(self, command: Command, arg: str, pane: ChatPane) -> None:
+        await pane.regenerate()
+
+    async def do_edit(self, command: Command, arg: str, pane: ChatPane) -> None:
+        n = parse_number(arg, "/edit")
+        pane.edit((n or len(pane.session.turns)) - 1)
+
+    async def do_copy(self, command: Command, arg: str, pane: ChatPane) -> None:
+        """The reply's text through the terminal (OSC 52), which most terminals put on the clipboard."""
+        turns = pane.session.turns
+        n = parse_number(arg, "/copy") or len(turns)
+        if not 1 <= n <= len(turns):
+            raise ValueError(f"there is no reply {n} to copy: this conversation has {len(turns)}")
+        text = turns[n - 1].reply.text
+        self.copy_to_clipboard(text)
+        self.notify(f"copied reply {n} ({len(text)} characters) through the terminal (OSC 52; in tmux it needs "
+                    f"`set -g set-clipboard on`)", title="copy")
+
+    async def do_keep(self, command: Command, arg: str, pane: ChatPane) -> None:
+        if pane.session.group is None:
+            raise ValueError(f"{pane.session.name!r} is not a fan-out tab: it is saved already")
+        pane.session.group = None  # run_command saves it from now on
+        self.notify(f"kept {pane.session.name!r}: saved, and reopened at the next start")
+
+    async def do_close_group(self, command: Command, arg: str, pane: ChatPane) -> None:
+        await self.action_close_group()
 
     async def do_system(self, command: Command, arg: str, pane: ChatPane) -> None:
         pane.session.system_prompt = arg
@@ -366,14 +433,33 @@ class MinichatApp(App[None]):
         self.notify(f"exported {session.name!r} to {target}", title="export")
 
     async def fan_out(self, prompts: list[str], like: Session) -> None:
-        """Open one session per prompt (with `like`'s settings) and send them all at once, to watch them
-        batch in the ops panels."""
-        panes = [await self.new_session(activate=False, like=like) for _ in prompts]
-        for pane, prompt in zip(panes, prompts, strict=True):
-            await pane.send(prompt)
+        """Open one tab per prompt (with `like`'s settings) to watch them batch in the ops panels.
+
+        Every request goes out before any tab is drawn: drawing a tab takes a while (dozens, seconds),
+        and requests sent as their tabs were drawn trickled in and never filled the waiting queue. The
+        tabs are a group of scratch sessions, closed together (ctrl+g) and never saved unless kept."""
+        self._fan_outs += 1
+        group = f"fan {self._fan_outs}"
+        panes = []
+        for i, prompt in enumerate(prompts, 1):
+            pane = ChatPane(Session(f"{group}.{i}", like.system_prompt, like.params, titled=True, group=group),
+                            self.link)
+            pane.start(prompt)
+            panes.append(pane)
+        await asyncio.gather(*[self.tabs.add_pane(TabPane(tab_label(pane.session), pane, id=tab_id(pane.session)))
+                               for pane in panes])
         self.tabs.active = tab_id(panes[0].session)
+        panes[0].focus_input()
         if not self.ops_width and self.size.width >= WIDE:
-            self.ops_width = self._ops_restore
+            self.ops_width = self._ops_restore if self._ops_restore < 100 else 50
+
+    def go_to_tab(self, index: int) -> None:
+        """Bring the tab at `index` (0-based, in the tab bar's order) to the front."""
+        panes = list(self.query(ChatPane))
+        if not 0 <= index < len(panes):
+            raise ValueError(f"there is no tab {index + 1}: {len(panes)} are open")
+        self.tabs.active = tab_id(panes[index].session)
+        panes[index].focus_input()
 
     def current_value(self, name: str) -> str:
         """What a command's dialog starts with: the setting's present value."""
@@ -387,7 +473,7 @@ class MinichatApp(App[None]):
 
     def ask_and_run(self, command: Command) -> None:
         """Run a command from the palette or a key, asking for its argument first if it takes one."""
-        if command.arg is None or command.name in ("new", "sessions", "export"):
+        if command.arg is None or command.name in ("new", "sessions", "export", "edit", "copy"):
             self.run_worker(self.run_command(command, ""))
             return
 
@@ -408,10 +494,17 @@ class MinichatApp(App[None]):
         self.push_screen(Palette(providers=[ThemeProvider], placeholder="Search for themes…"))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
+        """Textual's own entries but those minichat has its own of (its "Keys" panel: minichat's help),
+        then minichat's."""
+        for entry in super().get_system_commands(screen):
+            if entry.title == "Quit":
+                yield SystemCommand("Quit", "Quit minichat (asks while replies stream) (ctrl+q)", self.action_quit)
+            elif entry.title not in TEXTUAL_DUPLICATES:
+                yield entry
         for command in COMMANDS:
             yield SystemCommand(command.title, command.help, partial(self.ask_and_run, command))
-        yield SystemCommand("Show/hide ops panels", "the live scheduler view (f5)", self.action_toggle_ops)
+        yield SystemCommand("Layout: chat, split or ops panels", "the next of the three views (f5)",
+                            self.action_cycle_layout)
         for i, (panel_id, title) in enumerate(PANELS, 1):
             yield SystemCommand(f"Show/hide panel: {title}", f"key {i} in the ops panels",
                                 partial(self.action_toggle_panel, panel_id))
@@ -439,7 +532,7 @@ class MinichatApp(App[None]):
         elif action == "rename":
             async def renamed(name: str | None) -> None:
                 if name and name.strip():
-                    session.name = name.strip()
+                    session.name, session.titled = name.strip(), True
                     if open_pane is not None:
                         self.label_tab(open_pane)
                     self.conversations.save(session, is_open=open_pane is not None)
@@ -523,9 +616,52 @@ class MinichatApp(App[None]):
         self.ask_and_run(BY_NAME["fanout"])
 
     async def action_abort(self) -> None:
+        """Stop the reply; with none streaming, stop editing a message."""
         pane = self.current
-        if pane is not None and not await pane.abort():
+        if pane is None or (pane.session.live is None and pane.cancel_edit()):
+            return
+        if not await pane.abort():
             self.notify("nothing to stop in this session")
+
+    async def action_regenerate(self) -> None:
+        await self.run_command(BY_NAME["regen"], "")
+
+    async def action_close_group(self) -> None:
+        """Close every tab of the front tab's fan-out at once, stopping their replies (scratch: none is saved)."""
+        pane = self.current
+        if pane is None or pane.session.group is None:
+            self.notify("this tab is not part of a fan-out (ctrl+f makes one); ctrl+w closes it")
+            return
+        every = list(self.query(ChatPane))
+        panes = [p for p in every if p.session.group == pane.session.group]
+        # the tab nearest the front one that stays comes to the front first: a removed front tab would
+        # hand the front to its neighbour, which may be going too
+        here = every.index(pane)
+        stays = sorted((p for p in every if p not in panes), key=lambda p: abs(every.index(p) - here))
+        survivor = stays[0] if stays else await self.new_session(activate=False)
+        self.tabs.active = tab_id(survivor.session)
+        await asyncio.gather(*[p.stop_streaming() for p in panes])
+        await asyncio.gather(*[self.tabs.remove_pane(tab_id(p.session)) for p in panes])
+        survivor.focus_input()
+        self.notify(f"closed the {len(panes)} tabs of {pane.session.group}")
+
+    def action_list_tabs(self) -> None:
+        """The open tabs, numbered; a digit (or enter) brings one to the front."""
+        panes = list(self.query(ChatPane))
+
+        def doing(session: Session) -> str:
+            state = "streaming" if session.live else session.turns[-1].reply.state if session.turns else "empty"
+            return state + (f" · {session.group}, not saved" if session.group else "")
+
+        def chosen(index: int | None) -> None:
+            if index is not None:
+                try:
+                    self.go_to_tab(index)
+                except ValueError as e:
+                    self.notify(str(e), severity="error")
+
+        current = next((i for i, p in enumerate(panes) if p is self.current), 0)
+        self.push_screen(TabsScreen([(p.session.name, doing(p.session)) for p in panes], current), chosen)
 
     def action_switch_session(self, step: int) -> None:
         tabs = self.tabs.query_one(Tabs)
@@ -534,11 +670,27 @@ class MinichatApp(App[None]):
         else:
             tabs.action_previous_tab()
 
-    def action_toggle_ops(self) -> None:
-        if self.ops_width:
+    def action_cycle_layout(self) -> None:
+        """f5: split -> chat -> ops panels -> split. Below WIDE columns, where a split would leave both
+        sides cramped, chat <-> ops panels."""
+        if 0 < self.ops_width < 100:
             self._ops_restore, self.ops_width = self.ops_width, 0
+        elif self.ops_width == 0:
+            self.ops_width = 100
         else:
-            self.ops_width = self._ops_restore
+            split = self._ops_restore if self._ops_restore < 100 else 50
+            self.ops_width = split if self.size.width >= WIDE else 0
+
+    def on_resize(self, event: Resize) -> None:
+        """Shrunk below WIDE columns, a split keeps the side that has focus; grown back, the split returns."""
+        if event.size.width < WIDE and 0 < self.ops_width < 100:
+            self._ops_restore, self._collapsed = self.ops_width, True
+            in_ops = self.focused is not None and self.ops in self.focused.ancestors_with_self
+            self.ops_width = 100 if in_ops else 0
+        elif event.size.width >= WIDE and self._collapsed:
+            self._collapsed = False
+            if self.ops_width in (0, 100):
+                self.ops_width = self._ops_restore
 
     def action_resize_ops(self, delta: int) -> None:
         self.ops_width = min(100, max(OPS_STEP * 2, (self.ops_width or self._ops_restore) + delta))
@@ -554,12 +706,21 @@ class MinichatApp(App[None]):
             self.ops.show_stats(self.last_stats, self.link.names)
 
     def action_switch_focus(self) -> None:
-        """Move focus between the prompt box and the ops tables."""
-        self.focus_side(ops=self.focused is None or self.ops not in self.focused.ancestors_with_self)
+        """F6: the next of the prompt box and the ops panels' tables (those shown), round and round."""
+        pane = self.current if self.tabs.display else None
+        targets = ([pane.query_one(PromptInput)] if pane is not None else []) + \
+            (self.ops.focus_targets() if self.ops.display else [])
+        if not targets:
+            return
+        focused = self.focused
+        at = next((i for i, t in enumerate(targets) if focused is not None and t in focused.ancestors_with_self), -1)
+        targets[(at + 1) % len(targets)].focus()
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen([("everywhere", App.BINDINGS), ("everywhere", self.BINDINGS),
                                      ("prompt box", PromptInput.BINDINGS),
                                      ("ops panels", OpsPanels.BINDINGS),
                                      ("waiting queue, running set", RequestTable.BINDINGS),
-                                     ("conversation list (ctrl+o)", SessionsScreen.BINDINGS)]))
+                                     ("request detail (enter on a row)", RequestDetailScreen.BINDINGS),
+                                     ("conversation list (ctrl+o)", SessionsScreen.BINDINGS),
+                                     ("tab list (ctrl+t)", TabsScreen.BINDINGS)]))

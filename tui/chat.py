@@ -18,6 +18,7 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.geometry import Size
 from textual.message import Message
 from textual.timer import Timer
 from textual.widget import Widget
@@ -27,7 +28,7 @@ from textual.worker import WorkerCancelled, WorkerFailed
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from tui.keys import InOrderKeys
 from tui.names import printable
-from tui.panels.base import update_text
+from tui.panels.base import pack, update_text
 from tui.session import Reply, Session, Turn
 
 if TYPE_CHECKING:
@@ -38,9 +39,11 @@ PLACEHOLDER = "Message · enter: send · ctrl+j: new line · /help: commands · 
 HINT = """\
 Type a message and press **enter**; **ctrl+j** starts a new line, and pasted text keeps its lines.
 **escape** stops a reply; a message sent meanwhile waits its turn. **pageup**/**pagedown** scroll.
+**up** in an empty box edits your last message, **ctrl+r** regenerates the last reply, `/copy` copies it.
 Settings: `/temperature 0.7`, `/max_tokens 128`, `/system You are terse.`; `/clear` starts afresh.
-**ctrl+o** lists saved conversations; **ctrl+f** fans a prompt out to several sessions at once;
-**f5** shows the ops panels to watch them batch. **f1** lists every key, **ctrl+p** every command.
+**ctrl+o** lists saved conversations, **ctrl+t** the open tabs (then **1**-**9** jumps to one);
+**ctrl+f** fans a prompt out to several tabs at once (**ctrl+g** closes them all); **f5** shows the
+ops panels to watch them batch. **f1** lists every key, **ctrl+p** every command.
 """
 GAUGE = 8  # cells of the context gauge
 
@@ -53,6 +56,7 @@ class PromptInput(InOrderKeys, TextArea):
     BINDINGS = [
         Binding("enter", "send", "Send"),
         Binding("ctrl+j", "newline", "New line", show=False),
+        Binding("up", "edit_last", "In an empty box: edit your last message and send it again", show=False),
         Binding("pageup", "scroll_log('page_up')", "Scroll the conversation up", show=False),
         Binding("pagedown", "scroll_log('page_down')", "Scroll the conversation down", show=False),
         Binding("ctrl+home", "scroll_log('home')", "Scroll to the first message", show=False),
@@ -63,6 +67,13 @@ class PromptInput(InOrderKeys, TextArea):
         def __init__(self, prompt_input: PromptInput, text: str) -> None:
             super().__init__()
             self.prompt_input, self.text = prompt_input, text
+
+    class EditLast(Message):
+        """Up in an empty box: the last message back in the box, to edit and send again."""
+
+        def __init__(self, prompt_input: PromptInput) -> None:
+            super().__init__()
+            self.prompt_input = prompt_input
 
     BLINK_FOR = 10.0
     """Seconds the cursor blinks after the last key (or focus); then it stays lit, as in many terminals,
@@ -90,6 +101,12 @@ class PromptInput(InOrderKeys, TextArea):
     def action_newline(self) -> None:
         self.insert("\n")
 
+    def action_edit_last(self) -> None:
+        if self.text:
+            self.action_cursor_up()
+        else:
+            self.post_message(self.EditLast(self))
+
     def action_scroll_log(self, how: str) -> None:
         """Scroll the conversation: `page_up`, `page_down`, `home` or `end`. Scrolling up lets go of
         the log's anchor (else the next streamed token pulls it back down); reaching the end restores it."""
@@ -113,6 +130,9 @@ class ReplyView(Vertical):
     The clock stops while the view is hidden (its tab is not in front, or the ops panels fill the
     screen): a fan-out streams into dozens of hidden tabs, whose clocks would otherwise tick twenty
     times a second each for nothing. The view catches up when shown again (`wake`).
+
+    A view may be made after its reply began streaming (a fan-out submits before it draws its tabs):
+    it starts from the text there is when it is composed, and its clock starts once it is mounted.
     """
 
     FRAME = 1 / 20  # seconds between two renders of the streaming text, at least
@@ -124,24 +144,29 @@ class ReplyView(Vertical):
         super().__init__(classes="reply")
         self.reply = reply
         self._shown_at = 0.0
-        self._markdown: Markdown | None = None  # set while streaming
-        self._rendered = len(reply.text)  # characters of reply.text in the Markdown
+        self._rendered = 0  # characters of reply.text in the Markdown
         self._rendering = asyncio.Lock()
         self._next_frame = 0.0
         self._append_times: deque[float] = deque(maxlen=5)
         self._frames: Timer | None = None
 
     def compose(self) -> ComposeResult:
+        self._rendered = len(self.reply.text)
         yield Markdown(printable(self.reply.text))
         yield Static(classes="reply-stats")
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
+        """A live reply streams from now on; one that ended since `compose` shows the text it still lacks."""
         self.refresh_state()
+        if self.reply.live:
+            self.start_streaming()
+        else:
+            await self.finish_streaming()
 
     def start_streaming(self) -> None:
         """Render the reply's text as it grows, a frame at a time, until `finish_streaming`."""
-        self._markdown = self.query_one(Markdown)
-        self._frames = self.set_interval(self.FRAME, self._frame, pause=not self.on_screen)
+        if self._frames is None:
+            self._frames = self.set_interval(self.FRAME, self._frame, pause=not self.on_screen)
 
     @property
     def on_screen(self) -> bool:
@@ -150,7 +175,7 @@ class ReplyView(Vertical):
 
     def wake(self) -> None:
         """The view may be on screen again: restart its clock if it streams (a no-op otherwise)."""
-        if self._frames is not None and self._markdown is not None and self.on_screen:
+        if self._frames is not None and self.on_screen:
             self._frames.resume()
 
     def on_show(self) -> None:
@@ -164,7 +189,6 @@ class ReplyView(Vertical):
         if self._frames is not None:
             self._frames.stop()
             self._frames = None
-        self._markdown = None
         self.refresh_state()
 
     async def _frame(self) -> None:
@@ -180,11 +204,12 @@ class ReplyView(Vertical):
         """Append the text that arrived since the last render to the Markdown, as one piece."""
         async with self._rendering:
             text = self.reply.text
-            if self._markdown is None or len(text) <= self._rendered:
+            markdown = next((child for child in self.children if isinstance(child, Markdown)), None)
+            if markdown is None or len(text) <= self._rendered:  # not composed yet: it will be with the text
                 return
             new, self._rendered = text[self._rendered:], len(text)
             began = time.monotonic()
-            await self._markdown.append(printable(new))
+            await markdown.append(printable(new))
             self._append_times.append(time.monotonic() - began)  # the median: one slow loop turn is no trend
             self._next_frame = began + min(self.MAX_FRAME, self.FRAME_COST * statistics.median(self._append_times))
 
@@ -205,11 +230,38 @@ class ReplyView(Vertical):
             self.set_class(reply.state == state, f"-{state}")
 
 
+class PhraseLine(Static):
+    """Phrases joined by ` · ` that wrap between phrases, never inside one: the settings line in 80
+    columns reads `top-k off` on one line, not `top-k` at the end of one and `off` on the next."""
+
+    def __init__(self, classes: str) -> None:
+        super().__init__(classes=classes)
+        self.phrases: list[str] = []
+
+    def show(self, phrases: list[str]) -> None:
+        if phrases != self.phrases:
+            self.phrases = phrases
+            self.refresh(layout=True)
+
+    def get_content_width(self, container: Size, viewport: Size) -> int:
+        return len(" · ".join(self.phrases))
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(pack(self.phrases, width))
+
+    def render(self) -> Text:
+        return Text("\n".join(pack(self.phrases, self.content_size.width)))
+
+
 class ChatPane(Vertical):
     """The widgets of one Session. The session object outlives the pane's requests and errors.
 
     A message sent while a reply is generating waits in `pending` (shown above the prompt box) and
-    goes out when the reply ends, so typed text is never thrown away.
+    goes out when the reply ends, so typed text is never thrown away. A message being edited
+    (`editing`) goes out in place of its old turn, and the turns after it are forgotten.
+
+    A request may start before the pane is mounted (`start`): a fan-out submits all its requests
+    first and draws the tabs after, so the engine has them all at once however long the drawing takes.
     """
 
     class StateChanged(Message):
@@ -224,12 +276,12 @@ class ChatPane(Vertical):
         self.session = session
         self.link = link
         self.pending: list[str] = []
+        self.editing: int | None = None  # the turn whose message is back in the prompt box
         self.closing = False
-        self._streaming: ReplyView | None = None  # the view of the reply streaming now
 
     def compose(self) -> ComposeResult:
         with Horizontal(classes="chat-bar"):
-            yield Static(classes="chat-settings")
+            yield PhraseLine(classes="chat-settings")
             yield Static(classes="chat-gauge")
         with VerticalScroll(classes="chat-log"):
             if not self.session.turns:
@@ -253,9 +305,9 @@ class ChatPane(Vertical):
     def show_settings(self) -> None:
         if not self.is_attached or self.closing:  # stats arrive at any time, also while the pane goes
             return
-        system = self.session.system_prompt.replace("\n", " ")
-        line = f"system: {system}" if system else "no system prompt"
-        update_text(self.query_one(".chat-settings", Static), Text(printable(f"{line}  ·  {self.session.describe()}")))
+        system = printable(self.session.system_prompt.replace("\n", " "))
+        self.query_one(".chat-settings", PhraseLine).show([f"system: {system}" if system else "no system prompt",
+                                                           *self.session.settings()])
         used, context = self.session.context_used or 0, self.context
         gauge = Text("context ")
         if context:
@@ -266,11 +318,20 @@ class ChatPane(Vertical):
         update_text(self.query_one(".chat-gauge", Static), gauge)
 
     def show_pending(self) -> None:
-        pending = self.query_one(".chat-pending", Static)
-        pending.display = bool(self.pending)
+        """Above the prompt box: the message being edited, and those queued behind the streaming reply."""
+        lines = []
+        if self.editing is not None:
+            after = len(self.session.turns) - self.editing - 1
+            dropped = f", forgetting the {after} turn{'s' * (after > 1)} after it" if after else ""
+            lines.append(f"editing message {self.editing + 1}: enter sends it in place of the old one{dropped} "
+                         f"(escape cancels)")
         if self.pending:
             waiting = " · ".join(printable(p.replace("\n", " ")) for p in self.pending)
-            update_text(pending, Text(f"queued, sent when this reply ends (escape stops it): {waiting}"))
+            lines.append(f"queued, sent when this reply ends (escape stops it): {waiting}")
+        pending = self.query_one(".chat-pending", Static)
+        pending.display = bool(lines)
+        if lines:
+            update_text(pending, Text("\n".join(lines)))
 
     async def show_context_mark(self) -> None:
         """A rule above the first turn still sent to the model, when older ones are not."""
@@ -288,12 +349,24 @@ class ChatPane(Vertical):
 
     def wake(self) -> None:
         """The pane is in front again: a reply streaming meanwhile starts rendering (and catches up)."""
-        if self._streaming is not None:
-            self._streaming.wake()
+        if (reply := self.session.live) is not None and (view := self._view_of(reply)) is not None:
+            view.wake()
+
+    def _view_of(self, reply: Reply) -> ReplyView | None:
+        """The view showing `reply`, if the pane has drawn it yet."""
+        return next((view for view in self.query(ReplyView) if view.reply is reply), None)
 
     @staticmethod
     def _turn_widgets(turn: Turn) -> tuple[Static, ReplyView]:
         return Static(Text(printable(turn.prompt)), classes="user"), ReplyView(turn.reply)
+
+    def start(self, prompt: str) -> Reply:
+        """Start a turn and its request now, whether or not the pane is drawn yet (`compose` draws the
+        turns there are, the live one included)."""
+        turn = self.session.start_turn(prompt)
+        self.link.names.own(turn.reply.rid, f"{self.session.name} #{len(self.session.turns)}")
+        self._generate(turn.reply, prompt)
+        return turn.reply
 
     async def send(self, prompt: str) -> Reply | None:
         """Start a turn, or queue the prompt while a reply is still generating (one request per
@@ -302,20 +375,60 @@ class ChatPane(Vertical):
             self.pending.append(prompt)
             self.show_pending()
             return None
-        turn = self.session.start_turn(prompt)
-        user, view = self._turn_widgets(turn)
+        reply = self.start(prompt)
         await self.query(".chat-hint").remove()
-        await self.query_one(".chat-log", VerticalScroll).mount_all([user, view])
-        self.link.names.own(turn.reply.rid, f"{self.session.name} #{len(self.session.turns)}")
-        self._generate(view, prompt)
+        await self.query_one(".chat-log", VerticalScroll).mount_all(self._turn_widgets(self.session.turns[-1]))
         self.post_message(self.StateChanged(self))
-        return turn.reply
+        return reply
 
     async def _send_pending(self) -> None:
         if self.pending and self.session.live is None:
             prompt = self.pending.pop(0)
             self.show_pending()
             await self.send(prompt)
+
+    def edit(self, index: int) -> None:
+        """Put message `index` back in the prompt box: Enter then sends it, edited, in place of its turn."""
+        if self.session.live is not None:
+            raise ValueError("a reply is still streaming: stop it first (escape), then edit")
+        if not self.session.turns:
+            raise ValueError("nothing to edit: send a message first")
+        if not 0 <= index < len(self.session.turns):
+            raise ValueError(f"there is no message {index + 1} to edit: this conversation has "
+                             f"{len(self.session.turns)}")
+        self.editing = index
+        box = self.query_one(PromptInput)
+        box.text = self.session.turns[index].prompt
+        box.move_cursor(box.document.end)
+        self.show_pending()
+        self.focus_input()
+
+    def cancel_edit(self) -> bool:
+        """Stop editing (the box empties); False if nothing was being edited."""
+        if self.editing is None:
+            return False
+        self.editing = None
+        self.query_one(PromptInput).clear()
+        self.show_pending()
+        return True
+
+    async def resend(self, index: int, prompt: str) -> Reply | None:
+        """Send `prompt` in place of turn `index`, forgetting that turn and every later one (edit, regenerate)."""
+        if self.session.live is not None:
+            raise ValueError("a reply is still streaming: stop it first (escape)")
+        self.editing = None
+        log = self.query_one(".chat-log", VerticalScroll)
+        await log.remove_children([*log.query(".user")][index:] + [*log.query(ReplyView)][index:])
+        self.session.truncate(index)
+        self.show_pending()
+        await self.show_context_mark()
+        return await self.send(prompt)
+
+    async def regenerate(self) -> Reply | None:
+        """Ask again for the last reply: its message is sent anew in place of the last turn."""
+        if not self.session.turns:
+            raise ValueError("nothing to regenerate: send a message first")
+        return await self.resend(len(self.session.turns) - 1, self.session.turns[-1].prompt)
 
     async def clear(self) -> None:
         """/clear: the model sees none of the conversation so far."""
@@ -335,11 +448,9 @@ class ChatPane(Vertical):
             await self.show_context_mark()
 
     @work(group="generate")
-    async def _generate(self, view: ReplyView, prompt: str) -> None:
-        """Stream one reply into its view; every way out leaves the reply in a final state."""
-        reply = view.reply
-        view.start_streaming()  # the view renders the text as it grows, a frame at a time
-        self._streaming = view
+    async def _generate(self, reply: Reply, prompt: str) -> None:
+        """Stream one reply (into its view, once there is one); every way out leaves the reply in a final
+        state, and the first exchange's end titles a session still called `chat N`."""
         try:
             client = await self.link.ready()
             await self._fit(client, prompt)
@@ -359,8 +470,9 @@ class ChatPane(Vertical):
         except Exception as e:  # whatever else goes wrong ends this reply, not the app
             reply.fail("error", f"{type(e).__name__}: {e}")
         finally:
-            self._streaming = None
-            await view.finish_streaming()
+            if (view := self._view_of(reply)) is not None:
+                await view.finish_streaming()
+            self.session.auto_title()  # the app relabels the tab on StateChanged
             self.post_message(self.StateChanged(self))
             if not self.closing:  # the reply ended (also aborted or interrupted): the next message may go
                 self.show_settings()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import time
 import typing
 from pathlib import Path
 
+import click
 import typer
+from rich.markup import escape
 
 import engine
 from engine.service.cli import ADDRESS_HELP, api, engine_options_given, engine_parameters, option, serve, set_signature
@@ -68,13 +71,18 @@ app.callback(invoke_without_command=True)(root)
 def status(
     address: str | None = typer.Option(None, "--address", help=ADDRESS_HELP),
     timeout: float = typer.Option(2.0, help="Seconds to wait for the engine."),
+    pages: bool = typer.Option(False, "--pages", help="Also print the KV page map (one character a page)."),
+    requests: bool = typer.Option(False, "--requests", help="Also list the waiting and running requests and the "
+                                  "last steps."),
+    watch: bool = typer.Option(False, "--watch", help="Print again every --interval seconds until Ctrl-C."),
+    interval: float = typer.Option(1.0, "--interval", help="Seconds between two prints with --watch."),
 ) -> None:
-    """Print the engine's current stats: queues, request slots, KV pages, rates, last steps.
+    """Print the engine's current stats: request slots, queues, KV pages, admission, rates, totals.
 
     An engine started with --auth-token needs it here too: set MINICHAT_AUTH_TOKEN."""
     from engine.service.addresses import AddressError
     from engine.service.client import EngineClient, EngineRefused, EngineUnavailable
-    from engine.service.stats import format_stats
+    from tui.status import render
 
     try:
         client = EngineClient(address, timeout=timeout)
@@ -84,7 +92,17 @@ def status(
     with client:
         try:
             info = client.info()  # first: a refused token says so here, where stats would only time out
-            typer.echo(format_stats(client.stats(timeout), info))
+            while True:
+                text = render(client.stats(timeout), info, show_requests=requests, show_pages=pages)
+                if watch:
+                    click.clear()  # only on a terminal; piped, the prints follow one another
+                typer.echo(text)
+                if not watch:
+                    return
+                typer.echo("")
+                time.sleep(interval)
+        except KeyboardInterrupt:  # how --watch ends: not an error
+            return
         except EngineRefused as e:
             typer.echo(f"minichat status: error: {e}", err=True)
             raise typer.Exit(1) from e
@@ -129,6 +147,9 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
     with those options and stops it afterwards. --backend openai runs the same workload against any
     OpenAI-compatible server at --base-url (minichat's HTTP API, vLLM, SGLang, llama.cpp), where --model
     names the served model.
+
+    Exit status: 0 when every request completed, 1 when some failed, 3 when none failed but some were
+    aborted by someone else (an operator, a shutdown); the figures cover the completed ones only.
     """
     from tui.bench.command import BenchError, run_bench
 
@@ -142,8 +163,11 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
     except (BenchError, ValueError) as e:
         typer.echo(f"minichat bench: error: {e}", err=True)
         raise typer.Exit(2) from e
-    if result["engine"]["failed"]:
+    runs = [result["engine"], *([result["baseline"]] if "baseline" in result else [])]
+    if any(run["failed"] for run in runs):
         raise typer.Exit(1)
+    if any(run["aborted"] for run in runs):
+        raise typer.Exit(3)
 
 
 set_signature(bench, [
@@ -151,7 +175,8 @@ set_signature(bench, [
     option("num_requests", int, 64, "Measured requests (after warmup)."),
     option("input_len", int, 128, "Prompt tokens per request (exact, before --range-ratio)."),
     option("output_len", int, 64, "Output tokens per request."),
-    option("range_ratio", float, 0.0, "Draw lengths uniformly in [len*(1-r), len*(1+r)]."),
+    # help is Rich markup, which takes anything in brackets for a tag: escape them
+    option("range_ratio", float, 0.0, escape("Draw lengths uniformly in [len*(1-r), len*(1+r)].")),
     option("request_rate", float, float("inf"), "Requests/s with Poisson arrivals; inf sends all at once."),
     option("seed", int, 0, "Seed for the workload and for sampling."),
     option("warmup", int, 2, "Unmeasured requests sent first."),

@@ -25,11 +25,22 @@ COMMANDS = (
     Command("new", "New chat session", "open another session (optionally named)", "name", handler="do_new"),
     Command("close", "Close chat session", "close this session's tab, stopping its reply (it stays saved)",
             handler="do_close"),
+    Command("tab", "Go to tab N", "bring the Nth tab to the front (ctrl+t then a digit does it for 1-9)", "N",
+            handler="do_tab"),
+    Command("tabs", "List open tabs", "the open tabs, numbered; a digit or enter goes to one (ctrl+t)",
+            handler="do_tabs"),
     Command("rename", "Rename chat session", "give this session a new name", "name", handler="do_rename"),
     Command("sessions", "List saved conversations", "search, reopen, rename, delete or export them (ctrl+o)",
             "search", handler="do_sessions"),
     Command("export", "Export conversation as Markdown", "write this session to a Markdown file (default: "
             "exports/ in the data directory)", "path", handler="do_export"),
+    Command("regen", "Regenerate the last reply", "send the last message again in place of its reply (ctrl+r)",
+            handler="do_regen"),
+    Command("edit", "Edit and resend a message", "put message N (default: the last) back in the prompt box; "
+            "enter sends it in place of the old one and forgets the turns after it (up in an empty box does it "
+            "for the last)", "N", handler="do_edit"),
+    Command("copy", "Copy a reply", "copy reply N (default: the last) to the clipboard, through the terminal "
+            "(OSC 52: most terminals; in tmux, `set -g set-clipboard on`)", "N", handler="do_copy"),
     Command("clear", "Clear the context", "start afresh: the model sees none of the turns so far (they stay "
             "on screen and saved)", handler="do_clear"),
     Command("system", "Set system prompt", "the system message sent before the history (empty: none)", "text",
@@ -46,7 +57,12 @@ COMMANDS = (
     Command("priority", "Set priority", "this session's requests' scheduling priority: lower runs first under the "
             "engine's --schedule-policy priority, and is retracted last (default 0)", "value", handler="do_setting"),
     Command("fanout", "Fan out a prompt", "open N sessions that all send the prompt at once, or one per "
-            "variation when the prompts are separated by |", "N prompt [| prompt …]", handler="do_fanout"),
+            "variation when the prompts are separated by |; their tabs are a group of scratch tabs, not saved "
+            "unless kept", "N prompt [| prompt …]", handler="do_fanout"),
+    Command("keep", "Keep this fan-out tab", "make this fan-out tab an ordinary conversation: saved, and "
+            "reopened at the next start", handler="do_keep"),
+    Command("closegroup", "Close fan-out group", "close every tab of this tab's fan-out at once, stopping their "
+            "replies (ctrl+g)", handler="do_close_group"),
     Command("abort", "Stop generation", "abort this session's reply; the text so far is kept", handler="do_abort"),
     Command("reconnect", "Reconnect to the engine", "look for the engine again, starting one if allowed",
             handler="do_reconnect"),
@@ -54,7 +70,8 @@ COMMANDS = (
 )
 BY_NAME = {c.name: c for c in COMMANDS}
 ALIASES = {"temp": "temperature", "top-p": "top_p", "top-k": "top_k", "max": "max_tokens", "prio": "priority",
-           "fan": "fanout", "stop": "abort", "sys": "system", "list": "sessions", "open": "sessions"}
+           "fan": "fanout", "stop": "abort", "sys": "system", "list": "sessions", "open": "sessions",
+           "regenerate": "regen", "retry": "regen", "closefan": "closegroup"}
 
 
 def parse_slash(text: str) -> tuple[Command, str]:
@@ -79,3 +96,12 @@ def parse_fanout(arg: str) -> list[str]:
     if not 1 <= count <= 64:
         raise ValueError(f"fan-out opens 1 to 64 sessions; got {count}")
     return [variations[i % len(variations)] for i in range(count)]
+
+
+def parse_number(arg: str, what: str) -> int | None:
+    """`/tab 3`, `/edit 2`: the 1-based number given, None for none; ValueError for anything else."""
+    if not arg:
+        return None
+    if not arg.isdigit() or int(arg) < 1:
+        raise ValueError(f"{what} takes a number from 1; got {arg!r}")
+    return int(arg)

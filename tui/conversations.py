@@ -51,16 +51,17 @@ class Conversations:
         return name or f"chat {self._numbered}"
 
     def save(self, session: Session, is_open: bool = True) -> None:
-        """Store the session (once it has something worth keeping)."""
-        if self.store is not None and session.turns:
+        """Store the session (once it has something worth keeping; a fan-out's scratch tab only once kept)."""
+        if self.store is not None and session.turns and session.group is None:
             try:
                 self.store.save(session, is_open)
             except StoreError as e:
                 self.failed(e)
 
     def unsaved(self, sessions: Iterable[Session]) -> list[Session]:
-        """Those of `sessions` that would be lost on closing: all with turns, while nothing is saved."""
-        return [] if self.store is not None else [s for s in sessions if s.turns]
+        """Those of `sessions` that would be lost on closing: all with turns (but a fan-out's scratch tabs,
+        never saved), while nothing is saved."""
+        return [] if self.store is not None else [s for s in sessions if s.turns and s.group is None]
 
     def load(self, uid: str) -> Session | None:
         """A saved session, or None if it cannot be read (said, but saving goes on: it may just be gone)."""

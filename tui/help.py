@@ -34,6 +34,15 @@ policy the lowest priority first). A retracted request resumes where it was: the
 it `retracted ×N` with the tokens it keeps, the running set counts its retractions, and the status
 line and the throughput panel count them all. `/priority N` sets a session's priority. When
 snapshots stop coming, the status line says how old the last one is.
+
+**f6** moves through the prompt box and the tables (the one with focus has a heavy border and its
+title in reverse); **f5** switches between chat, split and ops panels. **enter** on a row shows that
+request in detail: who sent it (this console's tabs by name, other clients by the label they send,
+else `client N`), its prompt's ends, parameters, prefix-cache hit, pages, timings and its output as
+it streams. **x** aborts a request, here or there, after asking; a request that ends while you are
+asked is reported as already finished, not aborted. **/** filters both tables by id, owner or state,
+**X** aborts every request the filter matches, **s** / **r** sort a table, **p** pauses the view.
+The **history** panel keeps the queue, the running set and the KV pages in use over five minutes.
 """
 
 Row = tuple[str, str, str]
@@ -43,7 +52,7 @@ def key_rows(sections: Iterable[tuple[str, Iterable[BindingType]]]) -> list[Row]
     """(keys, what they do, where) for every binding with a description (the others are internal)."""
     rows = [(App.COMMAND_PALETTE_BINDING, "Command palette: every command below, searchable", "everywhere")]
     for where, bindings in sections:
-        rows += [(" / ".join(k.strip() for k in b.key.split(",")), b.description, where)
+        rows += [(b.key_display or " / ".join(k.strip() for k in b.key.split(",")), b.description, where)
                  for b in bindings if isinstance(b, Binding) and b.description]
     return rows
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import re
 import socket
 import threading
@@ -23,7 +24,7 @@ from engine.config import DEMO_MODEL_DIR, EngineConfig
 from engine.service.addresses import AddressError, default_address, ipc_listening, log_path, split
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.launcher import EngineHandle, EngineStartError, find, start
-from engine.service.protocol import Info, Stats
+from engine.service.protocol import Description, Info, Stats
 from tui.names import RequestNames
 
 STALL_AFTER = 2.0  # seconds without a stats snapshot before we check whether the engine is still there
@@ -152,6 +153,16 @@ class EngineLink:
             return "unreachable"
         return "aborted"
 
+    async def describe(self, rid: str, text_from: int = 0) -> Description | None:
+        """Everything the engine can say about a request (its output from character `text_from` on);
+        None when no engine could be asked."""
+        if self.client is None or not self.state.connected:
+            return None
+        try:
+            return await self.client.describe(rid, text_from, timeout=5.0)
+        except (EngineError, EngineUnavailable):
+            return None
+
     async def run(self) -> None:
         """Find or start, watch until the engine goes, repeat; runs for the life of the app."""
         while True:
@@ -218,7 +229,8 @@ class EngineLink:
 
     async def _attach(self, handle: EngineHandle) -> str:
         """Connect a client and pass stats on until the engine is gone; returns why it is gone."""
-        self.client = handle.async_client(timeout=REQUEST_TIMEOUT)
+        # the name labels this console's requests in the engine's stats, for whoever else watches them
+        self.client = handle.async_client(timeout=REQUEST_TIMEOUT, name=f"console pid {os.getpid()}")
         try:
             self.info = await self.client.info(timeout=5.0)
         except EngineUnavailable:

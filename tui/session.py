@@ -20,6 +20,7 @@ from engine.outputs import Delta, Final
 from engine.params import SamplingParams
 
 DEFAULT_PARAMS = SamplingParams(max_tokens=256, temperature=0.8, top_p=0.95, top_k=-1)
+TITLE_WIDTH = 30  # characters of an automatic title
 
 
 def _flag(text: str) -> bool:
@@ -56,7 +57,13 @@ def parse_setting(name: str, text: str) -> Any:
 @dataclass
 class Reply:
     """One assistant reply as it streams in. `state` moves queued -> streaming -> one of done, aborted,
-    error or interrupted (the engine went away); the text that arrived is always kept."""
+    error or interrupted (the engine went away); the text that arrived is always kept.
+
+    Two clocks, shown apart because they answer different questions: `ttft` and `total` are the
+    person's, from the moment the message was sent (`started`) to its first token and to its end;
+    `queue` and `engine_ttft` are the engine's own (the Final's timings, from when the engine received
+    the request): how long it waited for admission, and until its first token (so prefill is the
+    difference). A slow console or a busy link shows in the first and not in the second."""
 
     rid: str
     text: str = ""
@@ -68,6 +75,8 @@ class Reply:
     ttft: float | None = None
     total: float | None = None
     max_tokens: int | None = None  # what was asked for: a shorter `length` finish means the context ran out
+    queue: float | None = None
+    engine_ttft: float | None = None
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -87,8 +96,8 @@ class Reply:
             self.state = "aborted" if out.finish_reason == "abort" else "done"
             self.prompt_tokens = out.usage.prompt_tokens
             self.completion_tokens = out.usage.completion_tokens
-            self.ttft = out.timings.ttft if out.timings.ttft is not None else self.ttft
-            self.total = out.timings.total
+            self.queue, self.engine_ttft = out.timings.queue, out.timings.ttft
+            self.total = now - self.started
 
     def fail(self, state: str, why: str) -> None:
         """End without a Final: `error` (refused) or `interrupted` (engine lost); the text stays."""
@@ -107,12 +116,22 @@ class Reply:
             return None
         return (self.completion_tokens - 1) / (self.total - self.ttft)
 
+    def engine_split(self) -> str | None:
+        """The engine's side of the wait, e.g. `engine: 1.70 s queued + 0.10 s prefill` (None before the Final)."""
+        if self.engine_ttft is None:
+            return None
+        if self.queue is None:
+            return f"engine: first token {self.engine_ttft:.2f} s"
+        return f"engine: {self.queue:.2f} s queued + {self.engine_ttft - self.queue:.2f} s prefill"
+
     def summary(self) -> str:
-        """One line of numbers for under the reply, e.g. `12 → 40 tok · TTFT 0.08 s · 31.5 tok/s · aborted`."""
+        """One line of numbers for under the reply, e.g. `12 → 40 tok · first token in 1.84 s (engine: 1.70 s
+        queued + 0.10 s prefill) · 31.5 tok/s · stop`."""
         prompt = "" if self.prompt_tokens is None else f"{self.prompt_tokens} → "
         parts = [f"{prompt}{self.completion_tokens} tok"]
         if self.ttft is not None:
-            parts.append(f"TTFT {self.ttft:.2f} s")
+            split = self.engine_split()
+            parts.append(f"first token in {self.ttft:.2f} s" + (f" ({split})" if split else ""))
         if (rate := self.tokens_per_s) is not None:
             parts.append(f"{rate:.1f} tok/s")
         if self.state == "done" and self.context_full:
@@ -122,6 +141,17 @@ class Reply:
         elif self.state in ("aborted", "error", "interrupted"):
             parts.append(self.state + (f": {self.error}" if self.error else ""))
         return " · ".join(parts)
+
+
+def title_from(prompt: str, width: int = TITLE_WIDTH) -> str:
+    """A conversation's automatic title: its first message's first line, cut at a word within `width`."""
+    line = " ".join((prompt.strip().splitlines() or [""])[0].split())
+    if len(line) <= width:
+        return line or "chat"
+    head = line[: width - 1]
+    if line[width - 1] != " " and " " in head:  # the cut falls inside a word: leave that word out
+        head = head.rsplit(" ", 1)[0]
+    return head.rstrip() + "…"
 
 
 @dataclass
@@ -136,6 +166,8 @@ class Session:
 
     Turns before `context_start` stay on screen and in the store but are no longer sent: the oldest
     turns are dropped when the history outgrows the model's context, and `/clear` drops them all.
+    `titled`: the name is a person's or already the automatic title, not the console's `chat N`.
+    `group`: the fan-out this session belongs to; such a session is scratch, never saved, until kept.
     """
 
     name: str
@@ -146,6 +178,8 @@ class Session:
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
     context_start: int = 0
+    titled: bool = False
+    group: str | None = None
 
     @property
     def live(self) -> Reply | None:
@@ -204,6 +238,18 @@ class Session:
         """Start afresh: nothing said so far is sent again (it stays on screen and in the store)."""
         self.context_start = len(self.turns)
 
+    def truncate(self, index: int) -> None:
+        """Forget turn `index` and those after it (to send it again, edited or regenerated)."""
+        del self.turns[index:]
+        self.context_start = min(self.context_start, index)
+
+    def auto_title(self) -> bool:
+        """Name a session the console named `chat N` after its first exchange, once; True if it did."""
+        if self.titled or not self.turns or self.turns[0].reply.live:
+            return False
+        self.name, self.titled = title_from(self.turns[0].prompt), True
+        return True
+
     def start_turn(self, prompt: str) -> Turn:
         """Record a new prompt with an empty reply whose request id names this session."""
         slug = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")[:16] or "chat"
@@ -216,12 +262,15 @@ class Session:
         """Change one sampling setting from its text form (ValueError if out of range)."""
         self.params = msgspec.structs.replace(self.params, **{name: parse_setting(name, text)})
 
-    def describe(self) -> str:
+    def settings(self) -> list[str]:
+        """The sampling settings as short phrases, e.g. `temp 0.8`, `top-k off` (wrapped between, never inside)."""
         p = self.params
-        top_k = "off" if p.top_k == -1 else p.top_k
-        eos = " · ignore EOS" if p.ignore_eos else ""
-        priority = f" · priority {p.priority}" if p.priority else ""
-        return f"temp {p.temperature:g} · top-p {p.top_p:g} · top-k {top_k} · max {p.max_tokens} tok{eos}{priority}"
+        phrases = [f"temp {p.temperature:g}", f"top-p {p.top_p:g}", f"top-k {'off' if p.top_k == -1 else p.top_k}",
+                   f"max {p.max_tokens} tok"]
+        return phrases + ["ignore EOS"] * p.ignore_eos + [f"priority {p.priority}"] * bool(p.priority)
+
+    def describe(self) -> str:
+        return " · ".join(self.settings())
 
     def to_markdown(self) -> str:
         """The conversation as a Markdown document (the export)."""

@@ -21,6 +21,18 @@ from tui.names import printable
 from tui.store import SessionRow, Store
 
 Choice = tuple[str, str]  # (open | rename | delete | export, session uid)
+PREVIEW = 32  # characters of the last prompt and of the last reply in the list
+
+
+def head(text: str, width: int = PREVIEW) -> str:
+    """The start of `text` on one line, cut with `…`."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def preview(row: SessionRow) -> str:
+    """The conversation's last exchange, e.g. `To be, or not to be → Ay, there's the rub`."""
+    return printable(f"{head(row.last_prompt)} → {head(row.last_reply)}") if row.turns else ""
 
 
 def when(epoch: float) -> str:
@@ -59,7 +71,7 @@ class SessionsScreen(ModalScreen[Choice | None]):
                         "d: delete · escape: close", classes="dialog-hint")
 
     def on_mount(self) -> None:
-        self.query_one(DataTable).add_columns("conversation", "turns", "updated", "started")
+        self.query_one(DataTable).add_columns("conversation", "turns", "last exchange", "updated", "started")
         self.show()
 
     def show(self) -> None:
@@ -67,7 +79,8 @@ class SessionsScreen(ModalScreen[Choice | None]):
         table.clear()
         self.rows = self.store.sessions(self.search)
         for row in self.rows:
-            table.add_row(printable(row.name), str(row.turns), when(row.updated), when(row.created), key=row.uid)
+            table.add_row(printable(row.name), str(row.turns), preview(row), when(row.updated), when(row.created),
+                          key=row.uid)
         self.query_one(Label).update(f"{len(self.rows)} conversation{'s' * (len(self.rows) != 1)}"
                                      + (f" matching {self.search!r}" if self.search else "")
                                      + " · enter: open · ↓: to the list, then r: rename · e: export Markdown · "

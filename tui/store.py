@@ -2,9 +2,9 @@
 
 A session is saved whole (its row and all its turns) whenever it changes: conversations are short,
 and a whole-session write in one transaction can never leave half a turn behind. The schema
-version is SQLite's `user_version`; a file from a newer minichat, a file that is not a database or
-one another program holds locked becomes a StoreError with a sentence a person can act on, and the
-console runs on without saving.
+version is SQLite's `user_version`, and an older file is migrated in place; a file from a newer
+minichat, a file that is not a database or one another program holds locked becomes a StoreError
+with a sentence a person can act on, and the console runs on without saving.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import msgspec
 from engine.params import SamplingParams
 from tui.session import Reply, Session, Turn
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE sessions (
     uid TEXT PRIMARY KEY,
@@ -32,7 +32,8 @@ CREATE TABLE sessions (
     context_start INTEGER NOT NULL, -- turns before this one are no longer sent (trimmed or /clear)
     created REAL NOT NULL,         -- seconds since the epoch
     updated REAL NOT NULL,
-    open INTEGER NOT NULL          -- shown in a tab when the console last ran: reopened at start
+    open INTEGER NOT NULL,         -- shown in a tab when the console last ran: reopened at start
+    titled INTEGER NOT NULL DEFAULT 1  -- named by a person or by its first exchange (not `chat N`)
 );
 CREATE TABLE turns (
     session_uid TEXT NOT NULL REFERENCES sessions(uid) ON DELETE CASCADE,
@@ -44,7 +45,9 @@ CREATE TABLE turns (
 """
 DB_NAME = "conversations.sqlite3"
 REPLY_FIELDS = ("rid", "text", "state", "finish_reason", "error", "prompt_tokens", "completion_tokens", "ttft",
-                "total", "max_tokens")
+                "total", "max_tokens", "queue", "engine_ttft")
+MIGRATIONS = {1: "ALTER TABLE sessions ADD COLUMN titled INTEGER NOT NULL DEFAULT 1;"}  # from version N to N + 1
+PREVIEW_CHARS = 200  # of the last prompt and reply, for the list's preview
 
 
 class StoreError(Exception):
@@ -61,13 +64,15 @@ def data_dir() -> Path:
 
 @dataclass(frozen=True)
 class SessionRow:
-    """One line of the session list."""
+    """One line of the session list; `last_prompt` and `last_reply` begin its last exchange."""
 
     uid: str
     name: str
     turns: int
     created: float
     updated: float
+    last_prompt: str = ""
+    last_reply: str = ""
 
 
 def _explain(path: Path, e: sqlite3.Error) -> StoreError:
@@ -107,6 +112,10 @@ class Store:
         if version == 0:
             with self._transaction():
                 self.db.executescript(f"BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION};")
+            return
+        for old in range(version, SCHEMA_VERSION):  # an older minichat's file, brought up to date in place
+            with self._transaction():
+                self.db.executescript(f"BEGIN; {MIGRATIONS[old]} PRAGMA user_version = {old + 1};")
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -134,12 +143,12 @@ class Store:
         """Write the session and all its turns, replacing what was stored (`updated` is the session's
         own: when its conversation or settings last changed, not when it was last written)."""
         row = (session.uid, session.name, session.system_prompt, msgspec.json.encode(session.params).decode(),
-               session.context_start, session.created, session.updated, int(is_open))
+               session.context_start, session.created, session.updated, int(is_open), int(session.titled))
         turns = [(session.uid, i, turn.prompt, json.dumps({k: asdict(turn.reply)[k] for k in REPLY_FIELDS}))
                  for i, turn in enumerate(session.turns)]
         with self._errors(), self._transaction():
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+            self.db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
             self.db.execute("DELETE FROM turns WHERE session_uid = ?", (session.uid,))
             self.db.executemany("INSERT INTO turns VALUES (?, ?, ?, ?)", turns)
 
@@ -159,12 +168,15 @@ class Store:
     def sessions(self, search: str = "") -> list[SessionRow]:
         """Saved sessions, newest first; `search` matches the name or any prompt or reply, any case."""
         pattern = f"%{search.strip()}%"
+        last = "FROM turns t WHERE t.session_uid = s.uid ORDER BY t.position DESC LIMIT 1"
         with self._errors():
             rows = self.db.execute(
                 "SELECT s.uid, s.name, (SELECT count(*) FROM turns t WHERE t.session_uid = s.uid), s.created, "
-                "s.updated FROM sessions s WHERE s.name LIKE ?1 OR EXISTS (SELECT 1 FROM turns t WHERE "
+                f"s.updated, coalesce((SELECT substr(t.prompt, 1, ?2) {last}), ''), "
+                f"coalesce((SELECT substr(json_extract(t.reply, '$.text'), 1, ?2) {last}), '') "
+                "FROM sessions s WHERE s.name LIKE ?1 OR EXISTS (SELECT 1 FROM turns t WHERE "
                 "t.session_uid = s.uid AND (t.prompt LIKE ?1 OR json_extract(t.reply, '$.text') LIKE ?1)) "
-                "ORDER BY s.updated DESC", (pattern,)).fetchall()
+                "ORDER BY s.updated DESC", (pattern, PREVIEW_CHARS)).fetchall()
         return [SessionRow(*row) for row in rows]
 
     def open_uids(self) -> list[str]:
@@ -174,15 +186,15 @@ class Store:
 
     def load(self, uid: str) -> Session:
         with self._errors():
-            row = self.db.execute("SELECT name, system_prompt, params, context_start, created, updated FROM sessions "
-                                  "WHERE uid = ?", (uid,)).fetchone()
+            row = self.db.execute("SELECT name, system_prompt, params, context_start, created, updated, titled "
+                                  "FROM sessions WHERE uid = ?", (uid,)).fetchone()
             if row is None:
                 raise StoreError(f"no saved session {uid}")
             turns = self.db.execute("SELECT prompt, reply FROM turns WHERE session_uid = ? ORDER BY position",
                                     (uid,)).fetchall()
-        name, system_prompt, params, context_start, created, updated = row
+        name, system_prompt, params, context_start, created, updated, titled = row
         session = Session(name, system_prompt, msgspec.json.decode(params, type=SamplingParams), uid=uid,
-                          created=created, updated=updated, context_start=context_start)
+                          created=created, updated=updated, context_start=context_start, titled=bool(titled))
         for prompt, reply_json in turns:
             reply = Reply(**json.loads(reply_json))
             if reply.live:  # the console closed while it streamed

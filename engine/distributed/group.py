@@ -2,14 +2,16 @@
 
 torch.distributed's default process group is process-wide state, and a process (a test, a
 notebook) may build several engines one after another. So, like vLLM's stateless groups, each
-engine builds its own group from torch.distributed's parts: a TCPStore on loopback for the
-rendezvous (rank 0 hosts it on a free port) and a gloo (CPU) or NCCL (CUDA) backend for the
-collectives. With one rank there is no group and every collective is the identity.
+engine builds its own group from torch.distributed's parts: a TCPStore for the rendezvous (rank 0
+hosts it: on a free loopback port, or at the nodes' meeting address when the ranks span machines) and a
+gloo (CPU) or NCCL (CUDA) backend for the collectives. With one rank there is no group and every
+collective is the identity.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -74,14 +76,25 @@ class TensorParallel:
         self.store = None
 
 
-def host_store(size: int, timeout: float) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free loopback port (read it from `.port`)."""
-    return dist.TCPStore(LOOPBACK, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
+def host_store(size: int, timeout: float, host: str = LOOPBACK, port: int = 0) -> dist.TCPStore:
+    """Rank 0's rendezvous store, on a free loopback port by default (read it from `.port`)."""
+    return dist.TCPStore(host, port, size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
                          wait_for_workers=False)
 
 
-def join_group(rank: int, size: int, store: dist.Store, device: torch.device, timeout: float) -> TensorParallel:
-    """Build this rank's backend over `store` (blocks until all `size` ranks have joined).
+def interface_toward(host: str) -> str:
+    """This machine's address on the route to `host` (what gloo binds for a group spanning machines)."""
+    if host == LOOPBACK or host == "localhost":
+        return LOOPBACK
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP: nothing is sent, the kernel only picks the route
+        return str(probe.getsockname()[0])
+
+
+def join_group(rank: int, size: int, store: dist.Store, device: torch.device, timeout: float,
+               interface: str = LOOPBACK) -> TensorParallel:
+    """Build this rank's backend over `store` (blocks until all `size` ranks have joined); gloo binds
+    `interface` (loopback unless the ranks span machines).
 
     `timeout` bounds every collective, so a rank that hangs surfaces as an error rather than a hang.
     A rank that dies closes its sockets and its peers' collectives fail at once.
@@ -96,11 +109,11 @@ def join_group(rank: int, size: int, store: dist.Store, device: torch.device, ti
     else:
         gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from torch's stubs
         gloo_options._timeout = limit
-        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # nothing beyond loopback
+        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=interface)]
         backend = dist.ProcessGroupGloo(store, rank, size, gloo_options)
     return TensorParallel(rank=rank, size=size, backend=cast(Collectives, backend), store=store)
 
 
-def connect_store(port: int, size: int, timeout: float) -> dist.TCPStore:
+def connect_store(host: str, port: int, size: int, timeout: float) -> dist.TCPStore:
     """A worker rank's client connection to rank 0's store."""
-    return dist.TCPStore(LOOPBACK, port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    return dist.TCPStore(host, port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout))

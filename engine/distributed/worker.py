@@ -4,7 +4,8 @@ A worker has no scheduler, request table or sampler. Rank 0 sends each step's he
 ("step", header) and broadcasts the tensors (engine/distributed/step.py); the worker runs the same forward as rank 0,
 joining its all-reduces and the final gather of the logits. The pipe is also how it knows rank 0 is
 gone: the read ends (EOF) and the worker exits, so no worker outlives its engine. ("sync",) asks
-how many steps it has run, for rank 0's integrity check; None tells it to stop.
+how many steps it has run, for rank 0's integrity check; None tells it to stop. A rank on another
+node (engine/distributed/node.py) has a TCP connection to node 0 instead of the pipe (`--join`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
 import torch
 
-from engine.distributed.group import connect_store, join_group
+from engine.distributed.group import LOOPBACK, connect_store, interface_toward, join_group
+from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.kv.pool import KVPool
 from engine.model.llama import ModelSpec
@@ -48,6 +51,7 @@ class WorkerSpec:
     cpu_kernels: bool
     threads: int
     timeout: float
+    host: str = LOOPBACK  # where rank 0's store listens (the nodes' meeting host when they span machines)
 
 
 def main(conn: Connection) -> None:
@@ -68,7 +72,8 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
     conn.send(("hello", torch.get_num_threads(), wait_policy()))
-    tp = join_group(spec.rank, spec.size, connect_store(spec.port, spec.size, spec.timeout), device, spec.timeout)
+    store = connect_store(spec.host, spec.port, spec.size, spec.timeout)
+    tp = join_group(spec.rank, spec.size, store, device, spec.timeout, interface_toward(spec.host))
     model = build_model(spec.model, Path(spec.model_path), spec.dtype, spec.device, tp, spec.linear_dtype,
                         spec.prepack_weights, spec.cpu_kernels)
     conn.send(("loaded",))
@@ -89,5 +94,26 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
         steps += 1
 
 
-if __name__ == "__main__":  # python -m engine.distributed.worker FD, started by engine/distributed/workers.py
-    main(Connection(int(sys.argv[1])))
+def join(meeting: Meeting, rank: int, timeout: float) -> Connection:
+    """Dial node 0's control listener as `rank` (retrying while node 0 starts), authenticated with the
+    nodes' shared token."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = Client(meeting.control, authkey=meeting.authkey())
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)  # node 0 is not listening yet: retry until it is, or the deadline
+    conn.send(("join", rank))
+    return conn
+
+
+if __name__ == "__main__":  # python -m engine.distributed.worker FD (engine/distributed/workers.py), or
+    # --join HOST:PORT RANK (engine/distributed/node.py, a rank on another node)
+    if sys.argv[1] == "--join":
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # its node stops it: nothing to clean up
+        main(join(Meeting.parse(sys.argv[2]), int(sys.argv[3]), timeout=600.0))
+    else:
+        main(Connection(int(sys.argv[1])))

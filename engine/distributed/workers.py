@@ -7,7 +7,8 @@ go over the tensor-parallel group (gloo or NCCL). A worker that dies closes its 
 next collective fails at once, and `guard` turns that failure into a `WorkerFailed` naming the rank;
 while the engine is idle, `check` (called by the server loop) notices a dead worker through its
 process handle (a Linux pidfd). Either way the engine stops rather than hangs: collectives also
-carry a timeout, for a rank that hangs alive.
+carry a timeout, for a rank that hangs alive. Ranks on other nodes (engine/distributed/node.py) join
+over an authenticated TCP connection instead of a pipe, and its end is how their death shows.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import sys
 import time
 import weakref
 from collections.abc import Iterator
-from multiprocessing.connection import Connection, wait
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.distributed.group import TensorParallel, host_store, join_group
+from engine.distributed.group import LOOPBACK, TensorParallel, host_store, interface_toward, join_group
+from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.distributed.worker import WorkerSpec
 from engine.model.llama import ModelSpec
@@ -53,13 +56,15 @@ def rank_device(device: str, rank: int) -> str:
 
 
 class WorkerPool:
-    """Ranks 1..N-1 as processes, started from `specs` (one per rank)."""
+    """Ranks 1..N-1: this node's as processes started from `specs` (one per rank), other nodes' as they
+    join (`admit_remote`)."""
 
     def __init__(self, specs: list[WorkerSpec]) -> None:
         self.ranks = [s.rank for s in specs]
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | None] = []  # None: a rank on another node
         self.conns: list[Connection] = []
-        self.sentinels: list[int] = []  # pidfds: readable once the process has exited
+        # readable once that rank is gone: a pidfd for a local process, the connection for a remote rank
+        self.sentinels: list[int | Connection] = []
         self.failed: WorkerFailed | None = None  # why the workers are gone, once they are
         self.steps = 0
         self.threads: list[str] = []  # each rank's compute threads and OpenMP wait, as it reported them
@@ -78,7 +83,46 @@ class WorkerPool:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return [p.pid for p in self.procs if p is not None]
+
+    def admit_remote(self, specs: list[WorkerSpec], meeting: Meeting, timeout: float) -> None:
+        """Wait for the other nodes' ranks at `meeting.control`: each proves the token, says its rank, and
+        gets its spec; a dialer that fails the challenge or names no expected rank is turned away."""
+        expected = {s.rank: s for s in specs}
+        joined: dict[int, Connection] = {}
+        deadline = time.monotonic() + timeout
+        with socket.create_server(meeting.control) as server:
+            while expected.keys() - joined.keys():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(expected.keys() - joined.keys())
+                    raise self._fail(f"tensor-parallel rank(s) {missing} on other nodes did not join at "
+                                     f"{meeting.host}:{meeting.port} within {timeout:.0f} s")
+                server.settimeout(left)
+                try:
+                    sock, _ = server.accept()
+                except TimeoutError:
+                    continue
+                sock.settimeout(None)
+                conn = Connection(sock.detach())
+                try:
+                    deliver_challenge(conn, meeting.authkey())
+                    answer_challenge(conn, meeting.authkey())
+                    tag, rank = conn.recv()
+                except (AuthenticationError, EOFError, OSError, ValueError, TypeError):
+                    conn.close()
+                    continue
+                if tag != "join" or rank not in expected or rank in joined:
+                    conn.close()
+                    continue
+                joined[rank] = conn
+        for rank in sorted(joined):
+            conn = joined[rank]
+            conn.send_bytes(pickle.dumps(expected[rank]))
+            self.ranks.append(rank)
+            self.procs.append(None)
+            self.conns.append(conn)
+            self.sentinels.append(conn)
 
     def expect(self, what: str, timeout: float = TIMEOUT) -> list[tuple[Any, ...]]:
         """Wait until every worker has reported `what`, and return the reports in rank order; raise
@@ -91,7 +135,8 @@ class WorkerPool:
             if left <= 0:
                 ranks = ", ".join(str(self.ranks[i]) for i in waiting)
                 raise self._fail(f"tensor-parallel rank(s) {ranks} did not report {what!r} within {timeout:.0f} s")
-            ready = wait([*waiting.values(), *(self.sentinels[i] for i in waiting)], left)
+            watched = {id(x): x for i, conn in waiting.items() for x in (conn, self.sentinels[i])}  # a remote
+            ready = wait(list(watched.values()), left)  # rank's sentinel is its connection: watch it once
             for i, conn in list(waiting.items()):
                 if conn in ready or self.sentinels[i] in ready:
                     try:
@@ -168,6 +213,14 @@ class WorkerPool:
 
     def _describe(self, i: int) -> str:
         proc, conn = self.procs[i], self.conns[i]
+        detail = ""
+        with contextlib.suppress(EOFError, OSError):
+            if conn.poll(0):
+                message = conn.recv()
+                if message[0] == "error":
+                    detail = f":\n{message[1]}"
+        if proc is None:
+            return f"tensor-parallel rank {self.ranks[i]} (on another node) closed its connection{detail}"
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(DEATH_GRACE)
         code = proc.returncode
@@ -177,12 +230,6 @@ class WorkerPool:
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with code {code}"
-        detail = ""
-        with contextlib.suppress(EOFError, OSError):
-            if conn.poll(0):
-                message = conn.recv()
-                if message[0] == "error":
-                    detail = f":\n{message[1]}"
         return f"tensor-parallel rank {self.ranks[i]} (pid {proc.pid}) {how}{detail}"
 
     def _fail(self, message: str) -> WorkerFailed:
@@ -192,12 +239,15 @@ class WorkerPool:
         return self.failed
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], sentinels: list[int]) -> None:
+def _stop(procs: list[subprocess.Popen[bytes] | None], conns: list[Connection],
+          sentinels: list[int | Connection]) -> None:
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):
             conn.send(None)
     deadline = time.monotonic() + 5.0
     for proc in procs:
+        if proc is None:  # another node's rank: it exits when its connection closes
+            continue
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -206,25 +256,36 @@ def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], sentine
     for conn in conns:
         conn.close()
     for fd in sentinels:
-        os.close(fd)
+        if isinstance(fd, int):
+            os.close(fd)
     sentinels.clear()
 
 
 def launch(size: int, spec: ModelSpec, model_path: str, dtype: str, device: str, page_size: int, attention_backend: str,
            linear_dtype: str, prepack_weights: bool, cpu_kernels: bool, threads: int,
-           timeout: float = TIMEOUT) -> tuple[TensorParallel, WorkerPool]:
-    """Start ranks 1..size-1 and join them as rank 0; they load their shards while rank 0 loads its own."""
-    store = host_store(size, timeout)
-    specs = [WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path, dtype=dtype,
-                        device=rank_device(device, r), page_size=page_size, attention_backend=attention_backend,
-                        linear_dtype=linear_dtype, prepack_weights=prepack_weights, cpu_kernels=cpu_kernels,
-                        threads=threads,
-                        timeout=timeout) for r in range(1, size)]
-    pool = WorkerPool(specs)
+           timeout: float = TIMEOUT, nnodes: int = 1,
+           meeting: Meeting | None = None) -> tuple[TensorParallel, WorkerPool]:
+    """Start this node's ranks 1..size/nnodes-1, admit the other nodes' ranks (at `meeting`), and join
+    them all as rank 0; they load their shards while rank 0 loads its own."""
+    per_node = size // nnodes
+    host = meeting.host if meeting is not None else LOOPBACK
+    store = host_store(size, timeout, host, meeting.port if meeting is not None else 0)
+
+    def spec_for(r: int) -> WorkerSpec:  # a rank's device counts from the first one on its own node
+        return WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path, dtype=dtype,
+                          device=rank_device(device, r % per_node), page_size=page_size,
+                          attention_backend=attention_backend, linear_dtype=linear_dtype,
+                          prepack_weights=prepack_weights, cpu_kernels=cpu_kernels, threads=threads,
+                          timeout=timeout, host=host)
+
+    pool = WorkerPool([spec_for(r) for r in range(1, per_node)])
     try:
+        if meeting is not None and nnodes > 1:
+            pool.admit_remote([spec_for(r) for r in range(per_node, size)], meeting, timeout)
         # each worker says how its threads run: (hello, torch threads, OpenMP wait), for LLM.execution
         pool.threads = [f"{n} ({wait})" for _, n, wait in pool.expect("hello", timeout)]
-        return join_group(0, size, store, torch.device(rank_device(device, 0)), timeout), pool
+        device0 = torch.device(rank_device(device, 0))
+        return join_group(0, size, store, device0, timeout, interface_toward(host)), pool
     except BaseException:
         pool.close()
         raise

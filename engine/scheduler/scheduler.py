@@ -45,7 +45,9 @@ from engine.scheduler.budget import pages_for
 from engine.scheduler.decode import DecodeManager
 from engine.scheduler.prefill import PrefillManager
 from engine.scheduler.snapshot import (
+    PROMPT_ENDS,
     PageSnapshot,
+    RequestDetail,
     RunningEntry,
     SchedulerCounters,
     SchedulerSnapshot,
@@ -125,7 +127,8 @@ class Scheduler:
         cached = self.cache.cached_pages()
         admitted = sorted(((r, r.slot) for r in self.reqs.values() if r.slot is not None), key=lambda a: a[0].uid)
         running = tuple(
-            RunningEntry(rid=r.rid, slot=slot, state="prefilling" if r.state is ReqState.PREFILLING else "running",
+            RunningEntry(rid=r.rid, client=r.client, slot=slot,
+                         state="prefilling" if r.state is ReqState.PREFILLING else "running",
                          prompt_tokens=r.input_len, prefilled=min(r.cached_len, r.input_len),
                          generated=len(r.output_ids), max_tokens=r.max_output, pages=len(r.pages),
                          claimed_pages=self.admission.claim(r), priority=r.params.priority,
@@ -135,13 +138,35 @@ class Scheduler:
                              used=len(alloc.owner), cached=len(cached), locked=sum(cached.values()),
                              claimed=sum(e.claimed_pages for e in running),
                              owners=MappingProxyType(dict(alloc.owner)), cached_pages=MappingProxyType(cached))
-        waiting = tuple(WaitingEntry(rid=r.rid, prompt_tokens=r.input_len, arrival_time=r.arrival_time,
+        waiting = tuple(WaitingEntry(rid=r.rid, client=r.client, prompt_tokens=r.input_len, arrival_time=r.arrival_time,
                                      reason=self.prefill_manager.reason(r), priority=r.params.priority,
                                      retractions=r.retractions, generated=len(r.output_ids))
                         for r in self.prefill_manager.ordered(self.counters["steps"]))
         return SchedulerSnapshot(waiting=waiting, running=running, slots=tuple(self.table.holder), pages=pages,
                                  counters=SchedulerCounters(**self.counters), inflight_batches=self.inflight_batches,
                                  admission=self.admission.describe(), policy=self.policy)
+
+    def describe(self, rid: str, text_from: int = 0) -> RequestDetail | None:
+        """One live request in detail (see RequestDetail), by the client's rid or a choice's own; None
+        when it is not live. Costs O(PROMPT_ENDS) plus the output text from `text_from` on."""
+        req = self.reqs.get(rid)
+        if req is None and (group := self.groups.get(rid)) is not None and group.open:
+            req = group.open[0]
+        if req is None:
+            return None
+        waiting = req.state is ReqState.WAITING
+        text = req.detokenizer.text[:req.detokenizer.emitted] if req.detokenizer is not None else ""
+        ends = PROMPT_ENDS
+        return RequestDetail(
+            rid=req.client_rid, client=req.client, state=req.state.value,
+            reason=self.prefill_manager.reason(req) if waiting else "", params=req.params,
+            prompt_tokens=req.input_len, prompt_head=tuple(req.input_ids[:ends]),
+            prompt_tail=tuple(req.input_ids[-ends:]) if req.input_len > 2 * ends else (),
+            cached_tokens=req.prefix_len, slot=req.slot, pages=len(req.pages),
+            claimed_pages=0 if waiting else self.admission.claim(req), generated=len(req.output_ids),
+            max_tokens=req.max_output, retractions=req.retractions, choices=req.params.n,
+            arrival_time=req.arrival_time, admit_time=req.admit_time, first_token_time=req.first_token_time,
+            output=text[max(0, text_from):], output_chars=len(text))
 
     def step(self) -> StepResult:
         """One step in sequence: schedule, run, process."""

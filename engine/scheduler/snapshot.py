@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.params import SamplingParams
+
 
 @dataclass(frozen=True)
 class WaitingEntry:
@@ -19,9 +21,10 @@ class WaitingEntry:
     "slot" (none free), "token_budget" (the step's budget was spent), "kv_pages" (its pages do not fit)
     or "queue" (admission stopped at a request ahead of it) or "sibling" (one of n choices, waiting for
     the first to put the prompt in the prefix cache). A retracted request has `retractions` > 0
-    and its `generated` tokens kept."""
+    and its `generated` tokens kept. `client` says who sent it (a label, not an identity)."""
 
     rid: str
+    client: str
     prompt_tokens: int
     arrival_time: float  # time.monotonic() at submission
     reason: str
@@ -35,6 +38,7 @@ class RunningEntry:
     """An admitted, unfinished request: `state` is "prefilling" (prompt mid-chunk) or "running"."""
 
     rid: str
+    client: str
     slot: int
     state: str
     prompt_tokens: int
@@ -45,6 +49,38 @@ class RunningEntry:
     claimed_pages: int  # further pages admission counts it for (see engine/scheduler/admission.py)
     priority: int
     retractions: int
+
+
+@dataclass(frozen=True)
+class RequestDetail:
+    """Everything about one live request (`Scheduler.describe`), for an operator looking at it. Built on
+    demand for one request, never for the periodic snapshot, and still small: of the prompt only its
+    first and last PROMPT_ENDS token ids, of the output only the text from `text_from` on."""
+
+    rid: str
+    client: str
+    state: str  # "waiting", "prefilling" or "running"
+    reason: str  # why it waits (WaitingEntry.reason); "" once admitted
+    params: SamplingParams
+    prompt_tokens: int
+    prompt_head: tuple[int, ...]
+    prompt_tail: tuple[int, ...]  # empty when the head is the whole prompt
+    cached_tokens: int  # prompt tokens found in the prefix cache at admission
+    slot: int | None
+    pages: int
+    claimed_pages: int
+    generated: int
+    max_tokens: int
+    retractions: int
+    choices: int  # params.n; the detail is of the first choice still open
+    arrival_time: float  # time.monotonic() at submission
+    admit_time: float | None
+    first_token_time: float | None
+    output: str  # the text sent to its client so far, from `text_from` on
+    output_chars: int  # the length of all of that text
+
+
+PROMPT_ENDS = 48  # prompt tokens a RequestDetail keeps from each end
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import typer
 
 from engine.config import EngineConfig
 from engine.service.client import AUTH_ENV
+from engine.service.options import ApiOptions
 from engine.threads import prepare_openmp
 
 ADDRESS_HELP = "Engine address: ipc:///path or tcp://127.0.0.1:PORT (default: a per-user ipc socket)."
@@ -28,7 +29,8 @@ ENGINE_HELP = {
     "page_size": "Tokens per KV page.",
     "kv_memory_gb": "Memory for the KV pool when --num-pages is not given.",
     "max_model_len": "Cap on prompt + output tokens (default: the model's context).",
-    "seed": "Seed for requests that sample without their own seed.",
+    "seed": "Seed for requests that sample without their own seed (default: a fresh one per engine, so "
+            "replicas do not sample in lockstep).",
     "attention_backend": "Attention kernels: torch, cpu, triton, flashinfer, or auto (the best available).",
     "prefix_cache": "radix (reuse cached prompt prefixes) or naive.",
     "linear_dtype": "GEMM dtype: model, float32, or auto (float32 for bf16/fp16 on CPUs without native support).",
@@ -43,6 +45,10 @@ ENGINE_HELP = {
     "overlap": "Schedule step N+1 while step N runs (default: on for CUDA, off on CPU); output is identical.",
     "mixed_batches": "Running requests decode inside a prefill step instead of waiting for it; output is identical.",
     "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
+    "nnodes": "Machines the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks each).",
+    "node_rank": "This machine's place among --nnodes: 0 runs the engine, the others only their ranks.",
+    "dist_init_addr": "HOST:PORT where the nodes meet (node 0 listens on PORT and PORT+1; beyond loopback "
+                      "every node needs the same MINICHAT_TP_TOKEN).",
     "admission": "optimistic (prompt + expected output; retract when the pool runs dry) or reserve (whole budget).",
     "schedule_policy": "Waiting-queue order: fcfs, priority (SamplingParams.priority, lower first) or lpm.",
     "max_wait_steps": "A request waiting this many steps is admitted next, whatever the policy.",
@@ -83,15 +89,47 @@ def engine_options_given(options: dict[str, typing.Any]) -> dict[str, typing.Any
     return {k: v for k, v in options.items() if v != defaults[k]}
 
 
+API_KEY_ENV = "MINICHAT_API_KEY"
+
+
 def http_parameters() -> list[inspect.Parameter]:
-    """Options the HTTP front end takes in both `serve --http` and `api`."""
+    """Options the HTTP front end takes in both `serve --http` and `api` (ApiOptions' fields)."""
+    defaults = ApiOptions("")
     return [
         inspect.Parameter("api_key", inspect.Parameter.KEYWORD_ONLY, annotation=str | None, default=typer.Option(
-            None, "--api-key", envvar="MINICHAT_API_KEY",
-            help="Require `Authorization: Bearer KEY` on every HTTP request.")),
+            None, "--api-key", envvar=API_KEY_ENV, show_envvar=True,
+            help=f"Require `Authorization: Bearer KEY` on every HTTP request but /health. Set {API_KEY_ENV} "
+                 f"rather than passing the flag, which every local user can read in the process list.")),
         option("served_model_name", str | None, None, "Model id the API answers to (default: the checkpoint "
                "directory's name).", "--served-model-name"),
+        option("engine_timeout", float, defaults.engine_timeout, "Seconds an open stream's engine may stay silent "
+               "before the stream is cut (with an error).", "--engine-timeout"),
+        option("ping_timeout", float, defaults.ping_timeout, "Seconds the engine has to answer a liveness ping "
+               "(/health, and a new request once its stats have gone quiet).", "--ping-timeout"),
+        option("max_body_bytes", int, defaults.max_body_bytes, "Largest HTTP request body; bigger ones get a 413 "
+               "before they are read.", "--max-body-bytes"),
+        option("read_timeout", float, defaults.read_timeout, "Seconds a request's headers and body have to arrive "
+               "in; a slower connection is closed.", "--read-timeout"),
+        option("max_http_connections", int, defaults.max_http_connections, "Open HTTP connections (fewer if the "
+               "open-file limit is lower); beyond them a connection gets a 503 and is closed.",
+               "--max-http-connections"),
+        option("drain_timeout", int, defaults.drain_timeout, "On SIGTERM or Ctrl-C, seconds requests in flight "
+               "have to finish before they are cut.", "--drain-timeout"),
     ]
+
+
+def api_options(address: str, host: str, port: int, given: dict[str, typing.Any]) -> ApiOptions:
+    """ApiOptions from the `http_parameters()` options (popped from `given`), warning about a key passed as
+    a flag."""
+    chosen = {p.name: given.pop(p.name) for p in http_parameters()}
+    chosen["api_key"] = chosen["api_key"] or None
+    if chosen["api_key"] is not None and os.environ.get(API_KEY_ENV) != chosen["api_key"]:
+        typer.echo(f"minichat: warning: --api-key on the command line is visible to every local user (ps); "
+                   f"set {API_KEY_ENV} instead", err=True)
+    try:
+        return ApiOptions(address, host=host, port=port, **chosen)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
 
 
 def split_host_port(value: str) -> tuple[str, int]:
@@ -104,14 +142,16 @@ def split_host_port(value: str) -> tuple[str, int]:
 
 def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_waiting_requests: int,
           max_message_bytes: int, max_connections: int, client_buffer_messages: int, log_level: str,
-          http: str | None, api_key: str | None, served_model_name: str | None,
-          **engine_options: typing.Any) -> None:
+          http: str | None, **engine_options: typing.Any) -> None:
     """Run the engine in the foreground (logs to stderr) until Ctrl-C, SIGTERM or `minichat stop`.
 
     With --http HOST:PORT, run the engine as a child process instead and the OpenAI-compatible HTTP
     API in the foreground; stopping the API stops that engine.
     """
     prepare_openmp()  # before torch loads libgomp, here and in the engine child or the TP workers
+    if engine_options.get("node_rank"):  # another node of a multi-node engine: only its ranks run here
+        _serve_node(log_level, engine_options)
+        return
     from engine.distributed.workers import WorkerFailed
     from engine.service.options import ServerOptions
     from engine.service.server import StartupError, run_server
@@ -122,8 +162,10 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
                           "client_buffer_messages": client_buffer_messages, "log_level": log_level}
         if auth_token:  # the engine child and the API's clients both read it from the environment
             os.environ[AUTH_ENV] = auth_token
-        _serve_http(http, address, api_key, served_model_name, server_options, engine_options)
+        _serve_http(http, address, server_options, engine_options)
         return
+    for p in http_parameters():  # they only concern --http
+        engine_options.pop(p.name)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         options = ServerOptions(address, allow_remote, max_waiting_requests, max_message_bytes, auth_token or None,
@@ -132,6 +174,21 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
     except (StartupError, WorkerFailed, ValueError) as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
+
+
+def _serve_node(log_level: str, engine_options: dict[str, typing.Any]) -> None:
+    """`serve --node-rank N` (N > 0): this node's tensor-parallel ranks, until node 0 ends them."""
+    from engine.distributed.node import run_node
+
+    for p in http_parameters():
+        engine_options.pop(p.name)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = run_node(EngineConfig(**engine_options))
+    except ValueError as e:
+        typer.echo(f"minichat serve: error: {e}", err=True)
+        raise typer.Exit(1) from e
+    raise typer.Exit(code)
 
 
 set_signature(serve, [
@@ -143,8 +200,10 @@ set_signature(serve, [
                                            help="Shared secret clients must present (ZeroMQ PLAIN); prefer the "
                                                 "environment variable, which other users cannot read.")),
     option("max_waiting_requests", int, 1024, "Refuse new requests ('overloaded') beyond this queue."),
-    option("max_message_bytes", int, 1 << 20, "Largest accepted message; bigger ones drop the peer."),
-    option("max_connections", int, 4096, "Connections beyond this (or the open-file limit) are closed at once."),
+    option("max_message_bytes", int, 1 << 20, "Largest accepted message; bigger ones are refused (too_large), and "
+           "beyond 4 times this ZeroMQ drops the connection."),
+    option("max_connections", int, 4096, "Engine connections beyond this (or the open-file limit) are closed at "
+           "once."),
     option("client_buffer_messages", int, 1000, "Replies queued for a client that does not read them before "
                                                 "its requests are aborted."),
     option("log_level", str, "info", "debug, info, warning or error."),
@@ -155,16 +214,17 @@ set_signature(serve, [
 ])
 
 
-def _serve_http(http: str, address: str | None, api_key: str | None, served_model_name: str | None,
-                server_options: dict[str, typing.Any], engine_options: dict[str, typing.Any]) -> None:
+def _serve_http(http: str, address: str | None, server_options: dict[str, typing.Any],
+                engine_options: dict[str, typing.Any]) -> None:
     """The engine as a child process (own interpreter, so generation never competes with the HTTP event loop
     for the GIL; its log goes to a file) and the API in the foreground; the engine stops with the API."""
     from engine.service.addresses import AddressError, default_address
-    from engine.service.http import ApiOptions, check_host, run_api
+    from engine.service.http import check_host, run_api
     from engine.service.launcher import EngineStartError, start
 
     host, port = split_host_port(http)
     address = address or default_address()
+    options = api_options(address, host, port, engine_options)
     model = engine_options.pop("model")
     try:
         check_host(host, server_options["allow_remote"])
@@ -176,19 +236,20 @@ def _serve_http(http: str, address: str | None, api_key: str | None, served_mode
     try:
         where = f"pid {handle.pid}, log {handle.log_path}" if handle.started else f"already running, pid {handle.pid}"
         typer.echo(f"minichat serve: engine ready at {address} ({where})", err=True)
-        run_api(ApiOptions(address, api_key, served_model_name), host, port, server_options["log_level"])
+        run_api(options, server_options["log_level"])
     finally:
         handle.stop()
 
 
-def api(address: str | None, host: str, port: int, allow_remote: bool, log_level: str, api_key: str | None,
-        served_model_name: str | None) -> None:
+def api(address: str | None, host: str, port: int, allow_remote: bool, log_level: str,
+        **http_options: typing.Any) -> None:
     """Serve the OpenAI-compatible HTTP API for the engine running at --address."""
     from engine.service.addresses import AddressError, default_address
     from engine.service.client import EngineRefused, probe
-    from engine.service.http import ApiOptions, check_host, run_api
+    from engine.service.http import check_host, run_api
 
     address = address or default_address()
+    options = api_options(address, host, port, http_options)
     try:
         check_host(host, allow_remote)
     except AddressError as e:
@@ -203,7 +264,7 @@ def api(address: str | None, host: str, port: int, allow_remote: bool, log_level
         typer.echo(f"minichat api: error: no engine answers at {address}; start one with "
                    f"`minichat serve --address {address}`", err=True)
         raise typer.Exit(1)
-    run_api(ApiOptions(address, api_key, served_model_name), host, port, log_level)
+    run_api(options, log_level)
 
 
 set_signature(api, [

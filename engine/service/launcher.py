@@ -58,11 +58,11 @@ class EngineHandle:
     def started(self) -> bool:
         return self.process is not None
 
-    def client(self, timeout: float = 30.0) -> EngineClient:
-        return EngineClient(self.address, timeout=timeout, auth_token=self.auth_token)
+    def client(self, timeout: float = 30.0, name: str | None = None) -> EngineClient:
+        return EngineClient(self.address, timeout=timeout, auth_token=self.auth_token, name=name)
 
-    def async_client(self, timeout: float = 30.0) -> AsyncEngineClient:
-        return AsyncEngineClient(self.address, timeout=timeout, auth_token=self.auth_token)
+    def async_client(self, timeout: float = 30.0, name: str | None = None) -> AsyncEngineClient:
+        return AsyncEngineClient(self.address, timeout=timeout, auth_token=self.auth_token, name=name)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine if this handle started it: SIGTERM (in-flight requests get a final "abort"

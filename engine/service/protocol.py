@@ -27,6 +27,9 @@ class _EngineMsg(msgspec.Struct, tag_field="type", kw_only=True):
 
 
 # -- client -> engine ---------------------------------------------------------------------------
+MAX_CLIENT_LABEL = 128  # characters of a Submit's `client` label
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One chat turn; `tool_calls` on an assistant turn that called tools, `tool_call_id` (and `name`)
     on the "tool" turn answering one."""
@@ -41,7 +44,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
 class Submit(_ClientMsg, tag="submit"):
     """Start a request. Give exactly one of `prompt` (text), `messages` (chat) or `token_ids`.
 
-    `rid` is chosen by the client and must be unique among the engine's live requests.
+    `rid` is chosen by the client and must be unique among the engine's live requests. `client` is a
+    short label of who sends it ("bench", "console tab 3", "http POST /v1/completions"), shown to
+    operators in the stats and `Description`; without one the engine labels it by connection.
     """
 
     rid: str
@@ -50,12 +55,22 @@ class Submit(_ClientMsg, tag="submit"):
     token_ids: list[int] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, rendered by the chat template
+    client: str | None = None
 
 
 class Abort(_ClientMsg, tag="abort"):
     """Abort a live request, whoever submitted it (the engine is an ops console)."""
 
     rid: str
+
+
+class Describe(_ClientMsg, tag="describe"):
+    """Ask about one request, whoever submitted it: answered by `Description` (never by an error: a
+    request that is not live is described as "gone"). `text_from` is how many characters of its
+    output the asker has already, so polling a long output sends only what is new."""
+
+    rid: str
+    text_from: int = 0
 
 
 class Ping(_ClientMsg, tag="ping"):
@@ -91,7 +106,7 @@ class Detokenize(_ClientMsg, tag="detokenize"):
     token_ids: list[int]
 
 
-ClientMessage = Submit | Abort | Ping | GetInfo | Shutdown | Tokenize | Detokenize
+ClientMessage = Submit | Abort | Describe | Ping | GetInfo | Shutdown | Tokenize | Detokenize
 
 
 # -- engine -> client ---------------------------------------------------------------------------
@@ -170,7 +185,38 @@ class Text(_EngineMsg, tag="text"):
     text: str
 
 
-EngineMessage = Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat | Tokens | Text
+class Description(_EngineMsg, tag="description"):
+    """Answers `Describe`: one request as an operator wants to see it. `state` is "tokenizing" (its text
+    prompt is being tokenized), "waiting", "prefilling", "running", or "gone" (finished, aborted, or
+    never known; every other field is then empty). Times are seconds since it arrived; the prompt
+    comes as the text of its first and last 48 tokens (`prompt_tail` empty when the head is all of
+    it); `output` is its text so far from the asker's `text_from` on, `output_chars` the whole length."""
+
+    rid: str
+    state: str
+    client: str = ""
+    reason: str = ""  # why it waits, as WaitingReq.reason
+    params: SamplingParams | None = None
+    prompt_tokens: int = 0
+    prompt_head: str = ""
+    prompt_tail: str = ""
+    cached_tokens: int = 0  # prompt tokens the prefix cache held at admission
+    slot: int | None = None
+    pages: int = 0
+    claimed_pages: int = 0
+    generated: int = 0
+    max_tokens: int = 0
+    retractions: int = 0
+    choices: int = 1
+    age: float = 0.0  # arrival -> now
+    queue: float | None = None  # arrival -> admission
+    ttft: float | None = None  # arrival -> first output token
+    output: str = ""
+    output_chars: int = 0
+
+
+EngineMessage = (Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat | Tokens | Text
+                 | Description)
 
 
 # -- stats (PUB socket) -------------------------------------------------------------------------
@@ -184,6 +230,7 @@ class WaitingReq(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     waited: float
     reason: str = ""
+    client: str = ""  # who sent it (Submit.client, or the engine's label for its connection)
     priority: int = 0
     retractions: int = 0
     generated: int = 0
@@ -202,6 +249,7 @@ class RunningReq(msgspec.Struct, kw_only=True):
     pages: int
     priority: int = 0
     retractions: int = 0
+    client: str = ""  # as WaitingReq.client
 
 
 class Pages(msgspec.Struct, kw_only=True):
@@ -276,14 +324,14 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_client(data: bytes) -> Submit | Abort | Ping | GetInfo | Shutdown | Tokenize | Detokenize:
+def decode_client(data: bytes) -> Submit | Abort | Describe | Ping | GetInfo | Shutdown | Tokenize | Detokenize:
     try:
         return _client_decoder.decode(data)
     except RecursionError:  # an unknown field whose value nests thousands deep
         raise msgspec.DecodeError("the message nests too deeply") from None
 
 
-def decode_engine(data: bytes) -> Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat | Tokens | Text:
+def decode_engine(data: bytes) -> EngineMessage:
     return _engine_decoder.decode(data)
 
 

@@ -49,6 +49,7 @@ HEARTBEAT_INTERVAL = 1.0  # clients with live requests hear from us at least thi
 MAX_DRAIN = 256  # messages handled between two steps, so a flood cannot starve generation
 MAX_RID_LEN = 256
 MAX_ECHOED_RID = 1024  # an invalid rid longer than this is not echoed back in the Error
+REMEMBERED_CLIENTS = 4096  # connections whose number ("client 3") is kept once they have no request live
 
 
 class StartupError(Exception):
@@ -71,6 +72,7 @@ class _Encoding:
     ids: Future[list[int]]
     params: SamplingParams
     arrival: float
+    client: str
 
 
 @dataclass
@@ -98,6 +100,8 @@ class EngineServer:
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._max_prompt_chars = max_prompt_chars(llm.tokenizer, llm.max_seq_len)
         self._last_sent: dict[bytes, float] = {}
+        self._client_numbers: dict[bytes, int] = {}  # connection -> its number, least recently used first
+        self._clients_seen = 0
         self._stop = False
         self._last_sweep = time.monotonic()
         self._poller = zmq.Poller()
@@ -165,6 +169,11 @@ class EngineServer:
         if len(body) != 1:
             self._error(identity, "bad_message", f"send one frame per message (got {len(body)}); use a DEALER socket")
             return
+        if len(body[0]) > self.options.max_message_bytes:  # the socket let it in (sockets.py) so that it is answered
+            self._error(identity, "too_large", f"the message is {len(body[0]):,} bytes, more than this engine's "
+                                               f"limit of {self.options.max_message_bytes:,} (--max-message-bytes)",
+                        protocol.salvage_rid(body[0]))
+            return
         try:
             msg = protocol.decode_client(body[0])
         except protocol.DecodeError as e:
@@ -188,6 +197,8 @@ class EngineServer:
             self._submit(identity, msg)
         elif isinstance(msg, protocol.Abort):
             self._abort(identity, msg.rid)
+        elif isinstance(msg, protocol.Describe):
+            self._send(identity, self._describe(msg))
         elif isinstance(msg, protocol.Ping):
             self._send(identity, protocol.Pong(nonce=msg.nonce, version=engine.__version__, pid=os.getpid()))
         elif isinstance(msg, protocol.Shutdown):
@@ -216,8 +227,11 @@ class EngineServer:
             raise Refused("invalid_request", "tools go with chat messages")
         if msg.tools is not None and self.llm.tool_format is None:
             raise Refused("invalid_request", "this model's chat template has no tool calling; send no tools")
+        if msg.client is not None and not 0 < len(msg.client) <= protocol.MAX_CLIENT_LABEL:
+            raise Refused("invalid_request", f"client must be a label of 1 to {protocol.MAX_CLIENT_LABEL} characters")
+        client = msg.client or self._client_label(identity)
         if msg.token_ids is not None:
-            self._add(identity, rid, msg.token_ids, params, time.monotonic())
+            self._add(identity, rid, msg.token_ids, params, time.monotonic(), client)
         else:  # text: tokenized off the loop, after a size check that costs nothing
             chars = len(msg.prompt) if msg.prompt is not None else sum(len(m.content) for m in msg.messages or ())
             if chars > self._max_prompt_chars:
@@ -225,13 +239,27 @@ class EngineServer:
                                                  f"{self.llm.max_seq_len - 1} tokens that fit could spell")
             prompt = msg.prompt if msg.prompt is not None else [msgspec.to_builtins(m) for m in msg.messages or ()]
             self.encoding[rid] = _Encoding(identity, self._tokenizer.submit(self.llm.encode_prompt, prompt, msg.tools),
-                                           params, time.monotonic())
+                                           params, time.monotonic(), client)
         self.stats.submitted += 1
         self.publisher.changed()
 
-    def _add(self, identity: bytes, rid: str, ids: list[int], params: SamplingParams, arrival: float) -> None:
+    def _client_label(self, identity: bytes) -> str:
+        """A label for a connection that sent none: "client N", numbered in order of first request (an
+        operator reads "client 3", not its random routing id; the last REMEMBERED_CLIENTS keep theirs)."""
+        number = self._client_numbers.pop(identity, None)
+        if number is None:
+            self._clients_seen += 1
+            number = self._clients_seen
+        self._client_numbers[identity] = number
+        if len(self._client_numbers) > REMEMBERED_CLIENTS:
+            del self._client_numbers[next(iter(self._client_numbers))]
+        return f"client {number}"
+
+    def _add(self, identity: bytes, rid: str, ids: list[int], params: SamplingParams, arrival: float,
+             client: str) -> None:
         try:
-            self.llm.add_request(ids, params, rid, arrival_time=arrival)  # timings count the time spent tokenizing
+            # timings count the time spent tokenizing
+            self.llm.add_request(ids, params, rid, arrival_time=arrival, client=client)
         except PromptTooLong as e:
             raise Refused("prompt_too_long", str(e)) from e
         except ValueError as e:
@@ -246,7 +274,7 @@ class EngineServer:
                 return
             del self.encoding[rid]
             try:
-                self._add(enc.identity, rid, enc.ids.result(), enc.params, enc.arrival)
+                self._add(enc.identity, rid, enc.ids.result(), enc.params, enc.arrival, enc.client)
             except ValueError as e:
                 self._error(enc.identity, "invalid_request", str(e), rid)
             except Refused as e:
@@ -314,8 +342,41 @@ class EngineServer:
         try:
             self._abort_request(rid)
         except ValueError as e:
-            raise Refused("unknown_request", str(e)) from e
+            # Answered, but not counted among the errors: an operator's abort can cross the request's own
+            # end, and that race is nobody's mistake.
+            self._error(identity, "unknown_request", str(e), rid, count=False)
+            return
         self._send(identity, protocol.Aborted(rid=rid))
+
+    def _describe(self, msg: protocol.Describe) -> protocol.Description:
+        """One request as an operator sees it; "gone" when it is not live (no error: it may have ended
+        a moment ago)."""
+        now = time.monotonic()
+        if (enc := self.encoding.get(msg.rid)) is not None:
+            return protocol.Description(rid=msg.rid, state="tokenizing", client=enc.client, params=enc.params,
+                                        age=now - enc.arrival)
+        d = self.llm.describe(msg.rid, msg.text_from)
+        if d is None:
+            return protocol.Description(rid=msg.rid[:MAX_ECHOED_RID], state="gone")
+        arrival = d.arrival_time
+        return protocol.Description(  # the rid asked for: a choice's own ("r#1") is answered under it
+            rid=msg.rid, state=d.state, client=d.client, reason=d.reason, params=d.params,
+            prompt_tokens=d.prompt_tokens, prompt_head=self._text(d.prompt_head),
+            prompt_tail=self._text(d.prompt_tail), cached_tokens=d.cached_tokens, slot=d.slot, pages=d.pages,
+            claimed_pages=d.claimed_pages, generated=d.generated, max_tokens=d.max_tokens,
+            retractions=d.retractions, choices=d.choices, age=now - arrival,
+            queue=None if d.admit_time is None else d.admit_time - arrival,
+            ttft=None if d.first_token_time is None else d.first_token_time - arrival,
+            output=d.output, output_chars=d.output_chars)
+
+    def _text(self, ids: tuple[int, ...]) -> str:
+        """The text of a few prompt tokens (special tokens included: a chat template's are part of the
+        prompt), or the ids themselves for a checkpoint without a tokenizer."""
+        if not ids:
+            return ""
+        if self.llm.tokenizer is None:
+            return " ".join(map(str, ids))
+        return cast("str", self.llm.tokenizer.decode(list(ids)))
 
     def _abort_request(self, rid: str) -> None:
         """Abort now: the scheduler counts it at once and frees the slot and pages as soon as no step in
@@ -357,10 +418,12 @@ class EngineServer:
         self._last_sent[identity] = time.monotonic()
         return True
 
-    def _error(self, identity: bytes, code: str, message: str, rid: str | None = None) -> None:
+    def _error(self, identity: bytes, code: str, message: str, rid: str | None = None, count: bool = True) -> None:
+        """Reply with an Error; `count` it among the stats' errors unless it is no client's fault."""
         log.info("refused a message: [%s] %s", code, message)
-        self.stats.errors += 1
-        self.publisher.changed()
+        if count:
+            self.stats.errors += 1
+            self.publisher.changed()
         if rid is not None and len(rid) > MAX_ECHOED_RID:
             rid = None
         self._send(identity, protocol.Error(code=code, message=message, rid=rid))

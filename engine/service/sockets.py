@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 SEND_BUFFER = 128 << 10  # kernel send buffer per connection (bytes)
 SUBSCRIPTION_BYTES = 64  # largest accepted stats subscription message (clients subscribe to "")
 HANDSHAKE_MS = 5000  # a connection that has not completed the ZeroMQ handshake by then is closed
+# The socket takes frames up to this many times --max-message-bytes, so that one over the limit is still read
+# and refused with an error naming its request (server.py); only beyond this does ZeroMQ drop the connection,
+# with every other request it carries (one connection carries all of a front end's or a console's streams).
+FRAME_ALLOWANCE = 4
 
 
 class Sockets:
@@ -58,7 +62,7 @@ class Sockets:
         ctypes.CDLL(None).srand(secrets.randbits(32))
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
+        self.router.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes * FRAME_ALLOWANCE)
         self.router.setsockopt(zmq.SNDHWM, options.client_buffer_messages)
         self.router.setsockopt(zmq.SNDBUF, SEND_BUFFER)
         self.router.setsockopt(zmq.HEARTBEAT_IVL, 2000)  # transport-level: notices half-open tcp peers

@@ -12,7 +12,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.service.protocol import Counters, Info, Pages, RunningReq, Stats, StepRecord, WaitingReq
+from engine.service.protocol import Counters, Pages, RunningReq, Stats, StepRecord, WaitingReq
 
 if TYPE_CHECKING:  # only the engine process builds snapshots; `minichat status` just formats them
     from engine.llm import LLM
@@ -65,10 +65,11 @@ class StatsRecorder:
         return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=Path(self.llm.model_path).name,
                      waiting=[WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens, waited=now - w.arrival_time,
                                          reason=w.reason, priority=w.priority, retractions=w.retractions,
-                                         generated=w.generated) for w in snap.waiting],
+                                         generated=w.generated, client=w.client) for w in snap.waiting],
                      running=[RunningReq(rid=r.rid, slot=r.slot, state=r.state, prompt_tokens=r.prompt_tokens,
                                          prefilled=r.prefilled, generated=r.generated, max_tokens=r.max_tokens,
-                                         pages=r.pages, priority=r.priority, retractions=r.retractions)
+                                         pages=r.pages, priority=r.priority, retractions=r.retractions,
+                                         client=r.client)
                               for r in snap.running],
                      slots=list(snap.slots), pages=_pages(snap.pages), counters=self._counters(now, snap.counters),
                      steps=list(self.recent), admission=snap.admission, policy=snap.policy)
@@ -83,40 +84,3 @@ def _pages(pages: PageSnapshot) -> Pages:
     return Pages(page_size=pages.page_size, states="".join(states), owners=dict(pages.owners), free=pages.free,
                  held=pages.used, cached=pages.cached - pages.locked, locked=pages.locked, total=pages.total,
                  claimed=pages.claimed)
-
-
-def format_stats(stats: Stats, info: Info | None = None, max_rows: int = 20) -> str:
-    """A plain-text view of one snapshot, for `minichat status`."""
-    c, p = stats.counters, stats.pages
-    busy = sum(h is not None for h in stats.slots)
-    head = f"model {stats.model}, up {stats.uptime:.1f}s"
-    lines = [head]
-    if info is not None:
-        lines = [f"minichat {info.version} at {info.address} (pid {info.pid}): {head}, max {info.max_seq_len} tokens"]
-        if info.execution:
-            lines.append("running: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in info.execution.items()))
-    lines += [
-        f"request slots {busy}/{len(stats.slots)} busy; waiting {len(stats.waiting)}; running {len(stats.running)}",
-        f"KV pages ({p.page_size} tokens each): {p.free} free, {p.held} held, {p.cached} cached, "
-        f"{p.locked} locked, {p.total} total; {p.claimed} more counted for admitted requests",
-        f"admission {stats.admission}; order {stats.policy}; {c.retractions} retractions",
-        f"rates: prefill {c.prefill_tokens_per_s:.1f} tok/s, decode {c.decode_tokens_per_s:.1f} tok/s, "
-        f"{c.steps_per_s:.1f} steps/s",
-        f"totals: {c.submitted} submitted, {c.finished} finished, {c.aborted} aborted, {c.errors} errors, "
-        f"{c.steps} steps ({c.prefill_tokens} prefill + {c.decode_tokens} decode tokens)",
-    ]
-    if stats.waiting:
-        lines.append("waiting queue (oldest first):")
-        lines += [f"  {w.rid}  {w.prompt_tokens} prompt tokens, waited {w.waited:.2f}s, for {w.reason or '?'}"
-                  for w in stats.waiting[:max_rows]]
-    if stats.running:
-        lines.append("running set:")
-        lines += [f"  slot {r.slot:>3}  {r.rid}  {r.state}: prefilled {r.prefilled}/{r.prompt_tokens}, "
-                  f"generated {r.generated}/{r.max_tokens}, {r.pages} pages" for r in stats.running[:max_rows]]
-    lines.append("page map (. free, R held, c cached, L locked):")
-    lines += [f"  {p.states[i:i + 64]}" for i in range(0, len(p.states), 64)][:max_rows]
-    if stats.steps:
-        lines.append("last steps:")
-        lines += [f"  #{s.index} {s.kind:<7} {len(s.rids)} req, {s.num_tokens} tokens, {s.duration * 1e3:.1f} ms"
-                  for s in stats.steps[-max_rows:]]
-    return "\n".join(lines)

@@ -61,7 +61,7 @@ def render(title: str, s: Summary) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("completed / failed", f"{s.completed} / {s.failed}"),
+        ("completed / aborted / failed", f"{s.completed} / {s.aborted} / {s.failed}"),
         ("duration (s)", f"{s.duration:.2f}"),
         ("request throughput (req/s)", f"{s.request_throughput:.2f}"),
         ("input throughput (tok/s)", f"{s.input_throughput:.1f}"),
@@ -77,6 +77,9 @@ def render(title: str, s: Summary) -> Table:
                          " / ".join(f"{dist[k]:.1f}" for k in ("mean", "median", "p90", "p99"))))
     for row in rows:
         table.add_row(*row)
+    if s.aborted:
+        table.caption = (f"{s.aborted} request{'s were' if s.aborted > 1 else ' was'} aborted by someone else (an "
+                         f"operator, a shutdown): the figures leave {'them' if s.aborted > 1 else 'it'} out")
     return table
 
 

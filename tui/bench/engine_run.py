@@ -29,6 +29,7 @@ async def _one(client: AsyncEngineClient, req: BenchRequest, ignore_eos: bool, t
         if isinstance(out, Final):  # never admitted (queue None): it ran for no time
             queue = out.timings.queue
             record.admitted = 0.0 if queue is None else out.timings.total - queue
+            record.aborted = out.finish_reason == "abort"  # by someone else: this client never aborts
     record.e2e = time.perf_counter() - start
     return record
 
@@ -39,7 +40,7 @@ async def run_engine_bench(address: str, workload: list[BenchRequest], concurren
     """Returns per-request records, the measured duration and the peak number of requests in flight.
     With `json_schema` every request's output is constrained to it."""
     structured = None if json_schema is None else GrammarSpec(kind="json_schema", value=json_schema)
-    async with AsyncEngineClient(address, timeout=timeout) as client:
+    async with AsyncEngineClient(address, timeout=timeout, name="bench") as client:
         await client.ping(timeout=5.0)
         return await run_workload(lambda req, s: _one(client, req, ignore_eos, temperature, s, structured),
                                   workload,

@@ -1,5 +1,9 @@
 """Per-request records and the summary figures, with vLLM's definitions.
 
+A request ends completed, aborted (someone else stopped it: an operator's abort, the engine's
+shutdown) or failed (refused, cut off, timed out); the latency and throughput figures are over the
+completed ones only, since an aborted request's output is as long as someone else chose.
+
 TTFT: submit -> first token. TPOT: (E2E - TTFT) / (output tokens - 1), i.e. excluding the first
 token. ITL: every gap between consecutive streamed tokens. E2E: submit -> final message. Mean running
 set (minichat backend only): the seconds each request held a slot, from its engine timings (admission
@@ -21,10 +25,16 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     error: str | None = None
     admitted: float | None = None  # seconds the engine ran it (admission to finish), where the backend says
+    aborted: bool = False  # ended with finish reason "abort", not by this benchmark's doing
+
+    @property
+    def outcome(self) -> str:
+        """completed, aborted or failed."""
+        return "failed" if self.error is not None else "aborted" if self.aborted else "completed"
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        return self.outcome == "completed"
 
     @property
     def tpot(self) -> float | None:
@@ -56,6 +66,7 @@ def distribution(values: list[float]) -> dict[str, float]:
 @dataclass
 class Summary:
     completed: int
+    aborted: int
     failed: int
     duration: float
     request_throughput: float
@@ -80,7 +91,8 @@ def summarize(records: list[RequestRecord], duration: float, peak_concurrency: i
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     return Summary(
         completed=len(ok),
-        failed=len(records) - len(ok),
+        aborted=sum(r.outcome == "aborted" for r in records),
+        failed=sum(r.outcome == "failed" for r in records),
         duration=duration,
         request_throughput=per_s(len(ok)),
         input_throughput=per_s(inp),

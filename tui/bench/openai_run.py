@@ -44,6 +44,7 @@ async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eo
         body["seed"] = seed
     record = RequestRecord(prompt_len=len(req.prompt_ids))
     chunks = 0
+    finished = False  # a stream cut off before its finish_reason failed, whatever else it sent
     start = last = time.perf_counter()
     async with http.stream("POST", "completions", json=body) as response:
         if response.status_code != 200:
@@ -56,6 +57,10 @@ async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eo
             if data == "[DONE]":
                 break
             event = json.loads(data)
+            if isinstance(event.get("error"), dict):  # the server's error event for a stream it could not finish
+                raise OpenAIError(f"stream cut off: {event['error'].get('message')}")
+            finished |= any(c.get("finish_reason") for c in event.get("choices") or ())
+            record.aborted |= any(c.get("finish_reason") == "abort" for c in event.get("choices") or ())  # vLLM's too
             now = time.perf_counter()
             if any(c.get("text") for c in event.get("choices") or ()):
                 if record.ttft is None:
@@ -67,6 +72,8 @@ async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eo
             if event.get("usage"):
                 record.prompt_len = event["usage"]["prompt_tokens"]
                 record.output_len = event["usage"]["completion_tokens"]
+    if not finished:
+        raise OpenAIError("the stream ended without a finish_reason (cut off)")
     record.e2e = time.perf_counter() - start
     record.output_len = record.output_len or chunks  # a server without usage in streams: one token a chunk
     return record

@@ -16,7 +16,7 @@ from textual.widget import Widget
 
 from engine.service.protocol import Stats
 from tui.names import RequestNames
-from tui.panels.base import set_titles
+from tui.panels.base import pack, set_titles
 
 Item = tuple[str, str]  # (glyph, style)
 FREE: Item = ("░", "grey35")
@@ -85,13 +85,14 @@ class SlotGrid(CellGrid):
 
 class PageGrid(CellGrid):
     """One cell per KV page (or per group of pages): free, held by a request, cached, or cached and
-    locked (a running request reads it). Above the cells, how the engine admits requests into the
-    pages (reserve, or optimistic and what it expects of their output now) and in which order."""
+    locked (a running request reads it). Above the cells, the counts of each, how the engine admits
+    requests into the pages (reserve, or optimistic and what it expects of their output now) and in
+    which order: in lines that wrap between those parts, where a title would be cut at 80 columns."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.border_title = "KV pages"
-        self.header: list[str] = []  # the parts of the line above the cells, laid out to the width
+        self.header: list[str] = []  # the parts of the lines above the cells, laid out to the width
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
         p = stats.pages
@@ -99,34 +100,25 @@ class PageGrid(CellGrid):
         if drawn == self._drawn:
             return
         self._drawn = drawn
-        header = [part for part in (stats.admission and f"admission {stats.admission}",
-                                    stats.policy and f"queue order {stats.policy}") if part]
+        header = [f"{p.held} held (+{p.claimed} claimed)", f"{p.locked} locked", f"{p.cached} cached",
+                  f"{p.free} free of {p.total} × {p.page_size} tok",
+                  *(part for part in (stats.admission and f"admission {stats.admission}",
+                                      stats.policy and f"queue order {stats.policy}") if part)]
         if header != self.header:
+            width = self.size.width  # counts change at every step of a busy engine; the line count seldom
+            lines = len(pack(self.header, width))
             self.header = header
-            self.refresh(layout=True)
+            self.refresh(layout=len(pack(header, width)) != lines)
         self.set_items([("█", names.colour(p.owners.get(i, ""))) if state == "R" else PAGE_STATES[state]
                         for i, state in enumerate(p.states)])
         _, per_cell = fit(p.total, self.size.width, self.grid_rows(self.size.width, self.size.height))
-        set_titles(self, f"KV pages: {p.held} held (+{p.claimed} claimed), {p.locked} locked, {p.cached} cached, "
-                         f"{p.free} free of {p.total} × {p.page_size} tok",
+        set_titles(self, f"KV pages {p.held + p.locked}/{p.total} used",
                    "█ held ▓ locked ▒ cached ░ free" + (f" · 1 cell = {per_cell} pages" if per_cell > 1 else ""))
 
     def header_lines(self, width: int) -> list[Text]:
-        """The header's parts joined by ` · `, wrapped between words to `width` (a word wider than
-        that is cut with an ellipsis)."""
-        lines: list[str] = []
-        for part in self.header:
-            joiner = " · "
-            for word in part.split():
-                if lines and len(lines[-1]) + len(joiner) + len(word) <= width:
-                    lines[-1] += joiner + word
-                else:
-                    lines.append(word)
-                joiner = " "
-        texts = [Text(line, "grey62") for line in lines]
-        for text in texts:
-            text.truncate(max(1, width), overflow="ellipsis")
-        return texts
+        """The header's parts joined by ` · `, wrapped between parts (a part longer than the line
+        between its words) to `width`."""
+        return [Text(line, "grey62") for line in pack(self.header, width)]
 
     def grid_rows(self, width: int, height: int) -> int:
         """Lines left for the cells under the header (at least one)."""

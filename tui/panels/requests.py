@@ -1,7 +1,12 @@
-"""The waiting queue and the running set as tables, one row per request, any of which can be aborted.
+"""The waiting queue and the running set as tables, one row per request, any of which can be aborted
+or opened in detail.
 
 Rows are keyed by request id and updated in place, and the selection is a request id, not a row
 number: rows come and go several times a second, and `x` must abort the request the person chose.
+When the chosen request's row goes (it finished, or the filter hides it), the selection moves to the
+row that took its place, or is cleared when none is left: it never names a request that is not shown.
+A filter (set by the ops panels' `/`) keeps the rows whose id, owner or state contain every word of
+it; `s` sorts by the next column (engine order first and last), `r` reverses.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.widgets import DataTable
 
-from engine.service.protocol import RunningReq, Stats
+from engine.service.protocol import RunningReq, Stats, WaitingReq
 from tui.names import RequestNames
 from tui.panels.base import same_text, set_titles
 
 Row = tuple[Text | str, ...]
+Entry = WaitingReq | RunningReq
+OWNER_WIDTH = 12
 
 
 def bar(done: int, total: int, width: int = 10) -> Text:
@@ -46,10 +53,25 @@ def retracted(count: int) -> Text:
     return Text(f"×{count}", RETRACTED) if count else Text("")
 
 
-class RequestTable(DataTable):
-    """A table of live requests; `x` or delete asks the app to abort the selected request (it confirms)."""
+def owner(rid: str, names: RequestNames) -> Text:
+    """The owner column: this console's own requests, or the engine's label for the client that sent it."""
+    text = "this console" if names.is_own(rid) else names.owner(rid)
+    return Text(text if len(text) <= OWNER_WIDTH else text[: OWNER_WIDTH - 1] + "…", "grey70")
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("x,delete", "abort_request", "Abort the selected request")]
+
+def matches(words: list[str], haystack: str) -> bool:
+    return all(word in haystack for word in words)
+
+
+class RequestTable(DataTable):
+    """A table of live requests: `x` or delete asks to abort the selected request (the ops panels confirm),
+    enter opens it in detail, `s` / `r` sort."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("x,delete", "abort_request", "Abort the selected request"),
+        Binding("s", "sort", "Sort by the next column (engine order first and last)", show=False),
+        Binding("r", "reverse", "Reverse the sort order", show=False),
+    ]
     COLUMNS: ClassVar[tuple[str, ...]] = ()
     TITLE: ClassVar[str] = ""
 
@@ -58,11 +80,26 @@ class RequestTable(DataTable):
             super().__init__()
             self.rid = rid
 
+    class DetailRequested(Message):
+        """Enter on a row: show that request in detail."""
+
+        def __init__(self, rid: str) -> None:
+            super().__init__()
+            self.rid = rid
+
+    class Redraw(Message):
+        """The table's order changed: the ops panels draw it again from the snapshot they show."""
+
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, id=id, classes="panel")
         self.border_title = self.TITLE
-        self.border_subtitle = "x: abort"
+        self.border_subtitle = "x abort · enter detail · s sort · / filter · p pause"
         self.selected_rid: str | None = None
+        self.filter: list[str] = []  # lower-case words a row must all contain
+        self.sort_column: int | None = None  # None: the engine's order
+        self.sort_reverse = False
+        self.shown = 0  # rows shown, of `total` live
+        self.total = 0
         self._drawn_part: object = None
         self._drawn_rows: dict[str, Row] = {}  # request id -> the cells it shows
 
@@ -76,23 +113,56 @@ class RequestTable(DataTable):
     def on_blur(self) -> None:
         self.show_cursor = False
 
-    def snapshot_part(self, stats: Stats) -> object:
-        """The part of a snapshot this table shows: when it did not change, the table draws nothing."""
+    def entries(self, stats: Stats) -> list[Entry]:
+        """The requests this table shows, in the engine's order."""
         raise NotImplementedError
 
-    def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
-        """Request id -> the row's cells, for this snapshot."""
+    def cells(self, entry: Entry, names: RequestNames) -> Row:
+        """One request's row."""
         raise NotImplementedError
+
+    def state(self, entry: Entry) -> str:
+        """The words a filter finds a request's state by."""
+        raise NotImplementedError
+
+    def sort_value(self, entry: Entry, column: int, names: RequestNames) -> str | float:
+        """What the column sorts by (numbers as numbers)."""
+        raise NotImplementedError
+
+    def haystack(self, entry: Entry, names: RequestNames) -> str:
+        """What a filter looks in: the request's id and label, its owner and its state."""
+        return f"{entry.rid} {names.label(entry.rid, 200)} {names.owner(entry.rid)} {self.state(entry)}".lower()
+
+    def wanted(self, stats: Stats, names: RequestNames) -> list[Entry]:
+        """The requests the filter keeps, in the chosen order."""
+        entries = self.entries(stats)
+        self.total = len(entries)
+        if self.filter:
+            entries = [e for e in entries if matches(self.filter, self.haystack(e, names))]
+        if (column := self.sort_column) is not None:
+            entries.sort(key=lambda e: self.sort_value(e, column, names), reverse=self.sort_reverse)
+        self.shown = len(entries)
+        return entries
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
-        part = self.snapshot_part(stats)
+        part = (self.entries(stats), self.filter, self.sort_column, self.sort_reverse)
         if self._drawn_part is not None and part == self._drawn_part:
             return  # an idle engine, or news for the other panels only
         self._drawn_part = part
-        rows = self.snapshot_rows(stats, names)
+        self.draw({e.rid: self.cells(e, names) for e in self.wanted(stats, names)})
+
+    def draw(self, rows: dict[str, Row]) -> None:
+        """Show `rows` in their order, touching only what changed when the order allows, and keep the
+        selection on a shown request."""
         drawn, self._drawn_rows = self._drawn_rows, rows
+        order = list(drawn)
+        at = order.index(self.selected_rid) if self.selected_rid in drawn else None
         for rid in drawn.keys() - rows.keys():
             self.remove_row(rid)
+        kept = [rid for rid in order if rid in rows]
+        if kept + [rid for rid in rows if rid not in drawn] != list(rows):  # reordered: rows go in afresh
+            self.clear()
+            drawn = {}
         columns = list(self.columns)
         for rid, cells in rows.items():
             if (old := drawn.get(rid)) is None:
@@ -101,9 +171,23 @@ class RequestTable(DataTable):
             for column, cell, was in zip(columns, cells, old, strict=True):
                 if not same_text(cell, was):  # only the cells that changed (a decoding request's progress)
                     self.update_cell(rid, column, cell, update_width=True)
+        if self.selected_rid not in rows and at is not None:  # its row went: the one now in its place
+            self.selected_rid = list(rows)[min(at, len(rows) - 1)] if rows else None
         if self.selected_rid in rows:  # the cursor follows the request, wherever its row moved
             self.move_cursor(row=self.get_row_index(self.selected_rid))
-        set_titles(self, f"{self.TITLE} ({len(rows)})")
+        self.show_title()
+
+    def show_title(self) -> None:
+        count = f"{self.shown} of {self.total}" if self.filter else str(self.total)
+        order = ""
+        if self.sort_column is not None:
+            order = f" · by {self.COLUMNS[self.sort_column]} {'↓' if self.sort_reverse else '↑'}"
+        set_titles(self, f"{self.TITLE} ({count}){order}")
+
+    def forget(self) -> None:
+        """Drop every row (the engine they came from is gone)."""
+        self._drawn_part = None
+        self.draw({})
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         # A moved cursor (a key, a click) selects its row. A row removed above the cursor shifts the
@@ -113,14 +197,29 @@ class RequestTable(DataTable):
                 event.row_key == self.coordinate_to_cell_key(self.cursor_coordinate).row_key:
             self.selected_rid = event.row_key.value
 
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        if event.row_key.value is not None:
+            self.post_message(self.DetailRequested(event.row_key.value))
+
     def select(self, rid: str) -> None:
         """Select a request (a person's choice, as a cursor move would)."""
         self.selected_rid = rid
         self.move_cursor(row=self.get_row_index(rid))
 
     def action_abort_request(self) -> None:
-        if (rid := self.selected_rid) is not None:
+        if (rid := self.selected_rid) is not None and rid in self._drawn_rows:
             self.post_message(self.AbortRequested(rid))
+
+    def action_sort(self) -> None:
+        column = -1 if self.sort_column is None else self.sort_column
+        self.sort_column = column + 1 if column + 1 < len(self.COLUMNS) else None
+        self.sort_reverse = False
+        self.post_message(self.Redraw())
+
+    def action_reverse(self) -> None:
+        self.sort_reverse = not self.sort_reverse
+        self.post_message(self.Redraw())
 
 
 class WaitingTable(RequestTable):
@@ -129,15 +228,24 @@ class WaitingTable(RequestTable):
     stops at the first misfit."""
 
     TITLE = "Waiting queue"
-    COLUMNS = ("request", "prio", "prompt", "waited", "waiting for")
+    COLUMNS = ("request", "owner", "prio", "prompt", "waited", "waiting for")
 
-    def snapshot_part(self, stats: Stats) -> object:
-        return stats.waiting
+    def entries(self, stats: Stats) -> list[Entry]:
+        return list(stats.waiting)
 
-    def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
-        return {w.rid: (names.styled(w.rid), str(w.priority), str(w.prompt_tokens), f"{w.waited:.1f}s",
-                        reason(w.reason, w.retractions, w.generated))
-                for w in stats.waiting}
+    def cells(self, entry: Entry, names: RequestNames) -> Row:
+        assert isinstance(entry, WaitingReq)
+        return (names.styled(entry.rid), owner(entry.rid, names), str(entry.priority), str(entry.prompt_tokens),
+                f"{entry.waited:.1f}s", reason(entry.reason, entry.retractions, entry.generated))
+
+    def state(self, entry: Entry) -> str:
+        assert isinstance(entry, WaitingReq)
+        return f"waiting {reason(entry.reason, entry.retractions, entry.generated).plain}"
+
+    def sort_value(self, entry: Entry, column: int, names: RequestNames) -> str | float:
+        assert isinstance(entry, WaitingReq)
+        return (names.label(entry.rid, 200), names.owner(entry.rid), entry.priority, entry.prompt_tokens,
+                entry.waited, entry.reason)[column]
 
 
 class RunningTable(RequestTable):
@@ -145,15 +253,26 @@ class RunningTable(RequestTable):
     how often each was retracted (sent back to the queue when the KV pool ran dry) so far."""
 
     TITLE = "Running set"
-    COLUMNS = ("request", "slot", "prio", "state", "progress", "pages", "retracted")
+    COLUMNS = ("request", "owner", "slot", "prio", "state", "progress", "pages", "retracted")
 
-    def snapshot_part(self, stats: Stats) -> object:
-        return stats.running
+    def entries(self, stats: Stats) -> list[Entry]:
+        return list(stats.running)
 
-    def snapshot_rows(self, stats: Stats, names: RequestNames) -> dict[str, Row]:
-        return {r.rid: (names.styled(r.rid), str(r.slot), str(r.priority), *self._progress(r), str(r.pages),
-                        retracted(r.retractions))
-                for r in stats.running}
+    def cells(self, entry: Entry, names: RequestNames) -> Row:
+        assert isinstance(entry, RunningReq)
+        return (names.styled(entry.rid), owner(entry.rid, names), str(entry.slot), str(entry.priority),
+                *self._progress(entry), str(entry.pages), retracted(entry.retractions))
+
+    def state(self, entry: Entry) -> str:
+        assert isinstance(entry, RunningReq)
+        return "prefilling prefill" if entry.state == "prefilling" else "running decode"
+
+    def sort_value(self, entry: Entry, column: int, names: RequestNames) -> str | float:
+        assert isinstance(entry, RunningReq)
+        done = entry.prefilled / max(1, entry.prompt_tokens) if entry.state == "prefilling" else \
+            1 + entry.generated / max(1, entry.max_tokens)
+        return (names.label(entry.rid, 200), names.owner(entry.rid), entry.slot, entry.priority, entry.state, done,
+                entry.pages, entry.retractions)[column]
 
     @staticmethod
     def _progress(r: RunningReq) -> tuple[Text, Text]:

@@ -7,15 +7,38 @@ from collections import deque
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.geometry import Size
 from textual.widgets import Label, Sparkline, Static
 
 from engine.service.protocol import Stats
 from tui.names import RequestNames
-from tui.panels.base import update_text
+from tui.panels.base import pack, update_text
 
 HISTORY = 120  # samples kept per sparkline (30 s at the link's four snapshots a second)
 RATES = (("decode", "decode_tokens_per_s", "tok/s"), ("prefill", "prefill_tokens_per_s", "tok/s"),
          ("steps", "steps_per_s", "/s"))
+
+
+class Totals(Static):
+    """The engine's totals, in as many lines as the width needs, broken between totals (one line of them
+    was cut off at 80 columns)."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.parts: list[str] = []
+
+    def set_parts(self, parts: list[str]) -> None:
+        if parts != self.parts:
+            width = self.size.width
+            lines = len(pack(self.parts, width))
+            self.parts = parts
+            self.refresh(layout=len(pack(parts, width)) != lines)
+
+    def render(self) -> Text:
+        return Text("\n".join(pack(self.parts, self.size.width)))
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return max(1, len(pack(self.parts, width)))
 
 
 class ThroughputPanel(Vertical):
@@ -36,12 +59,12 @@ class ThroughputPanel(Vertical):
             with Horizontal(classes="rate"):
                 yield Label(name, id=f"rate-{name}", classes="rate-label")
                 yield Sparkline(list(self.history[name]), summary_function=max, id=f"spark-{name}")
-        yield Static(id="counters")
+        yield Totals(id="counters")
 
     def on_mount(self) -> None:
         self._sparks = {name: self.query_one(f"#spark-{name}", Sparkline) for name, _, _ in RATES}
         self._labels = {name: self.query_one(f"#rate-{name}", Label) for name, _, _ in RATES}
-        self._counters = self.query_one("#counters", Static)
+        self._counters = self.query_one("#counters", Totals)
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
         c = stats.counters
@@ -52,7 +75,7 @@ class ThroughputPanel(Vertical):
                 history.append(value)
                 self._sparks[name].data = list(history)
             update_text(self._labels[name], Text(f"{name:<8}{value:8.1f} {unit}"))
-        update_text(self._counters, Text(
-            f"submitted {c.submitted} · finished {c.finished} · aborted {c.aborted} · retracted {c.retractions} · "
-            f"errors {c.errors} · steps {c.steps} · prefill {c.prefill_tokens} tok · decode {c.decode_tokens} tok"))
+        self._counters.set_parts([f"submitted {c.submitted}", f"finished {c.finished}", f"aborted {c.aborted}",
+                                  f"retracted {c.retractions}", f"errors {c.errors}", f"steps {c.steps}",
+                                  f"prefill {c.prefill_tokens} tok", f"decode {c.decode_tokens} tok"])
 

@@ -17,7 +17,7 @@ from engine.prompt import ChatMessage, Prompt, Tools
 from engine.service import protocol
 from engine.service.addresses import default_address, stats_address
 from engine.service.client import core, sockets
-from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats, Text, Tokens
+from engine.service.protocol import Aborted, Description, Info, Pong, ShuttingDown, Stats, Text, Tokens
 
 T = TypeVar("T")
 
@@ -28,12 +28,15 @@ class AsyncEngineClient:
     A background task reads the socket and files each reply in its waiter's box. As in EngineClient,
     `timeout` is how long the connection may stay silent while someone waits: that task watches it
     for every waiter at once (a stream of 32 requests would otherwise arm 32 timers a step); a call
-    given its own timeout (`ping(0.5)`) also has its own timer.
+    given its own timeout (`ping(0.5)`) also has its own timer. `name` labels every request it submits
+    for the engine's operators (see EngineClient).
     """
 
-    def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None) -> None:
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None,
+                 name: str | None = None) -> None:
         self.address = address or default_address()
         self.timeout = timeout
+        self.name = name
         self._token = core.resolve_auth_token(auth_token)
         self._ctx = zmq.asyncio.Context.instance()
         self._sock, self._monitor = sockets.dealer(self._ctx, self.address, self._token)
@@ -48,6 +51,12 @@ class AsyncEngineClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def connection_lost(self) -> bool:
+        """The connection to the engine broke and nothing has come from it since: a call now would only
+        wait for a reconnection (a front end can refuse at once instead)."""
+        return self._mail.connection_lost
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -108,7 +117,7 @@ class AsyncEngineClient:
             raise self._mail.lost()
         try:
             async with asyncio.timeout(timeout):
-                await self._sock.send(protocol.encode(msg))
+                await self._sock.send(self._mail.encode(msg))
         except TimeoutError:
             raise self._mail.unsendable(timeout) from None
 
@@ -144,11 +153,12 @@ class AsyncEngineClient:
         return (await self._call(("req", msg.rid), msg, Text, timeout)).text
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                       tools: Tools | None = None, **overrides: object) -> AsyncGenerator[Output, None]:
+                       tools: Tools | None = None, client: str | None = None,
+                       **overrides: object) -> AsyncGenerator[Output, None]:
         """Submit (at the first iteration) and stream: Deltas, then a Final. Same arguments as
         EngineClient.submit. Left before its Final, the request is aborted (see core.Stream)."""
-        msg = core.submit_message(prompt, params, rid, overrides, tools)
-        key = self._mail.check_new_stream(msg.rid)
+        msg = core.submit_message(prompt, params, rid, overrides, tools, client or self.name)
+        key = self._mail.check_new_stream(msg)
         box = self._open(key)
         stream = core.Stream(msg.rid, box)
         try:
@@ -162,13 +172,18 @@ class AsyncEngineClient:
                 self._sock.send(protocol.encode(protocol.Abort(rid=msg.rid)))
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                       tools: Tools | None = None, **overrides: object) -> RequestOutput:
-        outputs = self.generate(prompt, params, rid=rid, tools=tools, **overrides)
+                       tools: Tools | None = None, client: str | None = None, **overrides: object) -> RequestOutput:
+        outputs = self.generate(prompt, params, rid=rid, tools=tools, client=client, **overrides)
         return RequestOutput.collect([out async for out in outputs])
 
     async def abort(self, rid: str, timeout: float | None = None) -> None:
         """Abort any live request; EngineError `unknown_request` if there is none by that id."""
         await self._call(("abort", rid), protocol.Abort(rid=rid), Aborted, timeout)
+
+    async def describe(self, rid: str, text_from: int = 0, timeout: float | None = None) -> Description:
+        """See EngineClient.describe."""
+        return await self._call(("describe", rid), protocol.Describe(rid=rid, text_from=text_from), Description,
+                                timeout)
 
     # -- stats ------------------------------------------------------------------------------------
     async def stats(self, timeout: float = 5.0) -> Stats:

@@ -17,7 +17,7 @@ from engine.prompt import ChatMessage, Prompt, Tools
 from engine.service import protocol
 from engine.service.addresses import default_address, ipc_listening, split, stats_address
 from engine.service.client import core, sockets
-from engine.service.protocol import Aborted, Info, Pong, ShuttingDown, Stats, Text, Tokens
+from engine.service.protocol import Aborted, Description, Info, Pong, ShuttingDown, Stats, Text, Tokens
 
 T = TypeVar("T")
 
@@ -45,12 +45,16 @@ class EngineClient:
     Replies for requests other than the one being read are filed for later, so several `generate`
     iterators may be interleaved. `timeout` is how long to wait for any message before deciding
     the engine is gone (the engine sends a heartbeat every second while a request is live); a
-    closed connection is noticed at once.
+    closed connection is noticed at once. `name` labels every request it submits ("bench", "nightly
+    eval"), so an operator watching the engine's stats sees whose requests they are; without one the
+    engine numbers the connection ("client 3"). A submit's own `client=` overrides it.
     """
 
-    def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None) -> None:
+    def __init__(self, address: str | None = None, *, timeout: float = 30.0, auth_token: str | None = None,
+                 name: str | None = None) -> None:
         self.address = address or default_address()
         self.timeout = timeout
+        self.name = name
         self._token = core.resolve_auth_token(auth_token)
         self._ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
         self._sock, self._monitor = sockets.dealer(self._ctx, self.address, self._token)
@@ -78,7 +82,7 @@ class EngineClient:
         if self._mail.refused or not self._sock.poll(int(timeout * 1000), zmq.POLLOUT):
             self._read_monitor()
             raise self._mail.unsendable(timeout)
-        self._sock.send(protocol.encode(msg), zmq.NOBLOCK)
+        self._sock.send(self._mail.encode(msg), zmq.NOBLOCK)
 
     def _read_monitor(self) -> None:
         """Take the connection's events: after a disconnect or a refusal, file what the engine sent
@@ -130,14 +134,15 @@ class EngineClient:
         return self._call(("info", None), protocol.GetInfo(), Info, timeout)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-               tools: Tools | None = None, **overrides: object) -> str:
+               tools: Tools | None = None, client: str | None = None, **overrides: object) -> str:
         """Queue a request and return its id without reading output; read it with `stream(rid)`.
 
         `prompt` is text, token ids or chat messages (with `tools` for the chat template); sampling
-        options come from `params` and/or keywords (max_tokens, temperature, top_k, top_p, ...).
+        options come from `params` and/or keywords (max_tokens, temperature, top_k, top_p, ...);
+        `client` labels this request (default: the client's `name`).
         """
-        msg = core.submit_message(prompt, params, rid, overrides, tools)
-        key = self._mail.check_new_stream(msg.rid)
+        msg = core.submit_message(prompt, params, rid, overrides, tools, client or self.name)
+        key = self._mail.check_new_stream(msg)
         self._open(key)
         try:
             self._send(msg)
@@ -163,18 +168,24 @@ class EngineClient:
                     self._mail.abandoned(rid)
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                 tools: Tools | None = None, **overrides: object) -> Iterator[Output]:
+                 tools: Tools | None = None, client: str | None = None, **overrides: object) -> Iterator[Output]:
         """Submit (at once) and stream: Deltas as tokens are produced, then a Final with usage and timings."""
-        return self.stream(self.submit(prompt, params, rid=rid, tools=tools, **overrides))
+        return self.stream(self.submit(prompt, params, rid=rid, tools=tools, client=client, **overrides))
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                 tools: Tools | None = None, **overrides: object) -> RequestOutput:
+                 tools: Tools | None = None, client: str | None = None, **overrides: object) -> RequestOutput:
         """Submit and wait for the whole output."""
-        return RequestOutput.collect(list(self.generate(prompt, params, rid=rid, tools=tools, **overrides)))
+        return RequestOutput.collect(list(self.generate(prompt, params, rid=rid, tools=tools, client=client,
+                                                        **overrides)))
 
     def abort(self, rid: str, timeout: float | None = None) -> None:
         """Abort any live request (not only this client's); EngineError `unknown_request` if none."""
         self._call(("abort", rid), protocol.Abort(rid=rid), Aborted, timeout)
+
+    def describe(self, rid: str, text_from: int = 0, timeout: float | None = None) -> Description:
+        """Everything about one live request, any client's (who sent it, prompt head, parameters, pages,
+        timings, its output from character `text_from` on); state "gone" once it is not live."""
+        return self._call(("describe", rid), protocol.Describe(rid=rid, text_from=text_from), Description, timeout)
 
     def shutdown(self, timeout: float | None = None) -> int:
         """Ask the engine to stop (in-flight requests end with "abort"); returns its pid once it agreed."""

@@ -21,10 +21,10 @@ from engine.outputs import Delta, Final, Output
 from engine.params import SamplingParams
 from engine.prompt import ChatMessage, Prompt, Tools
 from engine.service import protocol
-from engine.service.protocol import Aborted, Error, Info, Pong, ShuttingDown, Text, Tokens
+from engine.service.protocol import Aborted, Description, Error, Info, Pong, ShuttingDown, Text, Tokens
 
-# ("req", rid): a request's stream or a (de)tokenize call's reply; ("abort", rid), ("pong", nonce), ("info", None),
-# ("shutdown", None)
+# ("req", rid): a request's stream or a (de)tokenize call's reply; ("abort", rid), ("describe", rid), ("pong", nonce),
+# ("info", None), ("shutdown", None)
 Key = tuple[str, object]
 Reply = protocol.EngineMessage | Delta | Final
 T = TypeVar("T")
@@ -56,9 +56,10 @@ def resolve_auth_token(given: str | None = None) -> str | None:
 
 
 def submit_message(prompt: Prompt, params: SamplingParams | None, rid: str | None,
-                   overrides: dict[str, object], tools: Tools | None = None) -> protocol.Submit:
+                   overrides: dict[str, object], tools: Tools | None = None,
+                   client: str | None = None) -> protocol.Submit:
     """A Submit for the prompt forms `LLM.add_request` takes (text, token ids, chat messages; `tools`
-    go with chat messages).
+    go with chat messages), labelled with `client` (who sends it, for the engine's operators).
 
     Parameters the engine would refuse are refused here, with the engine's code and sentence."""
     rid = rid if rid is not None else uuid.uuid4().hex
@@ -67,11 +68,12 @@ def submit_message(prompt: Prompt, params: SamplingParams | None, rid: str | Non
     except ValueError as e:  # SamplingParams validates on replace, as the engine does on decode
         raise EngineError("invalid_params", str(e), rid) from None
     if isinstance(prompt, str):
-        return protocol.Submit(rid=rid, prompt=prompt, params=params)
+        return protocol.Submit(rid=rid, prompt=prompt, params=params, client=client)
     messages = [m for m in prompt if isinstance(m, dict)]
     if prompt and len(messages) == len(prompt):
-        return protocol.Submit(rid=rid, params=params, messages=_chat(messages), tools=tools)
-    return protocol.Submit(rid=rid, token_ids=[t for t in prompt if not isinstance(t, dict)], params=params)
+        return protocol.Submit(rid=rid, params=params, messages=_chat(messages), tools=tools, client=client)
+    return protocol.Submit(rid=rid, token_ids=[t for t in prompt if not isinstance(t, dict)], params=params,
+                           client=client)
 
 
 def tokenize_message(prompt: str | list[ChatMessage], add_generation_prompt: bool) -> protocol.Tokenize:
@@ -97,6 +99,8 @@ def route(msg: Reply) -> Key | None:
         return ("req", msg.rid)
     if isinstance(msg, Aborted):
         return ("abort", msg.rid)
+    if isinstance(msg, Description):
+        return ("describe", msg.rid)
     if isinstance(msg, Error):
         return ("abort" if msg.code == "unknown_request" else "req", msg.rid) if msg.rid is not None else None
     if isinstance(msg, Pong):
@@ -156,6 +160,8 @@ class Mailroom:
         self.address = address
         self.timeout = timeout  # how long the connection may stay silent while someone waits
         self.refused = False  # the engine refused this client's handshake: final for this connection
+        self.connection_lost = False  # the connection broke and nothing has come from the engine since
+        self.max_message_bytes: int | None = None  # the engine's limit per message, once an Info told it
         self.boxes: dict[Key, Box] = {}
         # Replies nobody waits for and nobody may get: the answer to the abort an abandoned stream sent
         # (a later `abort` of the same rid must get its own answer, not that one).
@@ -181,7 +187,10 @@ class Mailroom:
                 del self.boxes[key]
 
     def file(self, data: bytes) -> None:
+        self.connection_lost = False
         for msg in decode(data):
+            if isinstance(msg, Info) and isinstance(limit := msg.config.get("max_message_bytes"), int):
+                self.max_message_bytes = limit
             key = route(msg)
             if key is not None and self.unclaimed[key]:
                 self.unclaimed[key] -= 1
@@ -196,6 +205,7 @@ class Mailroom:
     def fail_all(self, failure: Failure) -> None:
         """Every open box fails once it is empty: the connection broke or stayed silent too long.
         Boxes opened later are not touched (ZeroMQ reconnects by itself)."""
+        self.connection_lost |= failure == "lost"
         for box in self.boxes.values():
             box.failure = failure
             box.wake()
@@ -227,13 +237,28 @@ class Mailroom:
         return EngineUnavailable(f"could not hand a message to the engine at {self.address} for {timeout:g}s "
                                  f"(no connection to it)")
 
-    def check_new_stream(self, rid: str) -> Key:
+    def check_new_stream(self, msg: protocol.Submit) -> Key:
         """The key of a request about to be submitted; refused here if this client streams it already
-        (the engine's refusal would end the live stream)."""
-        key = ("req", rid)
+        (the engine's refusal would end the live stream), or if the engine would refuse its size."""
+        key = ("req", msg.rid)
         if key in self.boxes:
-            raise EngineError("duplicate_request", f"request id {rid!r} is live on this client", rid)
+            raise EngineError("duplicate_request", f"request id {msg.rid!r} is live on this client", msg.rid)
+        self.encode(msg)
         return key
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        """`msg` as the frame to send; EngineError, before anything is sent, for a message the engine
+        could only refuse: larger than its limit (one connection carries every stream of this client, and
+        refusals cost the engine a read of the whole frame), or with values MessagePack cannot carry."""
+        rid = getattr(msg, "rid", None)
+        try:
+            data = protocol.encode(msg)
+        except (OverflowError, ValueError) as e:  # an int beyond 64 bits, a lone surrogate in a string
+            raise EngineError("invalid_request", f"the message cannot be encoded: {e}", rid) from None
+        if self.max_message_bytes is not None and len(data) > self.max_message_bytes:
+            raise EngineError("too_large", f"this request is {len(data):,} bytes as a message to the engine, more "
+                                           f"than its limit of {self.max_message_bytes:,} (--max-message-bytes)", rid)
+        return data
 
 
 class Stream:

@@ -10,13 +10,20 @@ through `AsyncEngineClient`, so the engine loop knows nothing about HTTP.
 
 from __future__ import annotations
 
+import logging
 import signal
 
+import uvicorn
+
 from engine.service.addresses import AddressError, is_loopback
+from engine.service.connections import connection_cap, raise_fd_limit
 from engine.service.http.app import create_app
-from engine.service.http.state import ApiOptions
+from engine.service.http.edge import ACCEPT_BURST, EdgeConfig
+from engine.service.options import ApiOptions
 
 __all__ = ["ApiOptions", "check_host", "create_app", "run_api"]
+
+log = logging.getLogger("minichat.http")
 
 
 def check_host(host: str, allow_remote: bool) -> None:
@@ -26,13 +33,18 @@ def check_host(host: str, allow_remote: bool) -> None:
                            f"(and --api-key to require a key)")
 
 
-def run_api(options: ApiOptions, host: str, port: int, log_level: str = "info") -> None:
-    """Serve the API with uvicorn in the foreground; returns after Ctrl-C or SIGTERM, once in-flight
-    requests are done, so the caller can still clean up (stop the engine it started)."""
-    import uvicorn
+def run_api(options: ApiOptions, log_level: str = "info") -> None:
+    """Serve the API with uvicorn in the foreground at `options.host:port`; returns after Ctrl-C or SIGTERM,
+    once in-flight requests are done or `options.drain_timeout` has passed (then they are cut), so the
+    caller can still clean up (stop the engine it started).
 
-    server = uvicorn.Server(uvicorn.Config(create_app(options), host=host, port=port, log_level=log_level,
-                                           access_log=log_level == "debug"))
+    The open-file limit is raised to the hard limit first, as the engine does, and the connection cap kept
+    below it with room for a burst of accepts and for the engine connection to reconnect (edge.py)."""
+    cap = connection_cap(options.max_http_connections, raise_fd_limit() - ACCEPT_BURST)
+    if cap < options.max_http_connections:
+        log.warning("the open-file limit allows %d HTTP connections at once, not %d", cap,
+                    options.max_http_connections)
+    server = uvicorn.Server(EdgeConfig(create_app(options), options, cap, log_level))
     # uvicorn shuts down gracefully on the signal, then re-raises it into the handlers it found: make those
     # no-ops for the duration, or SIGTERM would kill this process before its caller's cleanup.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}

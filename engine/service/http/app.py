@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes (FastAPI). The engine is reached only through `AsyncEngineClient`.
 
 One shared client per app multiplexes every HTTP request over one engine connection (as the console
-does); the engine loop knows nothing about HTTP. The layout: schemas.py turns a body into engine
+does); the engine loop knows nothing about HTTP. The layout: edge.py checks every connection and request
+before a route sees it (API key, Host, body size, timeouts), schemas.py turns a body into engine
 requests, generation.py runs them and turns their outputs into choices, errors.py words every error
 as OpenAI does, state.py holds what the app shares, and this module routes.
 """
@@ -10,61 +11,58 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.service.client import AsyncEngineClient, EngineUnavailable
+from engine.service.http.edge import EdgeGuard
 from engine.service.http.errors import ApiError, validation_error
 from engine.service.http.generation import CHAT, COMPLETION, ClientGone, respond
-from engine.service.http.metrics import CONTENT_TYPE
+from engine.service.http.metrics import CONTENT_TYPE, Metrics, endpoint_label
 from engine.service.http.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from engine.service.http.state import ApiOptions, ApiState, engine_call
+from engine.service.http.state import ApiState, engine_call
+from engine.service.options import ApiOptions
 
 __all__ = ["ApiOptions", "create_app"]
 
-log = logging.getLogger("minichat.http")
-
 
 def create_app(options: ApiOptions) -> FastAPI:
-    """The FastAPI app for one engine address."""
+    """The FastAPI app for one engine address, behind the edge's checks (edge.py: every route, the docs and
+    /openapi.json included, needs the API key when there is one; /health never does)."""
+    api_metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncEngineClient(options.address, timeout=options.engine_timeout)
-        app.state.api = state = ApiState(options, client)
+        app.state.api = state = ApiState(options, client, api_metrics)
         watcher = asyncio.create_task(_watch_stats(state))
         try:
             yield
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+            await state.close()
             await client.close()
 
-    async def authorize(request: Request) -> None:
-        if options.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), options.api_key.encode()):
-            raise ApiError(401, "Missing or incorrect API key; send `Authorization: Bearer <key>`.",
-                           code="invalid_api_key")
-
-    app = FastAPI(title="minichat", lifespan=lifespan, dependencies=[Depends(authorize)])
-    _install_error_handlers(app)
+    app = FastAPI(title="minichat", lifespan=lifespan)
+    app.add_middleware(EdgeGuard, options=options, metrics=api_metrics)
+    _install_error_handlers(app, api_metrics)
 
     def api(request: Request) -> ApiState:
         return request.app.state.api
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, str]:
-        pong = await engine_call(api(request).client.ping(timeout=2.0))
-        return {"status": "ok", "engine_version": pong.version}
+        """Liveness: the engine answers a ping. Open without the API key, so it tells nothing else."""
+        state = api(request)
+        state.check_connection()
+        await engine_call(state.client.ping(timeout=options.ping_timeout))
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -108,36 +106,42 @@ def create_app(options: ApiOptions) -> FastAPI:
 
 
 async def _watch_stats(state: ApiState) -> None:
-    """Keep the metrics' engine snapshot fresh; an absent engine just leaves it stale until it is back."""
+    """Keep the metrics' engine snapshot fresh; an absent engine just leaves it stale until it is back.
+    Stats arriving while the engine connection is known lost mean an engine answers again: a ping over
+    that connection ends the loss, so requests are not refused for longer than it takes."""
     while True:
         try:
             async for snap in state.client.watch_stats(timeout=2.0):
                 state.metrics.engine.update(snap)
+                if not state.metrics.model_name:  # vLLM's label: the name clients ask for
+                    with contextlib.suppress(ApiError):  # no Info yet: the next snapshot asks again
+                        state.metrics.model_name = await state.model_name()
+                if state.client.connection_lost:
+                    state.probe()
         except EngineUnavailable:
             continue
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI-style body; never a stack trace."""
+def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error as an OpenAI-style body, counted by endpoint and status; never a stack trace (a bug's
+    500 is edge.py's)."""
+
+    def answer(request: Request, error: ApiError) -> JSONResponse:
+        metrics.requests.labels(endpoint_label(request.url.path), str(error.status)).inc()
+        return error.response()
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
-        return e.response()
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return answer(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        return validation_error(e.errors(), e.body).response()
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return answer(request, validation_error(e.errors(), e.body))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return ApiError(e.status_code, str(e.detail), code=None).response()
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return answer(request, ApiError(e.status_code, str(e.detail), code=None))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, e: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it; the engine requests are already aborted
-
-    @app.exception_handler(Exception)
-    async def bug(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return ApiError(500, "internal error in the HTTP front end (see its log)", "server_error",
-                        code="internal").response()

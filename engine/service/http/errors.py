@@ -54,12 +54,12 @@ def validation_error(errors: Sequence[Any], body: Any) -> ApiError:
     path, first = min(placed, key=lambda pe: (pe[1]["type"] in _KINDS, -len(pe[0])))
     kinds = [_KINDS[e["type"]] for p, e in placed if p == path and e["type"] in _KINDS]
     message = _message(first, path, list(dict.fromkeys(kinds)) if first["type"] in _KINDS else [])
-    return ApiError(400, message, param=_param(path), code="invalid_value")
+    return ApiError(400, message, param=param_name(path), code="invalid_value")
 
 
 def _message(error: dict[str, Any], path: list[str | int], kinds: list[str]) -> str:
     """The sentence for one pydantic error (`kinds`: what a type mismatch wanted instead)."""
-    kind, ctx, param = error["type"], error.get("ctx") or {}, _param(path)
+    kind, ctx, param = error["type"], error.get("ctx") or {}, param_name(path)
     quoted = f"'{param}'" if param else "the request body"
 
     def must(clause: str) -> str:
@@ -110,7 +110,7 @@ def _path(loc: Sequence[str | int], body: Any, kind: str) -> list[str | int]:
     return path
 
 
-def _param(path: list[str | int]) -> str | None:
+def param_name(path: list[str | int]) -> str | None:
     """`messages[0].content` from ["messages", 0, "content"]."""
     text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
     return text or None

@@ -6,6 +6,9 @@ A client that goes away aborts its engine requests at once: before the first out
 engine against `http.disconnect`, while streaming by closing the streams (Starlette cancels a response
 whose client left, and `_EventStream` then closes the generators, whose `finally` sends the aborts).
 
+A stream the engine cuts off (it died, its connection dropped) ends with an error event in OpenAI's shape
+and no `data: [DONE]`, so no client takes the part it got for a whole reply.
+
 An engine request with `n` choices streams them all (each output names its `index`); a choice ends
 at its Delta's `finish_reason` or at the request's Final. Log-probabilities are the engine's
 (`TokenLogprob`), dressed per endpoint: chat's `content` list, completions' legacy columns. A chat
@@ -19,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
@@ -33,10 +37,11 @@ from engine.outputs import Final, Output, TokenLogprob
 from engine.params import InvalidParams
 from engine.prompt import is_chat, is_token_ids
 from engine.service.client import EngineError, EngineUnavailable
-from engine.service.http.errors import ApiError
+from engine.service.http.errors import ApiError, error_body
 from engine.service.http.metrics import RequestTimer
 from engine.service.http.schemas import EngineRequest, GenerationRequest
-from engine.service.http.state import ApiState, engine_call
+from engine.service.http.state import ApiState, api_error, engine_call
+from engine.service.protocol import MAX_CLIENT_LABEL
 from engine.tools import ToolCallStreamParser, ToolFormat, parse_tool_calls
 
 log = logging.getLogger("minichat.http")
@@ -97,24 +102,28 @@ class Generation:
     timer: RequestTimer
     prompt_tokens: int | None
     final: Final | None = None
+    cut: bool = False  # the engine failed before the Final
 
     @classmethod
-    async def start(cls, state: ApiState, endpoint: str, req: EngineRequest, count_prompt: bool) -> Generation:
+    async def start(cls, state: ApiState, endpoint: str, req: EngineRequest, count_prompt: bool,
+                    client: str) -> Generation:
         """Submit, and wait for the first output: a refusal (bad prompt, too long) is still an HTTP error then.
         With `count_prompt` (the prompt's length is needed before its Final) a text or chat prompt is
-        tokenized by the engine first and submitted as those ids, so it is still tokenized only once."""
+        tokenized by the engine first and submitted as those ids, so it is still tokenized only once.
+        `client` labels the engine request for its operators (`client_label`)."""
         timer = RequestTimer(state.metrics)
         prompt = req.prompt
         if count_prompt and (isinstance(prompt, str) or is_chat(prompt)):
             prompt = await engine_call(state.client.tokenize(prompt))
-        outputs = state.client.generate(prompt, req.params, rid=f"http-{uuid.uuid4().hex[:16]}", tools=req.tools)
+        outputs = state.client.generate(prompt, req.params, rid=f"http-{uuid.uuid4().hex[:16]}", tools=req.tools,
+                                        client=client)
         first = await engine_call(anext(outputs))
         return cls(state, endpoint, req.index, _prepend(first, outputs), timer,
                    len(prompt) if is_token_ids(prompt) else None)
 
     async def stream(self) -> AsyncGenerator[Output, None]:
-        """Outputs up to the Final; an engine that vanishes mid-stream just ends it (headers are gone).
-        Closing this generator early aborts the engine request."""
+        """Outputs up to the Final; ApiError when the engine fails before it (it vanished, or refused the
+        request mid-way). Closing this generator early aborts the engine request."""
         try:
             async for out in self.outputs:
                 if out.token_ids:
@@ -123,7 +132,9 @@ class Generation:
                     self.final = out
                 yield out
         except (EngineUnavailable, EngineError) as e:
-            log.warning("stream ended by the engine: %s", e)
+            log.warning("stream cut by the engine: %s", e)
+            self.cut = True
+            raise api_error(e) from e
         finally:
             await self.outputs.aclose()
             self._account()
@@ -134,8 +145,7 @@ class Generation:
         async with contextlib.aclosing(self.stream()) as outputs:
             async for out in outputs:
                 choices.setdefault(out.index, Choice(self.index + out.index)).add(out)
-        if self.final is None:
-            raise ApiError(503, "the engine stopped answering mid-request", "server_error", code="engine_unavailable")
+        assert self.final is not None  # stream() ends at the Final, or raises
         return [choices[i] for i in sorted(choices)], self.final
 
     async def close(self) -> None:
@@ -145,12 +155,11 @@ class Generation:
     def _account(self) -> None:
         m = self.state.metrics
         if self.final is None:
-            m.requests.labels(self.endpoint, "abort").inc()
+            m.requests.labels(self.endpoint, "cut" if self.cut else "abort").inc()
             return
         self.timer.done()
         m.requests.labels(self.endpoint, self.final.finish_reason).inc()
-        m.prompt_tokens.inc(self.final.usage.prompt_tokens)
-        m.generation_tokens.inc(self.final.usage.completion_tokens)
+        m.finished(self.final)
 
 
 async def _prepend(first: Output, rest: AsyncGenerator[Output, None]) -> AsyncGenerator[Output, None]:
@@ -163,17 +172,23 @@ async def _prepend(first: Output, rest: AsyncGenerator[Output, None]) -> AsyncGe
         await rest.aclose()
 
 
+def client_label(request: Request) -> str:
+    """Who sent an engine request, as the engine's operators see it: the HTTP client and the endpoint,
+    e.g. `http 127.0.0.1 POST /v1/chat/completions`."""
+    peer = f" {request.client.host}" if request.client is not None else ""
+    return f"http{peer} {request.method} {request.url.path}"[:MAX_CLIENT_LABEL]
+
+
 async def start_all(state: ApiState, request: Request, endpoint: str, requests: list[EngineRequest],
                     count_prompt: bool) -> list[Generation]:
     """Submit every engine request of one HTTP request at once and wait for each one's first output; one
-    refusal, or the client leaving, aborts them all. Counted in the metrics once if refused."""
+    refusal, or the client leaving, aborts them all (a refusal is counted in the metrics where it is
+    answered, by the app's error handlers)."""
     try:
         await state.require_engine()
-        starts = (Generation.start(state, endpoint, req, count_prompt) for req in requests)
+        client = client_label(request)
+        starts = (Generation.start(state, endpoint, req, count_prompt, client) for req in requests)
         return await unless_disconnected(request, all_of(starts, undo=Generation.close))
-    except ApiError as e:
-        state.metrics.requests.labels(endpoint, str(e.status)).inc()
-        raise
     except ClientGone:
         state.metrics.requests.labels(endpoint, "abort").inc()
         raise
@@ -187,13 +202,15 @@ async def merged(generations: list[Generation]) -> AsyncGenerator[tuple[Generati
             async for out in outputs:
                 yield generations[0], out
         return
-    queue: asyncio.Queue[tuple[Generation, Output] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[Generation, Output] | ApiError | None] = asyncio.Queue()
 
     async def pump(gen: Generation) -> None:
         try:
             async with contextlib.aclosing(gen.stream()) as outputs:
                 async for out in outputs:
                     queue.put_nowait((gen, out))
+        except ApiError as e:  # the engine cut this one off: raised to the reader, which ends them all
+            queue.put_nowait(e)
         finally:
             queue.put_nowait(None)  # this one is over
 
@@ -201,6 +218,8 @@ async def merged(generations: list[Generation]) -> AsyncGenerator[tuple[Generati
     try:
         for _ in tasks:
             while (item := await queue.get()) is not None:
+                if isinstance(item, ApiError):
+                    raise item
                 yield item
     finally:
         for task in tasks:
@@ -352,7 +371,7 @@ async def respond(state: ApiState, request: Request, body: GenerationRequest, sh
     try:
         requests = body.engine_requests(info.max_seq_len, cast("ToolFormat | None", info.tool_format))
     except InvalidParams as e:  # values pydantic let through that the engine cannot use, in its words
-        field = str(e).split(":", 1)[0]  # a sentence that starts with a field's name names it
+        field = re.split(r"[ :]", str(e), maxsplit=1)[0]  # a sentence that starts with a field's name names it
         raise ApiError(400, str(e), param=field if field in type(body).model_fields else None,
                        code="invalid_params") from e
     count_prompt = body.stream and body.usage_in_every_chunk
@@ -401,7 +420,8 @@ async def _echo_texts(state: ApiState, body: GenerationRequest, requests: list[E
 async def _events(generations: list[Generation], shape: Shape, envelope: Envelope, body: GenerationRequest,
                   echo: dict[int, str], calls_in: ToolFormat | None) -> AsyncGenerator[str, None]:
     """The SSE stream: each chunk carries one choice's output under its index (after its echoed prompt);
-    finish reasons come in a chunk of their own; usage per `stream_options`; `[DONE]` last."""
+    finish reasons come in a chunk of their own; usage per `stream_options`; `[DONE]` last, unless the
+    engine cut the stream off: then an error event (OpenAI's shape, which its SDK raises) ends it."""
     usage = Tally(generations)
     offsets: dict[int, int] = {}  # choice -> characters sent
     scored: dict[int, list[TokenLogprob]] = {}  # prompt (its first choice's index) -> prompt log-probabilities
@@ -432,30 +452,34 @@ async def _events(generations: list[Generation], shape: Shape, envelope: Envelop
         for k in range(body.n):
             if (opening := shape.opening(gen.index + k)) is not None:
                 yield chunk(opening)
-    async with contextlib.aclosing(merged(generations)) as outputs:
-        async for gen, out in outputs:
-            usage.add(gen.index, out)
-            index = gen.index + out.index
-            text, entries = out.text, out.logprobs
-            if out.prompt_logprobs is not None:
-                scored[gen.index] = out.prompt_logprobs
-            if index not in offsets:
-                offsets[index] = 0
-                if gen.index in echo:
-                    text = echo[gen.index] + text
-                    if gen.index in scored:
-                        entries = [*scored[gen.index], *(entries or ())]
-            if calls_in is not None:
+    try:
+        async with contextlib.aclosing(merged(generations)) as outputs:
+            async for gen, out in outputs:
+                usage.add(gen.index, out)
+                index = gen.index + out.index
+                text, entries = out.text, out.logprobs
+                if out.prompt_logprobs is not None:
+                    scored[gen.index] = out.prompt_logprobs
+                if index not in offsets:
+                    offsets[index] = 0
+                    if gen.index in echo:
+                        text = echo[gen.index] + text
+                        if gen.index in scored:
+                            entries = [*scored[gen.index], *(entries or ())]
+                if calls_in is not None:
+                    if text or entries:
+                        yield with_calls(index, text, None, entries)
+                    if out.finish_reason:
+                        yield with_calls(index, "", out.finish_reason, None)
+                    continue
                 if text or entries:
-                    yield with_calls(index, text, None, entries)
+                    yield chunk(shape.delta(index, text, None, entries, offsets[index]))
+                    offsets[index] += len(text)
                 if out.finish_reason:
-                    yield with_calls(index, "", out.finish_reason, None)
-                continue
-            if text or entries:
-                yield chunk(shape.delta(index, text, None, entries, offsets[index]))
-                offsets[index] += len(text)
-            if out.finish_reason:
-                yield chunk(shape.delta(index, "", out.finish_reason, None))
+                    yield chunk(shape.delta(index, "", out.finish_reason, None))
+    except ApiError as e:  # cut off by the engine: say so, and no [DONE] (what came is not a whole reply)
+        yield sse(error_body(e.message, e.type, e.param, e.code))
+        return
     if body.usage_at_the_end:
         yield sse(envelope.of(shape.chunk_object, choices=[], usage=usage.body()))
     yield sse("[DONE]")

@@ -6,6 +6,13 @@ Two sources:
   that did not come through HTTP (the console, `minichat bench`);
 - what the front end observes per HTTP request: token counters from each request's usage, finish
   reasons, and histograms of TTFT, inter-token latency and end-to-end latency as the client sees them.
+
+Both are exported twice: under minichat's names, and under vLLM's (`vllm:num_requests_running`,
+`vllm:kv_cache_usage_perc` as a fraction, `vllm:prompt_tokens_total`, `vllm:time_to_first_token_seconds`,
+... labelled `model_name`), so tools built for a vLLM fleet (llm-d's endpoint picker, vllm-htop,
+vLLM's Grafana dashboard) read a minichat replica as they read vLLM. vLLM counts prompt tokens and
+prefix-cache hits in its engine; here they are the HTTP requests' (usage), which is all a replica
+behind a gateway serves.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.outputs import Final
 from engine.service.protocol import Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -30,6 +38,7 @@ class EngineStatsCollector(Collector):
     def __init__(self) -> None:
         self.stats: Stats | None = None
         self.received_at = -float("inf")
+        self.model_name = ""  # vLLM's `model_name` label, once the front end knows the served name
 
     def update(self, stats: Stats) -> None:
         self.stats, self.received_at = stats, time.monotonic()
@@ -70,6 +79,25 @@ class EngineStatsCollector(Collector):
         }
         for name, (doc, value) in totals.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from self._vllm(s)
+
+    def _vllm(self, s: Stats) -> Iterator[Metric]:
+        """The same numbers under vLLM's names and label."""
+        label = {"model_name": self.model_name}
+        used = s.pages.held + s.pages.locked
+        gauges = {
+            "vllm:num_requests_running": ("Requests in the running set.", len(s.running)),
+            "vllm:num_requests_waiting": ("Requests in the waiting queue.", len(s.waiting)),
+            "vllm:kv_cache_usage_perc": ("KV-cache usage; 1 means 100 percent.", used / max(s.pages.total, 1)),
+        }
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(name, doc, labels=list(label))
+            family.add_metric(list(label.values()), value)
+            yield family
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted (retracted to the waiting "
+                                          "queue) since the engine started.", labels=list(label))
+        preemptions.add_metric(list(label.values()), s.counters.retractions)
+        yield preemptions
 
 
 class Metrics:
@@ -83,22 +111,83 @@ class Metrics:
                                      registry=self.registry)
         self.generation_tokens = Counter("minichat_generation_tokens", "Tokens generated for HTTP requests.",
                                          registry=self.registry)
-        self.requests = Counter("minichat_http_requests", "HTTP generation requests by endpoint and outcome: "
-                                "stop, length or abort for each of a request's prompts, or the error status "
-                                "once for a refused request.", ["endpoint", "outcome"], registry=self.registry)
+        self.requests = Counter("minichat_http_requests", "HTTP requests by endpoint and outcome: stop, length, "
+                                "abort or cut (the engine failed mid-way) for each prompt of a generation request, "
+                                "or the error status once for any refused request (the API key, body and field "
+                                "checks included).",
+                                ["endpoint", "outcome"], registry=self.registry)
         self.ttft = Histogram("minichat_time_to_first_token_seconds", "Request arrival to first token, at the "
                               "front end.", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("minichat_inter_token_latency_seconds", "Gap between consecutive streamed outputs.",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("minichat_e2e_request_latency_seconds", "Request arrival to its last token.",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.vllm = VllmMetrics(self.registry)
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        self.engine.model_name = name
+
+    def finished(self, final: Final) -> None:
+        """A generation request's Final: its tokens and outcome, under both names."""
+        u = final.usage
+        self.prompt_tokens.inc(u.prompt_tokens)
+        self.generation_tokens.inc(u.completion_tokens)
+        v, name = self.vllm, self.model_name
+        v.prompt_tokens.labels(name).inc(u.prompt_tokens)
+        v.generation_tokens.labels(name).inc(u.completion_tokens)
+        v.prefix_cache_queries.labels(name).inc(u.prompt_tokens)
+        v.prefix_cache_hits.labels(name).inc(u.cached_tokens)
+        v.request_success.labels(name, final.finish_reason).inc()
+        if final.timings.queue is not None:
+            v.queue.labels(name).observe(final.timings.queue)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/tokenize": "tokenize",
+             "/detokenize": "detokenize", "/v1/models": "models", "/health": "health", "/metrics": "metrics"}
+
+
+def endpoint_label(path: str) -> str:
+    """The `endpoint` label of a request path: one of a few names (a label per path a client invents would
+    let it grow the registry without bound)."""
+    return ENDPOINTS.get(path) or ("models" if path.startswith("/v1/models/") else "other")
+
+
+class VllmMetrics:
+    """The front end's counters and histograms under vLLM's names (the engine's gauges are the collector's)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, ["model_name", *labels], registry=registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=LATENCY_BUCKETS, registry=registry)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens of finished requests.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                            "cache.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache served.")
+        self.request_success = counter("vllm:request_success", "Finished requests by finish reason.",
+                                       "finished_reason")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to the first token.")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between streamed outputs.")
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token after the first "
+                              "(vLLM's older name for the same).")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request arrival to its last token.")
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time in the engine's waiting queue.")
+
+
 class RequestTimer:
-    """Times one request's outputs into the histograms: the first token, each gap, the whole."""
+    """Times one request's outputs into the histograms, under both names: the first token, each gap,
+    the whole."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -108,8 +197,16 @@ class RequestTimer:
     def tokens(self) -> None:
         """Call when an output carrying tokens arrives."""
         now = time.perf_counter()
-        (self.metrics.ttft if self.first else self.metrics.itl).observe(now - (self.start if self.first else self.last))
+        m, v, name = self.metrics, self.metrics.vllm, self.metrics.model_name
+        if self.first:
+            m.ttft.observe(now - self.start)
+            v.ttft.labels(name).observe(now - self.start)
+        else:
+            m.itl.observe(now - self.last)
+            v.itl.labels(name).observe(now - self.last)
+            v.tpot.labels(name).observe(now - self.last)
         self.first, self.last = False, now
 
     def done(self) -> None:
         self.metrics.e2e.observe(time.perf_counter() - self.start)
+        self.metrics.vllm.e2e.labels(self.metrics.model_name).observe(time.perf_counter() - self.start)

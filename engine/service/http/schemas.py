@@ -7,7 +7,9 @@ fields and `stream_options.continuous_usage_stats` are accepted as vLLM accepts 
 `/tokenize` and `/detokenize` bodies. Unknown fields are ignored, as OpenAI-compatible servers do, but
 fields whose meaning we cannot honour (`best_of` other than n, `suffix`, tools for a model whose
 template has none) are refused with a 400 rather than silently dropped. Every rule is declared on its field (a bound, a
-length, `unsupported`), so errors.py words every refusal the same way.
+length, `unsupported`), so errors.py words every refusal the same way. Integers the engine receives are
+bounded to what its messages carry (`Wire`: MessagePack's 64 bits), and token ids must be JSON integers
+(`[5, true]` is no prompt), so whatever passes here can be sent.
 """
 
 from __future__ import annotations
@@ -26,6 +28,25 @@ from engine.tools import InvalidTools, ToolFormat, forced_tool_grammar, tool_fun
 
 T = TypeVar("T")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat: whatever fits)
+WIRE_RANGE = (-(2**63), 2**64)  # the integers an engine message (MessagePack) carries
+
+
+def _on_the_wire(value: int) -> int:
+    if not WIRE_RANGE[0] <= value < WIRE_RANGE[1]:
+        raise PydanticCustomError("wire_range", "must be in [-2**63, 2**64), the integers an engine message carries")
+    return value
+
+
+Wire = AfterValidator(_on_the_wire)
+
+
+def _below_2_64(digits: str) -> bool:
+    """Whether a decimal without leading zeros is below 2**64 (checked by length first: int() refuses
+    strings of thousands of digits)."""
+    return len(digits) <= 20 and int(digits or "0") < WIRE_RANGE[1]
+
+
+TokenId = Annotated[int, Field(ge=0, strict=True), Wire]  # strict: a JSON integer, not true or 5.0
 
 
 def unsupported(*accepted: object) -> AfterValidator:
@@ -88,7 +109,7 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1), Wire] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
@@ -99,8 +120,8 @@ class GenerationRequest(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0), Wire] = 0
+    stop_token_ids: list[TokenId] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -111,9 +132,9 @@ class GenerationRequest(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v is not None and not all(k.isdigit() for k in v):
-            raise ValueError("logit_bias keys must be token ids (strings of digits)")
-        return v
+        if v is not None and not all(k.isascii() and k.isdigit() and _below_2_64(k.lstrip("0")) for k in v):
+            raise ValueError("keys must be token ids (strings of digits, below 2**64)")
+        return {k.lstrip("0") or "0": b for k, b in v.items()} if v is not None else None  # int() of each is cheap
 
     def structured(self) -> GrammarSpec | None:
         """The one structure the output must follow, from whichever field asked for it (a 400 for two)."""
@@ -276,8 +297,8 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1), Wire] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), Wire] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
@@ -329,7 +350,7 @@ def _prompt_shape(value: Any) -> str | None:
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 CompletionPrompt = Annotated[
     Annotated[NonEmpty, Tag("text")]
     | Annotated[list[NonEmpty], Field(min_length=1), Tag("texts")]
@@ -341,7 +362,7 @@ CompletionPrompt = Annotated[
 
 class CompletionRequest(GenerationRequest):
     prompt: CompletionPrompt
-    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 with echo: score the prompt (lm-eval)
+    max_tokens: Annotated[int, Field(ge=0), Wire] | None = None  # 0 with echo: score the prompt (lm-eval)
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: int | None = None

@@ -3,6 +3,8 @@ failures become OpenAI-style errors; shared by the routes (app.py) and the gener
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -12,23 +14,14 @@ from typing import Any, TypeVar
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.http.errors import ApiError
 from engine.service.http.metrics import Metrics
+from engine.service.options import ApiOptions
 from engine.service.protocol import Info
 
 T = TypeVar("T")
 
 # engine error code -> HTTP status; anything else is our bug or the engine's (500)
 ENGINE_STATUS = {"invalid_request": 400, "invalid_params": 400, "prompt_too_long": 400, "bad_message": 400,
-                 "overloaded": 503}
-
-
-@dataclass
-class ApiOptions:
-    """How the front end reaches the engine and whom it serves."""
-
-    address: str
-    api_key: str | None = None
-    served_model_name: str | None = None  # default: the checkpoint directory's name
-    engine_timeout: float = 30.0
+                 "too_large": 413, "overloaded": 503}
 
 
 @dataclass
@@ -40,6 +33,7 @@ class ApiState:
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     _info: Info | None = None
+    _probe: asyncio.Task[None] | None = None
 
     async def info(self) -> Info:
         """The engine's Info, asked once (503 while the engine does not answer)."""
@@ -48,10 +42,37 @@ class ApiState:
         return self._info
 
     async def require_engine(self) -> None:
-        """503 at once when the engine is gone, instead of sending into a silent socket: its stats stream
-        is the cheap sign of life, and a ping decides when that has been quiet for a moment."""
+        """503 at once when the engine is gone, instead of sending into a silent socket: the client saw its
+        connection break (and heard nothing since), or the stats stream, the cheap sign of life, has been
+        quiet for a moment and a ping goes unanswered."""
+        self.check_connection()
         if not self.metrics.engine.fresh(1.0):
-            await engine_call(self.client.ping(timeout=2.0))
+            await engine_call(self.client.ping(timeout=self.options.ping_timeout))
+
+    def check_connection(self) -> None:
+        """503 while the engine's connection is known lost; a ping in the background (one at a time) finds
+        out when the engine is back, since a reply of any kind ends the loss."""
+        if not self.client.connection_lost:
+            return
+        self.probe()
+        raise ApiError(503, f"the engine at {self.options.address} closed the connection (it stopped or died, or "
+                            f"refused this front end's auth token) and has not answered since", "server_error",
+                       code="engine_unavailable")
+
+    def probe(self) -> None:
+        """Ping the engine in the background unless a ping is out already."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._ping_quietly())
+
+    async def _ping_quietly(self) -> None:
+        with contextlib.suppress(EngineUnavailable, EngineError):
+            await self.client.ping(timeout=self.options.ping_timeout)
+
+    async def close(self) -> None:
+        """Stop the background ping, if any (the client is closed by its owner)."""
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
 
     async def model_name(self) -> str:
         return self.options.served_model_name or Path((await self.info()).model).name
@@ -60,7 +81,7 @@ class ApiState:
         """The served model's id; 404 in OpenAI's shape for another one (the checkpoint path also names it)."""
         name = await self.model_name()
         if requested not in (None, name, (await self.info()).model):
-            raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{name}`.",
+            raise ApiError(404, f"The model `{str(requested)[:200]}` does not exist; this server serves `{name}`.",
                            param="model", code="model_not_found")
         return name
 
@@ -75,9 +96,13 @@ async def engine_call(awaitable: Awaitable[T]) -> T:
     """Await an engine call, turning its failures into OpenAI-style errors."""
     try:
         return await awaitable
-    except EngineUnavailable as e:
-        raise ApiError(503, f"the engine is not answering: {e}", "server_error", code="engine_unavailable") from e
-    except EngineError as e:
-        status = ENGINE_STATUS.get(e.code, 500)
-        raise ApiError(status, e.message, "invalid_request_error" if status == 400 else "server_error",
-                       code=e.code) from e
+    except (EngineUnavailable, EngineError) as e:
+        raise api_error(e) from e
+
+
+def api_error(e: EngineUnavailable | EngineError) -> ApiError:
+    """An engine call's failure as the OpenAI-style error it answers."""
+    if isinstance(e, EngineUnavailable):
+        return ApiError(503, f"the engine is not answering: {e}", "server_error", code="engine_unavailable")
+    status = ENGINE_STATUS.get(e.code, 500)
+    return ApiError(status, e.message, "invalid_request_error" if status < 500 else "server_error", code=e.code)

@@ -1,0 +1,95 @@
+"""The `minichat` command line as a person meets it: `minichat status` short by default (the page map
+and the request lists on request, `--watch` until Ctrl-C), and help texts that print what they say."""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import typer
+from rich.text import Text
+from typer.testing import CliRunner
+
+from engine.outputs import Output
+from engine.service.client import EngineClient
+from engine.service.launcher import start
+from tui.cli import app
+from tui.status import MAP_WIDTH
+
+
+@pytest.fixture(scope="module")
+def engine(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Four slots of a 16k context: a pool of 4096 pages, a 64-line map."""
+    address = f"ipc://{tmp_path_factory.mktemp('cli')}/engine.sock"
+    with start(address, model=str(long_ckpt), timeout=120, max_running_requests=4) as handle:
+        yield handle.address
+
+
+def status(*args: str) -> list[str]:
+    run = CliRunner().invoke(app, ["status", *args])
+    assert run.exit_code == 0, run.output
+    return run.output.splitlines()
+
+
+def test_status_is_short_unless_asked_for_more(engine: str) -> None:
+    def generate() -> list[Output]:
+        with EngineClient(engine) as client:
+            return list(client.generate("keep running", max_tokens=16000, ignore_eos=True, rid="long-one"))
+
+    with EngineClient(engine) as operator, ThreadPoolExecutor(1) as pool:
+        outputs = pool.submit(generate)
+        pages = operator.wait_stats(lambda s: any(r.rid == "long-one" for r in s.running)).pages
+        try:
+            short = status("--address", engine)
+            assert len(short) <= 8 and not any("page map" in line or "long-one" in line for line in short), short
+            assert any(line.startswith("request slots ") and line.endswith("running 1") for line in short), short
+            assert short[-1].startswith("totals: ")
+
+            mapped = status("--address", engine, "--pages")
+            assert mapped[len(short)] == "page map (. free, R held, c cached, L locked):"  # after the summary
+            rows = mapped[len(short) + 1:]
+            assert len(rows) == pages.total // MAP_WIDTH == 64 and "".join(r.strip() for r in rows).count("R") > 0
+
+            listed = status("--address", engine, "--requests")
+            assert "running set:" in listed and any("long-one" in line for line in listed)
+            assert not any("page map" in line for line in listed)
+        finally:
+            operator.abort("long-one")
+        assert outputs.result(timeout=60)[-1].finish_reason == "abort"  # type: ignore[union-attr]
+
+
+def test_status_watch_prints_until_ctrl_c(engine: str) -> None:
+    watch = subprocess.Popen([sys.executable, "-m", "tui.cli", "status", "--address", engine, "--watch",
+                              "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        prints, deadline = 0, time.monotonic() + 60
+        with selectors.DefaultSelector() as selector:
+            selector.register(watch.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+            while prints < 3:
+                assert time.monotonic() < deadline, "timed out waiting for three prints"
+                if selector.select(timeout=1.0):
+                    prints += (watch.stdout.readline()).startswith("request slots ")  # type: ignore[union-attr]
+        watch.send_signal(signal.SIGINT)
+        _, stderr = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert watch.returncode == 0 and "Traceback" not in stderr, stderr
+
+
+def test_help_texts_keep_their_brackets() -> None:
+    """Help is Rich markup: an unescaped `[...]` vanished ("Draw lengths uniformly in .")."""
+    group = typer.main.get_command(app)
+    commands = [group, *group.commands.values()]  # type: ignore[attr-defined]
+    for command in commands:
+        for param in command.params:
+            text = getattr(param, "help", None) or ""
+            assert Text.from_markup(text).plain == text.replace("\\[", "["), (command.name, param.name, text)
+    run = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+    assert "Draw lengths uniformly in [len*(1-r), len*(1+r)]." in run.output

@@ -1,0 +1,105 @@
+"""Tensor parallelism across machines, on one machine: two process trees that meet on loopback as two
+nodes (`minichat serve --tp 2 --nnodes 2 --node-rank 0|1 --dist-init-addr 127.0.0.1:PORT`, gloo).
+Greedy output equals transformers; a node that cannot prove the token is turned away; a killed remote
+rank is named by node 0 within seconds, and both sides exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.distributed.node import Meeting
+from engine.service.client import EngineClient, EngineUnavailable
+from tests.test_tensor_parallel import prompts
+
+
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (the store and the control listener)."""
+    while True:
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+
+
+def serve(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "engine.service", *args], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)
+
+
+def wait_ready(address: str, engine: subprocess.Popen[bytes], log: Path) -> None:
+    with EngineClient(address) as client:
+        deadline = time.monotonic() + 180
+        while True:
+            assert engine.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                client.ping(0.5)
+                return
+            except EngineUnavailable:
+                continue
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_config_and_meeting_address_are_checked():
+    with pytest.raises(ValueError, match="multiple of nnodes"):
+        EngineConfig(tensor_parallel_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000")
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:5000")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        Meeting.parse("nohost")
+    assert Meeting.parse("127.0.0.1:5000").control == ("127.0.0.1", 5001)
+    with pytest.raises(ValueError, match="MINICHAT_TP_TOKEN"):
+        Meeting.parse("10.1.2.3:5000").authkey()
+
+
+def test_two_nodes_on_loopback_match_transformers_and_a_killed_remote_rank_is_named(llama_ckpt, hf, tmp_path):
+    port = free_port_pair()
+    common = ["--model", str(llama_ckpt), "--device", "cpu", "--tp", "2", "--nnodes", "2",
+              "--dist-init-addr", f"127.0.0.1:{port}"]
+    address = f"ipc://{tmp_path}/engine.sock"
+    node0_log, node1_log, intruder_log = tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "intruder.log"
+    node0 = serve("--address", address, *common, "--node-rank", "0", log=node0_log)
+    # a node with the wrong token is turned away and the real one still joins
+    intruder = serve(*common, "--node-rank", "1", log=intruder_log, env={**os.environ, "MINICHAT_TP_TOKEN": "wrong"})
+    node1 = None
+    try:
+        assert intruder.wait(120) != 0, intruder_log.read_text()
+        node1 = serve(*common, "--node-rank", "1", log=node1_log)
+        wait_ready(address, node0, node0_log)
+        with EngineClient(address) as client:
+            assert client.info().config["nnodes"] == 2
+            for prompt in prompts(3, seed=21, max_len=30):
+                out = client.complete(prompt, max_tokens=6, ignore_eos=True)
+                assert out.token_ids == hf.greedy(llama_ckpt, prompt, 6)
+            stats = client.stats()
+            assert not stats.running and stats.pages.held == stats.pages.locked == 0
+        worker = int(subprocess.check_output(["pgrep", "-P", str(node1.pid)]).split()[0])
+        os.kill(worker, signal.SIGKILL)
+        assert node0.wait(20) == 1, node0_log.read_text()
+        assert "tensor-parallel rank 1 (on another node)" in node0_log.read_text()
+        assert node1.wait(20) != 0, node1_log.read_text()
+    finally:
+        stop(node0, intruder, *([node1] if node1 is not None else []))

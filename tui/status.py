@@ -1,0 +1,67 @@
+"""`minichat status` as text: a few lines by default, the request lists and the page map on request.
+
+The page map alone is dozens of lines on a large pool, so printing it every time pushed everything
+else off the screen; it and the per-request lines are now asked for (`--pages`, `--requests`).
+"""
+
+from __future__ import annotations
+
+from engine.service.protocol import Info, Pages, Stats
+
+MAP_WIDTH = 64  # pages per line of the map
+
+
+def summary(stats: Stats, info: Info | None = None) -> list[str]:
+    """Who and where the engine is, its slots and queues, KV pages, admission, rates and totals."""
+    c, p = stats.counters, stats.pages
+    busy = sum(h is not None for h in stats.slots)
+    head = f"model {stats.model}, up {stats.uptime:.1f}s"
+    lines = [head]
+    if info is not None:
+        lines = [f"minichat {info.version} at {info.address} (pid {info.pid}): {head}, max {info.max_seq_len} tokens"]
+        if info.execution:
+            lines.append("running: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in info.execution.items()))
+    return [
+        *lines,
+        f"request slots {busy}/{len(stats.slots)} busy; waiting {len(stats.waiting)}; running {len(stats.running)}",
+        f"KV pages ({p.page_size} tokens each): {p.free} free, {p.held} held, {p.cached} cached, "
+        f"{p.locked} locked, {p.total} total; {p.claimed} more counted for admitted requests",
+        f"admission {stats.admission}; order {stats.policy}; {c.retractions} retractions",
+        f"rates: prefill {c.prefill_tokens_per_s:.1f} tok/s, decode {c.decode_tokens_per_s:.1f} tok/s, "
+        f"{c.steps_per_s:.1f} steps/s",
+        f"totals: {c.submitted} submitted, {c.finished} finished, {c.aborted} aborted, {c.errors} errors, "
+        f"{c.steps} steps ({c.prefill_tokens} prefill + {c.decode_tokens} decode tokens)",
+    ]
+
+
+def requests(stats: Stats) -> list[str]:
+    """One line per waiting and running request, and the last steps."""
+    lines = []
+    if stats.waiting:
+        lines.append("waiting queue (in admission order):")
+        lines += [f"  {w.rid}  {w.prompt_tokens} prompt tokens, waited {w.waited:.2f}s, for {w.reason or '?'}"
+                  for w in stats.waiting]
+    if stats.running:
+        lines.append("running set:")
+        lines += [f"  slot {r.slot:>3}  {r.rid}  {r.state}: prefilled {r.prefilled}/{r.prompt_tokens}, "
+                  f"generated {r.generated}/{r.max_tokens}, {r.pages} pages" for r in stats.running]
+    if stats.steps:
+        lines.append("last steps:")
+        lines += [f"  #{s.index} {s.kind:<7} {len(s.rids)} req, {s.num_tokens} tokens, {s.duration * 1e3:.1f} ms"
+                  for s in stats.steps]
+    return lines
+
+
+def page_map(pages: Pages) -> list[str]:
+    """Every KV page, MAP_WIDTH to a line."""
+    return ["page map (. free, R held, c cached, L locked):",
+            *[f"  {pages.states[i:i + MAP_WIDTH]}" for i in range(0, len(pages.states), MAP_WIDTH)]]
+
+
+def render(stats: Stats, info: Info | None, show_requests: bool = False, show_pages: bool = False) -> str:
+    lines = summary(stats, info)
+    if show_requests:
+        lines += requests(stats)
+    if show_pages:
+        lines += page_map(stats.pages)
+    return "\n".join(lines)
