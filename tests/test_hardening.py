@@ -492,3 +492,22 @@ def test_fuzzed_frames_are_each_answered(served: EngineHandle, baseline: list[in
         assert msg["type"] in ("error", "pong", "info", "outputs", "aborted"), msg
     assert time.monotonic() - started < 60
     healthy(served, baseline)
+
+
+# -- issue 25, item 4: chats that count as empty -------------------------------------------------------
+def test_empty_message_floods_are_refused_and_one_client_cannot_hog_the_tokenizer(
+        served: EngineHandle, baseline: list[int], ops: EngineClient, raw: zmq.Socket) -> None:
+    """40,000 empty messages (0 characters by the prompt guard) are refused before any rendering; a
+    client queueing more than its share of chats for the tokenizer is told to wait, and another
+    client is served meanwhile."""
+    raw.send(pack({"type": "submit", "rid": "flood", "messages": [{"role": "user", "content": ""}] * 40_000}))
+    msg = reply(raw)
+    assert (msg["code"], msg["rid"]) == ("prompt_too_long", "flood") and "40000 messages" in msg["message"]
+    many = [{"role": "user", "content": ""}] * (ops.info().max_seq_len // 2)  # as many as may be rendered
+    for i in range(12):
+        raw.send(pack({"type": "submit", "rid": f"chat-{i}", "messages": many}))
+    assert ops.complete(PROBE, max_tokens=8, ignore_eos=True).token_ids == baseline  # someone else is served
+    codes = [reply(raw, timeout=120) for _ in range(12)]
+    waited = [m for m in codes if m["code"] == "overloaded"]
+    assert len(waited) >= 4 and all("at most 8" in m["message"] for m in waited), codes
+    healthy(served, baseline)

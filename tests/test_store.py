@@ -3,6 +3,7 @@ refusals for a damaged, locked or newer database (the console runs on without sa
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from engine.outputs import Delta, Final, Timings, Usage
 from tui.session import Session
-from tui.store import REPLY_FIELDS, SCHEMA_VERSION, Store, StoreError
+from tui.store import REPLY_FIELDS, SCHEMA_VERSION, Store, StoreError, this_process
 
 
 def conversation(name: str, prompt: str, answer: str) -> Session:
@@ -98,7 +99,7 @@ def test_an_older_file_is_migrated_and_the_list_previews_the_last_exchange(tmp_p
         db.execute("INSERT INTO turns VALUES ('old', 1, 'second', ?)", ('{"rid": "r1", "text": "two"}',))
     db.close()
     store = Store(path)
-    assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     old = store.load("old")
     assert old.titled and [t.reply.text for t in old.turns] == ["one", "two"]
     fresh = conversation("chat 2", "x" * 500, "y" * 500)
@@ -108,3 +109,70 @@ def test_an_older_file_is_migrated_and_the_list_previews_the_last_exchange(tmp_p
     assert (rows["chat 1"].last_prompt, rows["chat 1"].last_reply) == ("second", "two")
     assert len(rows["chat 2"].last_prompt) == len(rows["chat 2"].last_reply) == 200  # only the start is read
     store.close()
+
+
+def finished(session: Session, prompt: str, answer: str) -> None:
+    reply = session.start_turn(prompt).reply
+    reply.add(Final(rid=reply.rid, text=answer, token_ids=[2], finish_reason="stop",
+                    usage=Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=0),
+                    timings=Timings(queue=0.0, ttft=0.1, total=0.2)))
+
+
+def test_two_consoles_on_one_directory_keep_each_others_turns(tmp_path: Path) -> None:
+    """The second console neither reopens nor overwrites a session the first (alive) has open; once the
+    first is gone (a writer whose process no longer runs), its sessions pass on."""
+    path = tmp_path / "conversations.sqlite3"
+    first = Store(path)  # this process: alive
+    shared = conversation("shared", "hi", "hello")
+    first.save(shared)
+    host = this_process().split(":")[0]
+    second = Store(path, writer=f"{host}:{os.getpid()}:another console")
+    assert second.open_uids() == [] and not second.claim(shared.uid)
+    for i in range(10):  # the first keeps writing; the second writes to a copy of its own
+        finished(shared, f"a{i}", "ok")
+        first.save(shared)
+    with pytest.raises(StoreError, match="open in another console"):
+        second.save(shared)
+    assert len(Store(path).load(shared.uid).turns) == 11
+    dead = Store(path, writer=f"{host}:{2**22 + 7}:0")  # a console that crashed with the session open
+    dead.db.execute("UPDATE sessions SET writer = ?", (dead.writer,))
+    assert second.open_uids() == [shared.uid]  # passed on
+
+
+def test_damaged_values_are_skipped_and_the_rest_stays_reachable(tmp_path: Path) -> None:
+    path = tmp_path / "conversations.sqlite3"
+    store = Store(path)
+    good, bad = conversation("good", "hi", "hello"), conversation("bad", "hi", "hello")
+    finished(bad, "second", "turn")
+    store.save(good)
+    store.save(bad)
+    db = store.db
+    db.execute("UPDATE turns SET reply = substr(reply, 2) WHERE session_uid = ? AND position = 0", (bad.uid,))
+    db.execute("UPDATE turns SET reply = json_set(reply, '$.from_a_newer_version', 1) WHERE position = 1")
+    db.execute("UPDATE sessions SET params = json_set(params, '$.future_knob', 3) WHERE uid = ?", (good.uid,))
+    db.execute("UPDATE sessions SET context_start = 'x' WHERE uid = ?", (good.uid,))  # a whole session unreadable
+    store.close()
+
+    store = Store(path)
+    loaded = store.load(bad.uid)
+    assert loaded.turns[0].reply.state == "error" and loaded.turns[1].reply.text == "turn"
+    with pytest.raises(StoreError, match="damaged"):
+        store.load(good.uid)
+    assert good.uid not in store.open_uids()  # never reopened, so never crashes a start again
+    assert any("damaged repl" in p for p in store.problems) and any("future_knob" in p for p in store.problems)
+    assert [r.name for r in store.sessions()] == ["bad", "good"] or len(store.sessions()) == 2
+
+
+def test_a_long_session_saves_only_what_changed(tmp_path: Path) -> None:
+    store = Store(tmp_path / "conversations.sqlite3")
+    long = Session("long")
+    for i in range(3000):
+        finished(long, f"q{i}", f"a{i}")
+    store.save(long)
+    before = store.db.total_changes
+    reply = long.start_turn("one more").reply
+    store.save(long)  # queued
+    reply.add(Delta(rid=reply.rid, text="str", token_ids=[1]))
+    store.save(long)  # streaming
+    assert store.db.total_changes - before <= 3 * 2  # the session row and the one turn, each time
+    assert len(Store(tmp_path / "conversations.sqlite3").load(long.uid).turns) == 3001

@@ -49,18 +49,13 @@ def start_engine(model: Path, address: str) -> EngineHandle:
 
 
 @pytest.fixture(autouse=True)
-def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Where the app keeps conversations: never the user's own data directory."""
-    monkeypatch.setenv("MINICHAT_DATA_DIR", str(tmp_path / "data"))
-    return tmp_path / "data"
+def data_dir(console_data_dir: Path) -> Path:
+    return console_data_dir
 
 
 @pytest.fixture(scope="module")
-def engine(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One engine for the module, on a private ipc address."""
-    address = f"ipc://{tmp_path_factory.mktemp('tui')}/engine.sock"
-    with start_engine(long_ckpt, address):
-        yield address
+def engine(console_engine: str) -> str:
+    return console_engine
 
 
 def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,10 +22,8 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Label, Static
 
 from engine.service.client import EngineClient
-from engine.service.launcher import start
 from engine.service.protocol import Stats
 from tests.test_tui import (
-    ENGINE_OPTIONS,
     SIZE,
     box,
     connected_app,
@@ -53,18 +51,13 @@ FAN_OUT = 16  # four running (the engine's slots) and twelve waiting
 
 
 @pytest.fixture(autouse=True)
-def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Where the app keeps conversations: never the user's own data directory."""
-    monkeypatch.setenv("MINICHAT_DATA_DIR", str(tmp_path / "data"))
-    return tmp_path / "data"
+def data_dir(console_data_dir: Path) -> Path:
+    return console_data_dir
 
 
 @pytest.fixture(scope="module")
-def engine(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One engine for the module (four request slots), on a private ipc address."""
-    address = f"ipc://{tmp_path_factory.mktemp('tui-chat')}/engine.sock"
-    with start(address, model=str(long_ckpt), timeout=120, **ENGINE_OPTIONS):
-        yield address
+def engine(console_engine: str) -> str:
+    return console_engine
 
 
 def panes(app: MinichatApp) -> list[ChatPane]:

@@ -9,7 +9,7 @@ requests that must stay alive until aborted use ignore_eos and a large max_token
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import pytest
@@ -41,18 +41,13 @@ FOREVER = {"max_tokens": 16000, "ignore_eos": True}
 
 
 @pytest.fixture(autouse=True)
-def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Where the app keeps conversations: never the user's own data directory."""
-    monkeypatch.setenv("MINICHAT_DATA_DIR", str(tmp_path / "data"))
-    return tmp_path / "data"
+def data_dir(console_data_dir: Path) -> Path:
+    return console_data_dir
 
 
 @pytest.fixture(scope="module")
-def engine(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One engine for the module (four request slots), on a private ipc address."""
-    address = f"ipc://{tmp_path_factory.mktemp('tui-ops')}/engine.sock"
-    with start(address, model=str(long_ckpt), timeout=120, **ENGINE_OPTIONS):
-        yield address
+def engine(console_engine: str) -> str:
+    return console_engine
 
 
 def table(app: MinichatApp, table_id: str) -> RequestTable:

@@ -455,8 +455,9 @@ class ChatPane(Vertical):
             client = await self.link.ready()
             await self._fit(client, prompt)
             # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
+            label = f"console: {self.session.name}"[:128]  # the owner the ops panels and other consoles show
             async with contextlib.aclosing(client.generate(self.session.messages(prompt), self.session.params,
-                                                           rid=reply.rid)) as stream:
+                                                           rid=reply.rid, client=label)) as stream:
                 async for out in stream:
                     reply.add(out)
         except EngineError as e:

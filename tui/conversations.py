@@ -7,6 +7,8 @@ StoreError itself.
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -25,14 +27,16 @@ class Conversations:
         self._numbered = 0  # new chats are numbered after the saved ones
 
     def open(self) -> list[Session]:
-        """Open the database; the sessions that were in tabs when the console last ran, oldest first."""
+        """Open the database; the sessions that were in tabs when the console last ran, oldest first (but
+        those another running console has open, and those too damaged to read, which are said)."""
         try:
             self.store = Store(self.path)
-            sessions = [self.store.load(uid) for uid in self.store.open_uids()]
+            uids = self.store.open_uids()
             self._numbered = len(self.store.sessions())
         except StoreError as e:
             self.failed(e)
             return []
+        sessions = [s for s in map(self.load, uids) if s is not None]
         return sessions
 
     def close(self) -> None:
@@ -64,14 +68,25 @@ class Conversations:
         return [] if self.store is not None else [s for s in sessions if s.turns and s.group is None]
 
     def load(self, uid: str) -> Session | None:
-        """A saved session, or None if it cannot be read (said, but saving goes on: it may just be gone)."""
+        """A saved session to write to, or None if it cannot be read (said, but saving goes on: it may
+        just be gone). One another running console has open comes as a copy of its own, so neither
+        console's turns overwrite the other's; what reading skipped is said."""
         if self.store is None:
             return None
         try:
-            return self.store.load(uid)
+            session = self.store.load(uid)
+            if not self.store.claim(uid):
+                session = dataclasses.replace(session, uid=uuid.uuid4().hex, name=f"{session.name} (copy)")
+                self.notify(f"{session.name}: the original is open in another console; this is a copy",
+                            title="conversations", severity="warning", timeout=10)
         except StoreError as e:
             self.notify(str(e), severity="error")
             return None
+        finally:
+            for problem in self.store.problems:
+                self.notify(problem, title="conversations", severity="warning", timeout=10)
+            self.store.problems.clear()
+        return session
 
     def delete(self, uid: str) -> None:
         if self.store is not None:

@@ -1,20 +1,26 @@
 """Conversations kept across restarts, in one SQLite file under the user's data directory.
 
-A session is saved whole (its row and all its turns) whenever it changes: conversations are short,
-and a whole-session write in one transaction can never leave half a turn behind. The schema
-version is SQLite's `user_version`, and an older file is migrated in place; a file from a newer
-minichat, a file that is not a database or one another program holds locked becomes a StoreError
-with a sentence a person can act on, and the console runs on without saving.
+A save writes the session's row and only the turns that changed since this store last wrote them
+(a reply streaming in, a turn edited), in one transaction, so a 3,000-turn conversation costs what its
+last turn costs. Each session has one writer: the console that has it open (`writer`, its process).
+A second console on the same data directory does not reopen a session another live console holds, and
+opening one explicitly gives a copy to write to; a writer that died leaves its sessions to whoever
+comes next. Reading is lenient: a damaged reply, a params field this version does not know or a
+session that cannot be decoded at all is skipped with a sentence, and the rest of the history stays
+reachable. The schema version is SQLite's `user_version`, and an older file is migrated in place; a
+file from a newer minichat, a file that is not a database or one another program holds locked becomes
+a StoreError with a sentence a person can act on, and the console runs on without saving.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -22,7 +28,7 @@ import msgspec
 from engine.params import SamplingParams
 from tui.session import Reply, Session, Turn
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA = """
 CREATE TABLE sessions (
     uid TEXT PRIMARY KEY,
@@ -33,7 +39,8 @@ CREATE TABLE sessions (
     created REAL NOT NULL,         -- seconds since the epoch
     updated REAL NOT NULL,
     open INTEGER NOT NULL,         -- shown in a tab when the console last ran: reopened at start
-    titled INTEGER NOT NULL DEFAULT 1  -- named by a person or by its first exchange (not `chat N`)
+    titled INTEGER NOT NULL DEFAULT 1, -- named by a person or by its first exchange (not `chat N`)
+    writer TEXT                    -- the console that has it open (host:pid:start), else NULL
 );
 CREATE TABLE turns (
     session_uid TEXT NOT NULL REFERENCES sessions(uid) ON DELETE CASCADE,
@@ -46,12 +53,35 @@ CREATE TABLE turns (
 DB_NAME = "conversations.sqlite3"
 REPLY_FIELDS = ("rid", "text", "state", "finish_reason", "error", "prompt_tokens", "completion_tokens", "ttft",
                 "total", "max_tokens", "queue", "engine_ttft")
-MIGRATIONS = {1: "ALTER TABLE sessions ADD COLUMN titled INTEGER NOT NULL DEFAULT 1;"}  # from version N to N + 1
+MIGRATIONS = {1: "ALTER TABLE sessions ADD COLUMN titled INTEGER NOT NULL DEFAULT 1;",  # from version N to N + 1
+              2: "ALTER TABLE sessions ADD COLUMN writer TEXT;"}
 PREVIEW_CHARS = 200  # of the last prompt and reply, for the list's preview
 
 
 class StoreError(Exception):
     """The conversation database cannot be used; the message says why and what to do."""
+
+
+def this_process() -> str:
+    """This console as a session's writer: host, pid and the pid's start time (a reused pid is not us)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+
+
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]  # field 22, after the command's parentheses
+    except (OSError, IndexError):
+        return ""
+
+
+def writer_alive(writer: str) -> bool:
+    """Whether the console `writer` still runs (one on another host is taken to, as it cannot be checked)."""
+    host, _, rest = writer.partition(":")
+    pid, _, started = rest.partition(":")
+    if host != socket.gethostname():
+        return True
+    return pid.isdigit() and _start_time(int(pid)) == started != ""
 
 
 def data_dir() -> Path:
@@ -90,8 +120,11 @@ def _explain(path: Path, e: sqlite3.Error) -> StoreError:
 class Store:
     """The conversation database at `path` (created with its folder if missing)."""
 
-    def __init__(self, path: Path, timeout: float = 2.0) -> None:
+    def __init__(self, path: Path, timeout: float = 2.0, writer: str | None = None) -> None:
         self.path = path
+        self.writer = writer or this_process()
+        self.problems: list[str] = []  # what reading skipped, for the console to say once
+        self._stored: dict[str, list[tuple[int, str]]] = {}  # per session: (id of the Reply, its JSON) written
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(path, timeout=timeout, isolation_level=None)
@@ -140,21 +173,57 @@ class Store:
 
     # -- writing ------------------------------------------------------------------------------------
     def save(self, session: Session, is_open: bool = True) -> None:
-        """Write the session and all its turns, replacing what was stored (`updated` is the session's
-        own: when its conversation or settings last changed, not when it was last written)."""
+        """Write the session's row and the turns that changed since this store wrote them (`updated` is the
+        session's own: when its conversation or settings last changed, not when it was last written). An
+        open session is this console's to write; a session another live console holds is not written
+        (StoreError: the console opened it as a copy, see `claim`)."""
+        writer = self.writer if is_open else None
         row = (session.uid, session.name, session.system_prompt, msgspec.json.encode(session.params).decode(),
-               session.context_start, session.created, session.updated, int(is_open), int(session.titled))
-        turns = [(session.uid, i, turn.prompt, json.dumps({k: asdict(turn.reply)[k] for k in REPLY_FIELDS}))
-                 for i, turn in enumerate(session.turns)]
+               session.context_start, session.created, session.updated, int(is_open), int(session.titled), writer)
+        stored = self._stored.get(session.uid, [])
+        changed, kept = [], []
+        for i, turn in enumerate(session.turns):
+            before = stored[i] if i < len(stored) else None
+            if before is not None and before[0] == id(turn.reply) and not turn.reply.live and before[1]:
+                kept.append(before)  # a finished reply this store already wrote: unchanged
+                continue
+            text = json.dumps({k: getattr(turn.reply, k) for k in REPLY_FIELDS})
+            kept.append((id(turn.reply), "" if turn.reply.live else text))
+            if before is None or before[1] != text:
+                changed.append((session.uid, i, turn.prompt, text))
         with self._errors(), self._transaction():
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
-            self.db.execute("DELETE FROM turns WHERE session_uid = ?", (session.uid,))
-            self.db.executemany("INSERT INTO turns VALUES (?, ?, ?, ?)", turns)
+            holder = self.db.execute("SELECT writer FROM sessions WHERE uid = ?", (session.uid,)).fetchone()
+            if holder is not None and holder[0] not in (None, self.writer) and writer_alive(holder[0]):
+                raise StoreError(f"conversation {session.name!r} is open in another console ({holder[0]}); "
+                                 "not saved over it")
+            # an upsert, not INSERT OR REPLACE: replacing the row would cascade to every stored turn
+            self.db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(uid) DO UPDATE "
+                            "SET name = excluded.name, system_prompt = excluded.system_prompt, params = "
+                            "excluded.params, context_start = excluded.context_start, updated = excluded.updated, "
+                            "open = excluded.open, titled = excluded.titled, writer = excluded.writer", row)
+            if session.uid not in self._stored:  # first write from this store: whatever was there is replaced
+                self.db.execute("DELETE FROM turns WHERE session_uid = ?", (session.uid,))
+            else:
+                self.db.execute("DELETE FROM turns WHERE session_uid = ? AND position >= ?",
+                                (session.uid, len(session.turns)))
+            self.db.executemany("INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?)", changed)
+        self._stored[session.uid] = kept
+
+    def claim(self, uid: str) -> bool:
+        """Make this console the session's writer, unless another live console is; False then."""
+        with self._errors(), self._transaction():
+            self.db.execute("BEGIN IMMEDIATE")
+            holder = self.db.execute("SELECT writer FROM sessions WHERE uid = ?", (uid,)).fetchone()
+            if holder is not None and holder[0] not in (None, self.writer) and writer_alive(holder[0]):
+                return False
+            self.db.execute("UPDATE sessions SET writer = ? WHERE uid = ?", (self.writer, uid))
+        return True
 
     def set_open(self, uid: str, is_open: bool) -> None:
         with self._errors():
-            self.db.execute("UPDATE sessions SET open = ? WHERE uid = ?", (int(is_open), uid))
+            self.db.execute("UPDATE sessions SET open = ?, writer = CASE WHEN ? THEN writer END WHERE uid = ? AND "
+                            "(writer IS NULL OR writer = ?)", (int(is_open), int(is_open), uid, self.writer))
 
     def rename(self, uid: str, name: str) -> None:
         with self._errors():
@@ -180,11 +249,16 @@ class Store:
         return [SessionRow(*row) for row in rows]
 
     def open_uids(self) -> list[str]:
-        """The sessions that were in tabs when the console last ran, oldest first."""
+        """The sessions that were in tabs when the console last ran, oldest first, that this console now
+        holds (one another live console has open stays with it)."""
         with self._errors():
-            return [uid for (uid,) in self.db.execute("SELECT uid FROM sessions WHERE open ORDER BY created")]
+            uids = [uid for (uid,) in self.db.execute("SELECT uid FROM sessions WHERE open ORDER BY created")]
+        return [uid for uid in uids if self.claim(uid)]
 
     def load(self, uid: str) -> Session:
+        """A saved session. What cannot be decoded is skipped and said in `problems`: a damaged reply
+        becomes an error reply, unknown or invalid params fall back to the defaults; a session whose own
+        row cannot be read is a StoreError (and is no longer reopened at start)."""
         with self._errors():
             row = self.db.execute("SELECT name, system_prompt, params, context_start, created, updated, titled "
                                   "FROM sessions WHERE uid = ?", (uid,)).fetchone()
@@ -193,11 +267,38 @@ class Store:
             turns = self.db.execute("SELECT prompt, reply FROM turns WHERE session_uid = ? ORDER BY position",
                                     (uid,)).fetchall()
         name, system_prompt, params, context_start, created, updated, titled = row
-        session = Session(name, system_prompt, msgspec.json.decode(params, type=SamplingParams), uid=uid,
-                          created=created, updated=updated, context_start=context_start, titled=bool(titled))
+        try:
+            session = Session(str(name), str(system_prompt), self._params(str(name), params), uid=uid,
+                              created=float(created), updated=float(updated), context_start=int(context_start),
+                              titled=bool(titled))
+        except (TypeError, ValueError) as e:
+            self.set_open(uid, False)
+            raise StoreError(f"conversation {uid} is damaged ({e}) and was skipped") from None
+        damaged = 0
         for prompt, reply_json in turns:
-            reply = Reply(**json.loads(reply_json))
+            try:
+                fields = json.loads(reply_json)
+                reply = Reply(**{k: v for k, v in fields.items() if k in REPLY_FIELDS})
+            except (TypeError, ValueError, AttributeError):
+                damaged += 1
+                reply = Reply(rid="", state="error", error="this reply was damaged in the store")
             if reply.live:  # the console closed while it streamed
                 reply.state, reply.error = "interrupted", "the console closed"
-            session.turns.append(Turn(prompt, reply))
+            session.turns.append(Turn(str(prompt), reply))
+        if damaged:
+            self.problems.append(f"{name}: {damaged} damaged repl{'ies' if damaged > 1 else 'y'} skipped")
         return session
+
+    def _params(self, name: str, text: str) -> SamplingParams:
+        """Stored params, leniently: fields this version does not know are dropped, and values it refuses
+        (or text that is not JSON) give the defaults, said in `problems`."""
+        try:
+            fields = msgspec.json.decode(text)
+            known = {k: v for k, v in fields.items() if k in SamplingParams.__struct_fields__}
+            if len(known) < len(fields):
+                self.problems.append(f"{name}: settings this version does not know were dropped "
+                                     f"({', '.join(sorted(set(fields) - set(known)))})")
+            return SamplingParams(**known)
+        except (msgspec.DecodeError, AttributeError, TypeError, ValueError) as e:
+            self.problems.append(f"{name}: damaged settings replaced by the defaults ({e})")
+            return SamplingParams()

@@ -67,11 +67,12 @@ class RadixCacheManager(CacheManager):
                 self._locked -= 1
             node = node.parent
 
-    def release(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> None:
-        """Insert the request's full pages (its matched prefix is already there), free the rest."""
+    def _insert(self, keys: list[tuple[int, ...]], pages: list[int]) -> tuple[Node, list[int], list[int]]:
+        """Put full pages along `keys` in the tree (ours become the cache's where the path is new); the last
+        node, the tree's pages along the path, and ours that duplicate pages cached first by someone else."""
         node, now = self.root, next(self._clock)
-        keys = self._pages_of(token_ids)
-        to_free: list[int] = []
+        path: list[int] = []
+        duplicates: list[int] = []
         for key, page in zip(keys, pages, strict=False):
             child = node.children.get(key)
             if child is None:
@@ -80,26 +81,23 @@ class RadixCacheManager(CacheManager):
                 self.by_page[page] = child
                 self.allocator.disown([page])
             elif child.page != page:
-                to_free.append(page)  # someone cached the same tokens first; ours is a duplicate
+                duplicates.append(page)
             child.last_access = now
             node = child
-        to_free += pages[len(keys) :]  # the partly filled tail page
-        self.allocator.free(to_free)
+            path.append(node.page)
+        return node, path, duplicates
+
+    def release(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> None:
+        """Insert the request's full pages (its matched prefix is already there), free the rest."""
+        keys = self._pages_of(token_ids)
+        _, _, duplicates = self._insert(keys, pages)
+        self.allocator.free(duplicates + pages[len(keys) :])  # and the partly filled tail page
         self.unlock(match.handle)
 
     def share(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> PrefixMatch:
-        """Put the request's full pages in the tree (where the tokens are cached already, the tree's page
-        stays and ours stays the request's, freed at release as a duplicate) and lock the whole path."""
-        node, path = self.root, []
-        for key, page in zip(self._pages_of(token_ids), pages, strict=False):
-            child = node.children.get(key)
-            if child is None:
-                child = Node(node, key, page)
-                node.children[key] = child
-                self.by_page[page] = child
-                self.allocator.disown([page])
-            node = child
-            path.append(node.page)
+        """Put the request's full pages in the tree and lock the whole path. Where the tokens are cached
+        already the tree's page stays, and ours stays the request's until release frees it as a duplicate."""
+        node, path, _ = self._insert(self._pages_of(token_ids), pages)
         if not path:
             return match
         self.lock(node)

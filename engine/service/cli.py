@@ -11,6 +11,8 @@ import dataclasses
 import inspect
 import logging
 import os
+import signal
+import threading
 import typing
 from collections.abc import Callable
 
@@ -20,6 +22,9 @@ from engine.config import EngineConfig
 from engine.service.client import AUTH_ENV
 from engine.service.options import ApiOptions
 from engine.threads import prepare_openmp
+
+if typing.TYPE_CHECKING:  # the launcher is imported where it is used: `minichat --help` stays quick
+    from engine.service.launcher import EngineHandle
 
 ADDRESS_HELP = "Engine address: ipc:///path or tcp://127.0.0.1:PORT (default: a per-user ipc socket)."
 ENGINE_HELP = {
@@ -217,8 +222,13 @@ set_signature(serve, [
 def _serve_http(http: str, address: str | None, server_options: dict[str, typing.Any],
                 engine_options: dict[str, typing.Any]) -> None:
     """The engine as a child process (own interpreter, so generation never competes with the HTTP event loop
-    for the GIL; its log goes to a file) and the API in the foreground; the engine stops with the API."""
+    for the GIL; its log goes to a file) and the API in the foreground; the engine stops with the API,
+    and the API with the engine: an engine that exits ends `serve` with status 1, said in its log.
+
+    It starts its own engine: an engine that already answers at the address belongs to someone else
+    (another console, other options, another model) and is refused; `minichat api` attaches to one."""
     from engine.service.addresses import AddressError, default_address
+    from engine.service.client import EngineRefused, probe
     from engine.service.http import check_host, run_api
     from engine.service.launcher import EngineStartError, start
 
@@ -226,19 +236,46 @@ def _serve_http(http: str, address: str | None, server_options: dict[str, typing
     address = address or default_address()
     options = api_options(address, host, port, engine_options)
     model = engine_options.pop("model")
+    taken = f"an engine someone else started already answers at {address}; give --address for this one, or " \
+            f"put the HTTP API in front of that one with `minichat api --address {address}`"
     try:
         check_host(host, server_options["allow_remote"])
+        if probe(address, timeout=1.0) is not None:
+            raise EngineStartError(taken)
         typer.echo(f"minichat serve: starting the engine at {address} ...", err=True)
         handle = start(address, model=model, **server_options, **engine_options_given(engine_options))
-    except (AddressError, EngineStartError) as e:
+    except (AddressError, EngineStartError, EngineRefused) as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
+    stopping = threading.Event()  # set before we stop the engine ourselves
+    died = threading.Event()
     try:
-        where = f"pid {handle.pid}, log {handle.log_path}" if handle.started else f"already running, pid {handle.pid}"
-        typer.echo(f"minichat serve: engine ready at {address} ({where})", err=True)
+        if not handle.started:  # another launcher won the race for the address
+            raise EngineStartError(taken)
+        typer.echo(f"minichat serve: engine ready at {address} (pid {handle.pid}, log {handle.log_path})", err=True)
+        threading.Thread(target=_watch_engine, args=(handle, stopping, died), name="minichat-engine-watch",
+                         daemon=True).start()
         run_api(options, server_options["log_level"])
+    except EngineStartError as e:
+        typer.echo(f"minichat serve: error: {e}", err=True)
+        raise typer.Exit(1) from e
     finally:
+        stopping.set()
         handle.stop()
+    if died.is_set():
+        typer.echo(f"minichat serve: the engine (pid {handle.pid}) exited; see its log {handle.log_path}", err=True)
+        raise typer.Exit(1)
+
+
+def _watch_engine(handle: EngineHandle, stopping: threading.Event, died: threading.Event) -> None:
+    """If the engine `handle` started exits while the API runs, set `died` and stop the API (SIGTERM to
+    ourselves: uvicorn's graceful exit), so `serve` never sits there answering 503."""
+    assert handle.process is not None  # started by this handle
+    code = handle.process.wait()
+    if not stopping.is_set():
+        died.set()
+        logging.getLogger("minichat").error("the engine (pid %d) exited with %s; stopping the API", handle.pid, code)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def api(address: str | None, host: str, port: int, allow_remote: bool, log_level: str,

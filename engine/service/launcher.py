@@ -36,6 +36,7 @@ from engine.service.client import (
     probe,
     resolve_auth_token,
 )
+from engine.service.parent import PARENT_ENV
 
 START_TIMEOUT = 120.0  # loading a real checkpoint on CPU can take a while
 
@@ -118,7 +119,7 @@ def start(address: str | None = None, *, model: str | None = None, timeout: floa
     check_bindable(address, bool(options.get("allow_remote", False)), token is not None)
     log = log_path(address)
     cmd = serve_command(address, model, **options)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}  # it stops when we die
     if token is not None:
         env[AUTH_ENV] = token
     # Append: never truncate a log that a running engine may still be writing to.

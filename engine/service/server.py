@@ -38,6 +38,7 @@ from engine.request import PromptTooLong
 from engine.service import protocol
 from engine.service.addresses import AddressError, default_address
 from engine.service.options import ServerOptions
+from engine.service.parent import PARENT_ENV, parent_pidfd
 from engine.service.publisher import StatsPublisher
 from engine.service.sockets import Sockets
 from engine.service.stats import StatsRecorder
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0  # clients with live requests hear from us at least this often
 MAX_DRAIN = 256  # messages handled between two steps, so a flood cannot starve generation
+MAX_ENCODING_PER_CLIENT = 8  # text prompts one connection may have queued for the tokenizer thread
 MAX_RID_LEN = 256
 MAX_ECHOED_RID = 1024  # an invalid rid longer than this is not echoed back in the Error
 REMEMBERED_CLIENTS = 4096  # connections whose number ("client 3") is kept once they have no request live
@@ -107,6 +109,9 @@ class EngineServer:
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(sockets.pub, zmq.POLLIN)
+        self._parent = parent_pidfd()  # the launching process, when one started this engine (parent.py)
+        if self._parent is not None:
+            self._poller.register(self._parent, zmq.POLLIN)
 
     def request_stop(self) -> None:
         self._stop = True
@@ -149,6 +154,9 @@ class EngineServer:
 
     def _receive(self, timeout_ms: int) -> None:
         ready = dict(self._poller.poll(timeout_ms))
+        if self._parent is not None and self._parent in ready and not self._stop:
+            log.warning("the process that started this engine (%s) is gone; stopping", os.environ.get(PARENT_ENV))
+            self.request_stop()
         if self.publisher.pub in ready:
             self.publisher.read_subscriptions()
         if self.router not in ready:
@@ -232,8 +240,16 @@ class EngineServer:
         client = msg.client or self._client_label(identity)
         if msg.token_ids is not None:
             self._add(identity, rid, msg.token_ids, params, time.monotonic(), client)
-        else:  # text: tokenized off the loop, after a size check that costs nothing
-            chars = len(msg.prompt) if msg.prompt is not None else sum(len(m.content) for m in msg.messages or ())
+        else:  # text: tokenized off the loop, after size checks that cost nothing
+            messages = msg.messages or []
+            if len(messages) > self.llm.max_seq_len // 2:  # a chat template spends two tokens on a turn at least
+                raise Refused("prompt_too_long", f"the chat has {len(messages)} messages; at most "
+                                                 f"{self.llm.max_seq_len // 2} fit the context")
+            queued = sum(e.identity == identity for e in self.encoding.values())
+            if queued >= MAX_ENCODING_PER_CLIENT:  # one client's prompts must not starve everyone else's
+                raise Refused("overloaded", f"this client already has {queued} prompts waiting to be tokenized "
+                                            f"(at most {MAX_ENCODING_PER_CLIENT}); retry when they are done")
+            chars = len(msg.prompt) if msg.prompt is not None else sum(len(m.content) for m in messages)
             if chars > self._max_prompt_chars:
                 raise Refused("prompt_too_long", f"the prompt has {chars} characters, more than the "
                                                  f"{self.llm.max_seq_len - 1} tokens that fit could spell")
