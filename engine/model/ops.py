@@ -28,6 +28,8 @@ the padding of a prefill under 12.5%.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -61,10 +63,17 @@ def row_bucket(rows: int) -> int:
     return low + -(-(rows - low) // step) * step
 
 
-def _padded(x: torch.Tensor) -> torch.Tensor:
-    """`x` with zero rows appended up to its bucket (itself when it is one)."""
-    extra = row_bucket(x.shape[0]) - x.shape[0]
-    return F.pad(x, (0, 0, 0, extra)) if extra else x
+def _bucketed(op: Callable[..., torch.Tensor], x: torch.Tensor, *args: object,
+              other: torch.Tensor | None = None) -> torch.Tensor:
+    """`op(x, [other,] *args)` with `x` (and `other`) padded with zero rows up to their bucket, and the
+    padding rows dropped from the result; no padding, no copy, no slice for a row count that is one."""
+    rows = x.shape[0]
+    extra = row_bucket(rows) - rows
+    if not extra:
+        return op(x, *args) if other is None else op(x, other, *args)
+    x = F.pad(x, (0, 0, 0, extra))
+    out = op(x, *args) if other is None else op(x, F.pad(other, (0, 0, 0, extra)), *args)
+    return out[:rows]
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -82,8 +91,7 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 def linear_binary(x: torch.Tensor, other: torch.Tensor, packed: torch.Tensor, op: str) -> torch.Tensor:
     """(x W^T) `op` other, op "add" or "mul", in one oneDNN call (a binary post-op on the GEMM's output);
     the residual adds use it."""
-    rows = x.shape[0]
-    return torch.ops.mkldnn._linear_pointwise.binary(_padded(x), _padded(other), packed, None, op)[:rows]
+    return _bucketed(torch.ops.mkldnn._linear_pointwise.binary, x, packed, None, op, other=other)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -92,9 +100,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `out_dtype` (default: `x`'s dtype)."""
     out_dtype = out_dtype or x.dtype
     if weight.is_mkldnn:
-        rows = x.shape[0]
-        out = torch.ops.mkldnn._linear_pointwise(_padded(x.to(weight.dtype)), weight, bias, "none", [], "")
-        return out[:rows].to(out_dtype)
+        out = _bucketed(torch.ops.mkldnn._linear_pointwise, x.to(weight.dtype), weight, bias, "none", [], "")
+        return out.to(out_dtype)
     if weight.dtype == x.dtype == out_dtype:
         return F.linear(x, weight, bias)
     return F.linear(x.to(weight.dtype), weight, bias).to(out_dtype)

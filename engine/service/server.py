@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0  # clients with live requests hear from us at least this often
 MAX_DRAIN = 256  # messages handled between two steps, so a flood cannot starve generation
-MAX_ENCODING_PER_CLIENT = 8  # text prompts one connection may have queued for the tokenizer thread
+MAX_ENCODING_PER_CLIENT = 64  # text prompts one connection may queue for the tokenizer (a console's widest fan-out)
 MAX_RID_LEN = 256
 MAX_ECHOED_RID = 1024  # an invalid rid longer than this is not echoed back in the Error
 REMEMBERED_CLIENTS = 4096  # connections whose number ("client 3") is kept once they have no request live
