@@ -242,9 +242,10 @@ def test_request_detail_shows_owner_params_timings_and_output_and_aborts(engine:
             assert isinstance(final, Final) and final.finish_reason == "abort"
             await wait_for(pilot, lambda: detail.gone and "no longer live" in shown(facts), "the view to say so")
             assert detail.output  # what it saw stays
-            await pilot.press("x")  # aborting it again: the dialog says it is over
+            await pilot.press("x")  # aborting it again: the dialog says it is over (by the next snapshot at most)
             await wait_for(pilot, lambda: isinstance(app.screen, AbortScreen), "the confirmation")
-            assert shown(app.screen.query_one(Label)) == "described has already finished: nothing to abort."
+            await wait_for(pilot, lambda: shown(app.screen.query_one(Label))
+                           == "described has already finished: nothing to abort.", "the dialog to say it is over")
             await pilot.press("escape", "escape")
             assert app.focused is running
 
