@@ -108,10 +108,6 @@ class SamplingBatch:
     prompt_logprobs: PromptLogprobs | None = None
     grammars: Grammars | None = None
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(p.greedy for p in self.params)
-
     @classmethod
     def build(cls, reqs: Sequence[Req], eos_ids: set[int], device: torch.device,
               prompt_targets: list[int] | None = None, prompt_top: int = 0) -> SamplingBatch:
