@@ -40,7 +40,7 @@ def run_api(options: ApiOptions, log_level: str = "info") -> None:
 
     The open-file limit is raised to the hard limit first, as the engine does, and the connection cap kept
     below it with room for a burst of accepts and for the engine connection to reconnect (edge.py)."""
-    cap = connection_cap(options.max_http_connections, raise_fd_limit() - ACCEPT_BURST)
+    cap = connection_cap(options.max_http_connections, raise_fd_limit() - 2 * ACCEPT_BURST)
     if cap < options.max_http_connections:
         log.warning("the open-file limit allows %d HTTP connections at once, not %d", cap,
                     options.max_http_connections)

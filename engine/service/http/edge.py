@@ -43,7 +43,8 @@ from engine.service.options import ApiOptions
 log = logging.getLogger("minichat.http")
 
 # asyncio accepts up to `backlog` connections in one go before any of them is seen (and closed if over the
-# cap): the listen backlog, and the descriptors kept free for such a burst.
+# cap), and the sockets it closes go only at the next turn of the loop, so two bursts can overlap: the
+# listen backlog, and half the descriptors kept free for bursts (a loaded machine showed one was not enough).
 ACCEPT_BURST = 128
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a liveness probe must not need the secret)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate, paired or not
