@@ -122,7 +122,8 @@ class Error(_EngineMsg, tag="error"):
     """A refused or malformed message. `rid` names the request it concerns, when known.
 
     Codes: bad_message, invalid_request, invalid_params, prompt_too_long (the prompt alone exceeds the
-    context: shorten it), duplicate_request, unknown_request, overloaded, internal.
+    context: shorten it), too_large (the message exceeds the engine's max_message_bytes),
+    duplicate_request, unknown_request, overloaded, internal.
     """
 
     code: str
