@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.service.client import AsyncEngineClient, EngineClient, EngineError, probe
 from engine.service.launcher import EngineHandle, start
 from engine.service.protocol import Stats
+from tests.checkpoints import with_context
 from tests.test_http_api import START_TIMEOUT, free_port, minichat, stop, wait_http
 from tests.wire import pack, raw_dealer, reply
 from tui.bench.metrics import RequestRecord
@@ -548,6 +549,67 @@ def test_8_bench_counts_a_cut_stream_as_failed() -> None:
         with pytest.raises(OpenAIError, match=words):
             asyncio.run(one(body))
     assert asyncio.run(one(whole)).ttft is not None
+
+
+# -- 9: a long step is slow, not dead ----------------------------------------------------------------------
+LONG_STEP_TOKENS = 40_000  # one prefill step of these takes ~4 s on this 2-core machine (the tiny llama)
+
+
+def test_9_a_long_step_is_slow_not_dead(llama_ckpt: Path, tmp_path: Path) -> None:
+    """`minichat api` with a ping timeout (0.5 s) and a stream timeout (1.5 s) shorter than one step: a
+    40,000-token prompt prefilled in one step while a stream is open, pings go out and a new request
+    arrives. Before, the ping timed out (503 for the new request) and the open stream was cut; now the
+    engine answers pings during the step, saying how long it has run, and heartbeats the stream."""
+    ckpt = with_context(llama_ckpt, tmp_path / "ckpt", LONG_STEP_TOKENS + 1024)
+    address = f"ipc://{tmp_path}/engine.sock"
+    handle = start(address, model=str(ckpt), max_prefill_tokens=LONG_STEP_TOKENS + 1024, timeout=START_TIMEOUT)
+    front = serve_api(["api", "--address", address, "--engine-timeout", "1.5", "--ping-timeout", "0.5"], NO_KEY,
+                      tmp_path / "api.log", None, address)
+    try:
+        with handle.client(timeout=30) as engine, handle.client(timeout=0.5) as pinger:
+            expected = reference(engine, 300)
+            stream = Stream(front, 300)
+            assert stream.next() is not None  # it runs: the long step's batch carries its next token
+            answers: dict[str, httpx.Response] = {}
+            done = threading.Event()
+
+            def post(name: str, body: dict) -> None:
+                answers[name] = front.post("/v1/completions", body)
+
+            def long_request() -> None:
+                try:
+                    post("long", {"prompt": [5, 6, 7] * (LONG_STEP_TOKENS // 3), "max_tokens": 1})
+                finally:
+                    done.set()
+
+            long = threading.Thread(target=long_request)
+            long.start()
+            busy: list[float] = []
+            late = threading.Thread(target=post, args=("late", {"prompt": PROBE, "max_tokens": 8, "temperature": 0,
+                                                                "ignore_eos": True}))
+            while not done.wait(0.05):  # paced: a ping every 50 ms until the long request is answered
+                pong = pinger.ping(0.5)  # during the step it used to go unanswered
+                if pong.busy_for is not None:
+                    busy.append(pong.busy_for)
+                if busy and busy[-1] > 1.2 and not late.is_alive() and "late" not in answers:
+                    late.start()  # the stats have been quiet for over a second: the API pings before it submits
+            long.join()
+            late.join()
+            assert busy and max(busy) > 1.5, f"the step must outlast the stream timeout to test anything: {busy}"
+            assert answers["long"].status_code == 200, answers["long"].text
+            assert answers["late"].status_code == 200, answers["late"].text
+            assert answers["late"].json()["choices"][0]["text"] == reference(engine, 8)
+            events = stream.rest()
+            assert events[-1] == "[DONE]", events[-3:]  # the stream heard heartbeats through the step
+            chunks = [e for e in events if isinstance(e, dict)]
+            assert "error" not in chunks[-1] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+            healthy(front, engine)
+        assert handle.log_path is not None
+        assert "is gone" not in handle.log_path.read_text()  # no client was dropped for silence
+    finally:
+        stop(front.process)
+        handle.stop()
 
 
 # -- 10: /health is open; refusals are counted ------------------------------------------------------------

@@ -93,7 +93,14 @@ def status(
         try:
             info = client.info()  # first: a refused token says so here, where stats would only time out
             while True:
-                text = render(client.stats(timeout), info, show_requests=requests, show_pages=pages)
+                try:
+                    text = render(client.stats(timeout), info, show_requests=requests, show_pages=pages)
+                except EngineUnavailable:  # no stats go out during a step: a long one still answers pings
+                    pong = client.ping(timeout)
+                    if pong.busy_for is None:
+                        raise
+                    text = (f"engine pid {pong.pid} is busy: its current step has run {pong.busy_for:.1f} s; "
+                            f"stats resume when it ends")
                 if watch:
                     click.clear()  # only on a terminal; piped, the prints follow one another
                 typer.echo(text)

@@ -139,9 +139,13 @@ class Aborted(_EngineMsg, tag="aborted"):
 
 
 class Pong(_EngineMsg, tag="pong"):
+    """Answers a Ping. `busy_for` is how long the step in progress has run when one is (the engine answers
+    pings during a long step: liveness.py), so a slow engine reads as slow, not as dead."""
+
     nonce: int
     version: str
     pid: int
+    busy_for: float | None = None
 
 
 class Info(_EngineMsg, tag="info"):

@@ -37,6 +37,7 @@ from engine.params import SamplingParams, invalid_params
 from engine.request import PromptTooLong
 from engine.service import protocol
 from engine.service.addresses import AddressError, default_address
+from engine.service.liveness import StepCover
 from engine.service.options import ServerOptions
 from engine.service.parent import PARENT_ENV, parent_pidfd
 from engine.service.publisher import StatsPublisher
@@ -112,6 +113,7 @@ class EngineServer:
         self._parent = parent_pidfd()  # the launching process, when one started this engine (parent.py)
         if self._parent is not None:
             self._poller.register(self._parent, zmq.POLLIN)
+        self._cover = StepCover(self.router, self._reply_during_step, self._live_clients, HEARTBEAT_INTERVAL)
 
     def request_stop(self) -> None:
         self._stop = True
@@ -132,15 +134,17 @@ class EngineServer:
                 self._admit_encoded()
                 self._answer()
                 if self.llm.has_unfinished():
-                    self._deliver(self.llm.step(self.llm.config.use_overlap))
+                    self._deliver(self._step(self.llm.config.use_overlap))
                 self._sweep_clients()
                 self.publisher.publish(idle=not self.llm.has_unfinished())
+            self._shutdown()
         except Exception as e:  # the engine is going down: say so to everyone waiting, not just the log
             for rid, owner in list(self.owners.items()):
                 self._send(owner, protocol.Error(code="internal", message=f"the engine failed: {e!r}",
                                                           rid=rid))
             raise
-        self._shutdown()
+        finally:
+            self._cover.close()
 
     # -- receiving --------------------------------------------------------------------------------
     def _idle_wait_ms(self) -> int:
@@ -152,8 +156,33 @@ class EngineServer:
             return self.publisher.wait_ms()
         return int(HEARTBEAT_INTERVAL * 1000)
 
+    def _step(self, overlap: bool = False) -> StepResult:
+        """One step, with the socket lent to the liveness thread while it runs; then drop the clients a
+        send failed to meanwhile."""
+        with self._cover.step():
+            result = self.llm.step(overlap)
+        while self._cover.gone:
+            self._drop_client(*self._cover.gone.popitem())
+        return result
+
+    def _reply_during_step(self, msg: protocol.ClientMessage, busy_for: float) -> msgspec.Struct | None:
+        """What the liveness thread answers for the loop during a long step: a ping, and the Info (the
+        step changes neither); everything else waits for the loop."""
+        if isinstance(msg, protocol.Ping):
+            return self._pong(msg, busy_for)
+        return self._info() if isinstance(msg, protocol.GetInfo) else None
+
+    def _pong(self, ping: protocol.Ping, busy_for: float | None = None) -> protocol.Pong:
+        return protocol.Pong(nonce=ping.nonce, version=engine.__version__, pid=os.getpid(), busy_for=busy_for)
+
+    def _live_clients(self) -> set[bytes]:
+        return set(self.owners.values()) | {e.identity for e in self.encoding.values()}
+
     def _receive(self, timeout_ms: int) -> None:
-        ready = dict(self._poller.poll(timeout_ms))
+        held = self._cover.held  # messages that arrived during the last long step come first, in order
+        for _ in range(min(len(held), MAX_DRAIN)):
+            self._handle_safely(held.popleft())
+        ready = dict(self._poller.poll(0 if held else timeout_ms))
         if self._parent is not None and self._parent in ready and not self._stop:
             log.warning("the process that started this engine (%s) is gone; stopping", os.environ.get(PARENT_ENV))
             self.request_stop()
@@ -166,11 +195,14 @@ class EngineServer:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                self._handle(frames)
-            except Exception as e:  # whatever one message does, it must not end the engine for everyone
-                log.exception("internal error handling a message")
-                self._error(frames[0], "internal", f"{type(e).__name__}: {e}")
+            self._handle_safely(frames)
+
+    def _handle_safely(self, frames: list[bytes]) -> None:
+        try:
+            self._handle(frames)
+        except Exception as e:  # whatever one message does, it must not end the engine for everyone
+            log.exception("internal error handling a message")
+            self._error(frames[0], "internal", f"{type(e).__name__}: {e}")
 
     def _handle(self, frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]
@@ -208,7 +240,7 @@ class EngineServer:
         elif isinstance(msg, protocol.Describe):
             self._send(identity, self._describe(msg))
         elif isinstance(msg, protocol.Ping):
-            self._send(identity, protocol.Pong(nonce=msg.nonce, version=engine.__version__, pid=os.getpid()))
+            self._send(identity, self._pong(msg))
         elif isinstance(msg, protocol.Shutdown):
             log.info("shutdown requested by client %s", identity.hex())
             self._send(identity, protocol.ShuttingDown(pid=os.getpid()))
@@ -477,7 +509,7 @@ class EngineServer:
         if now - self._last_sweep < HEARTBEAT_INTERVAL:
             return
         self._last_sweep = now
-        live = set(self.owners.values()) | {e.identity for e in self.encoding.values()}
+        live = self._live_clients()
         self._last_sent = {i: t for i, t in self._last_sent.items() if i in live}
         for identity in live:
             if now - self._last_sent.get(identity, 0.0) >= HEARTBEAT_INTERVAL:
@@ -492,7 +524,7 @@ class EngineServer:
                 self._abort_request(rid)
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
         while self.llm.has_unfinished():
-            self._deliver(self.llm.step())
+            self._deliver(self._step())
         self.publisher.publish(idle=True, force=True)
         log.info("engine stopping: aborted %d in-flight request(s)", len(rids))
 
