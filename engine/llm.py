@@ -317,9 +317,14 @@ class LLM:
             return f"rank 0: {torch.get_num_threads()}; " + "; ".join(f"rank {r}: {t}" for r, t in ranks)
         return str(torch.get_num_threads())
 
-    def stats(self) -> SchedulerSnapshot:
-        """A read-only snapshot of the scheduler: waiting queue, running set, slots, pages, counters."""
-        return self.scheduler.snapshot()
+    def stats(self, changed_pages: set[int] | None = None) -> SchedulerSnapshot:
+        """A read-only snapshot of the scheduler: waiting queue, running set, slots, pages, counters; every
+        page, or only those in `changed_pages` (a set from `watch_pages`)."""
+        return self.scheduler.snapshot(changed_pages)
+
+    def watch_pages(self) -> set[int]:
+        """A set each `stats()` adds the KV pages whose state changed to (the caller empties it)."""
+        return self.scheduler.watch_pages()
 
     def check_integrity(self) -> None:
         """At idle every page is free or cached and every slot free; raise AssertionError otherwise.

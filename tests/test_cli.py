@@ -3,6 +3,7 @@ and the request lists on request, `--watch` until Ctrl-C), and help texts that p
 
 from __future__ import annotations
 
+import re
 import selectors
 import signal
 import subprocess
@@ -18,10 +19,12 @@ from rich.text import Text
 from typer.testing import CliRunner
 
 from engine.outputs import Output
+from engine.pages import PageRun
 from engine.service.client import EngineClient
 from engine.service.launcher import start
+from engine.service.protocol import Pages
 from tui.cli import app
-from tui.status import MAP_WIDTH
+from tui.status import MAP_LINES, MAP_WIDTH, page_map
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,20 @@ def test_status_is_short_unless_asked_for_more(engine: str) -> None:
         finally:
             operator.abort("long-one")
         assert outputs.result(timeout=60)[-1].finish_reason == "abort"  # type: ignore[union-attr]
+
+
+def test_the_page_map_of_a_large_pool_fits_the_screen() -> None:
+    """600,000 pages (an H200's pool of a 0.5B model) print in MAP_LINES lines, painted from three runs,
+    each character the state most of its 147 pages are in."""
+    pages = Pages(page_size=16, free=250_000, held=300_000, cached=50_000, locked=0, total=600_000, base=1,
+                  runs=[PageRun(0, 300_000, "R", 0), PageRun(300_000, 50_000, "c"), PageRun(350_000, 250_000, ".")],
+                  owners=["some-request"])
+    head, *rows = page_map(pages)
+    assert head == "page map (1 character = 147 pages; . free, R held, c cached, L locked):"
+    assert len(rows) == MAP_LINES and all(len(row) == 2 + MAP_WIDTH for row in rows[:-1])
+    line = "".join(row.strip() for row in rows)
+    assert re.fullmatch(r"R+c+\.+", line) and len(line) == -(-600_000 // 147)
+    assert [round(line.count(s) * 147 / 1000) for s in "Rc."] == [300, 50, 250]  # thousands of pages
 
 
 def test_status_watch_prints_until_ctrl_c(engine: str) -> None:

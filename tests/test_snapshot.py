@@ -1,12 +1,22 @@
 """The scheduler's read-only snapshot: abort in every state, in sequence and overlapped, checked only
-through `LLM.stats()` (queues, slots, pages, counters), never through the scheduler's internals."""
+through `LLM.stats()` (queues, slots, pages, counters), never through the scheduler's internals; and
+the KV page map the stats carry (engine/pages.py): runs that paint what the pool holds, whose size
+follows the requests rather than the pool, with a complete list for each new subscriber."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import zmq
 
 from engine import LLM, SamplingParams
-from engine.scheduler.snapshot import SchedulerSnapshot
+from engine.pages import FREE, HELD, LOCKED, paint
+from engine.scheduler.snapshot import PageSnapshot, SchedulerSnapshot
+from engine.service import protocol
+from engine.service.client.core import StatsFeed
+from engine.service.publisher import StatsPublisher
+from engine.service.stats import FULL_EVERY, StatsRecorder
 from tests.checkpoints import with_eos
 
 
@@ -19,15 +29,21 @@ def assert_consistent(snap: SchedulerSnapshot) -> None:
     and under reserve admission the claims within what admission may still hand out (under optimistic
     admission they may exceed it: the scheduler retracts when a step cannot get its pages)."""
     p = snap.pages
+    states, holders = painted(p)
     assert p.free + p.used + p.cached == p.total
-    assert p.used == len(p.owners) and p.cached == len(p.cached_pages) and p.locked == sum(p.cached_pages.values())
-    assert not set(p.owners) & set(p.cached_pages)
-    assert set(p.owners.values()) <= {h for h in snap.slots if h is not None}
+    assert [states.count(s.encode()) for s in ".RcL"] == [p.free, p.used, p.cached - p.locked, p.locked]
+    assert set(holders) - {""} <= {h for h in snap.slots if h is not None}
     assert {r.rid for r in snap.running} <= set(snap.slots)
     assert not {w.rid for w in snap.waiting} & set(snap.slots)
     assert p.claimed == sum(r.claimed_pages for r in snap.running)
     if snap.admission == "reserve":
         assert p.claimed <= p.free + p.cached - p.locked
+
+
+def painted(pages: PageSnapshot | protocol.Pages) -> tuple[bytearray, list[str]]:
+    """A state and a holder per page, from a complete list of runs."""
+    assert pages.complete if isinstance(pages, PageSnapshot) else pages.base > 0
+    return paint(pages.total, pages.runs, pages.owners)
 
 
 def assert_idle(snap: SchedulerSnapshot) -> None:
@@ -65,7 +81,7 @@ def test_abort_in_every_state_through_the_snapshot(llama_ckpt, state, overlap):
     deltas += llm.step(overlap).outputs  # a batch in flight that still used its slot has now been processed
     snap = llm.stats()
     assert_consistent(snap)
-    assert target not in snap.slots and target not in snap.pages.owners.values()
+    assert target not in snap.slots and target not in painted(snap.pages)[1]
     while llm.has_unfinished():
         deltas += llm.step(overlap).outputs
         assert_consistent(llm.stats())
@@ -101,3 +117,100 @@ def test_request_finished_by_eos_while_the_next_step_runs_keeps_its_pages_until_
     assert [t for d in deltas for t in d.token_ids] == free_run[: stop_at + 1]
     assert deltas[-1].finish_reason == "stop" and sum(d.finished for d in deltas) == 1
     assert_idle(llm.stats())
+
+
+def pool_truth(llm: LLM) -> tuple[str, list[str]]:
+    """What the allocator and the prefix cache hold, page by page: what the page map must paint."""
+    owner, cached = llm.cache.allocator.owner, llm.cache.cached_pages()
+    states = "".join(HELD if p in owner else (LOCKED if cached[p] else "c") if p in cached else FREE
+                     for p in range(llm.num_pages))
+    return states, [owner.get(p, "") for p in range(llm.num_pages)]
+
+
+def test_page_runs_paint_what_the_pool_holds(llama_ckpt):
+    """A real engine with held, cached and locked pages: at every step, a complete snapshot's runs, and the
+    stats a client assembles (a complete list, then the changes laid over it), paint exactly what the
+    allocator and the prefix cache hold."""
+    llm = LLM(str(llama_ckpt), page_size=4, num_pages=64, max_prefill_tokens=8)
+    prefix = list(range(1, 13))  # three pages
+    llm.generate([prefix + [20, 21, 22, 23, 24]], greedy(2))  # leaves four full pages in the prefix cache
+    recorder, feed = StatsRecorder(llm), StatsFeed()
+    llm.add_request(prefix + [30, 31, 32], greedy(12))  # matches (and locks) three of them
+    llm.add_request(list(range(40, 51)), greedy(12))  # pages of its own, prefilled in two chunks
+    kinds, seen = set(), set()
+    while llm.has_unfinished():
+        truth = pool_truth(llm)
+        states, holders = painted(llm.stats().pages)
+        assert (states.decode(), holders) == truth
+        data = protocol.encode(recorder.snapshot())
+        sent = protocol.decode_stats(data).pages
+        kinds.add("complete" if sent.base == recorder.seq else "changes")
+        stats = feed.take([data])
+        assert stats is not None
+        states, holders = painted(stats.pages)
+        assert (states.decode(), holders) == truth
+        seen |= set(truth[0])
+        llm.step()
+    assert kinds == {"complete", "changes"} and seen == set(".RcL")
+
+
+def test_stats_size_follows_the_requests_not_the_pool(llama_ckpt):
+    """The same requests on a pool of 2,048 pages and on one of 200,000: each snapshot differs by the few
+    bytes of its larger numbers (a character per page made it 198,000 bytes)."""
+    sizes = []
+    for num_pages in (2048, 200_000):
+        llm = LLM(str(llama_ckpt), page_size=1, num_pages=num_pages, dtype="bfloat16")
+        llm.generate([list(range(1, 30))], greedy(2))  # cached pages
+        recorder = StatsRecorder(llm)
+        llm.add_request(list(range(1, 20)) + [40, 41], greedy(50))  # locks a cached prefix
+        llm.add_request(list(range(60, 90)), greedy(50))
+        one = []
+        for _ in range(6):
+            stats = recorder.snapshot()
+            one.append((stats.pages.base == stats.seq, len(protocol.encode(stats))))
+            llm.step()
+        sizes.append(one)
+    small, large = sizes
+    assert {complete for complete, _ in small} == {True, False}
+    assert all(a[0] == b[0] and abs(a[1] - b[1]) <= 16 for a, b in zip(small, large, strict=True)), sizes
+
+
+def test_each_new_subscriber_is_sent_every_page(llama_ckpt, tmp_path):
+    """Snapshots list the pages that changed since the last complete list, so a subscriber that joins
+    late needs a complete one: XPUB reports every subscribe (not only a topic's first), the publisher
+    asks for a complete list for each, and the newcomer's client paints every page from what it gets."""
+    llm = LLM(str(llama_ckpt), num_pages=64)
+    llm.generate([list(range(1, 40))], greedy(2))  # something in the map besides free pages
+    recorder = StatsRecorder(llm)
+    asked: list[bool] = []
+
+    def build(full: bool) -> protocol.Stats:
+        asked.append(full)
+        return recorder.snapshot(full)
+
+    ctx = zmq.Context()
+    try:
+        pub = ctx.socket(zmq.XPUB)
+        pub.bind(f"ipc://{tmp_path}/stats")
+        publisher = StatsPublisher(pub, build)
+        subs, feeds = [], []
+        for n in range(2):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"ipc://{tmp_path}/stats")
+            subs.append(sub)
+            feeds.append(StatsFeed())
+            assert pub.poll(5000), f"subscriber {n}'s subscribe was not reported"
+            publisher.read_subscriptions()
+            complete, deadline = None, time.monotonic() + FULL_EVERY / 2  # not the periodic one: the asked one
+            while complete is None and time.monotonic() < deadline:  # within FULL_SPACING of the last one
+                publisher.publish(idle=True, force=True)
+                assert subs[n].poll(5000)
+                complete = feeds[n].take([subs[n].recv()])
+                time.sleep(0.02)
+            assert complete is not None and painted(complete.pages)[0].decode() == pool_truth(llm)[0]
+            publisher.publish(idle=True, force=True)  # the next one lists the changes only
+            assert asked[-1] is False and protocol.decode_stats(subs[n].recv()).pages.runs == []
+        assert asked.count(True) == 2 and asked[0] is True  # one per subscriber
+    finally:
+        ctx.destroy(linger=0)

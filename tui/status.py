@@ -1,14 +1,19 @@
 """`minichat status` as text: a few lines by default, the request lists and the page map on request.
 
-The page map alone is dozens of lines on a large pool, so printing it every time pushed everything
-else off the screen; it and the per-request lines are now asked for (`--pages`, `--requests`).
+The page map alone is up to MAP_LINES lines (a large pool is summarised to fit), so printing it every
+time pushed everything else off the screen; it and the per-request lines are asked for (`--pages`,
+`--requests`).
 """
 
 from __future__ import annotations
 
+import math
+
+from engine.pages import cells, paint
 from engine.service.protocol import Info, Pages, Stats
 
-MAP_WIDTH = 64  # pages per line of the map
+MAP_WIDTH = 64  # characters per line of the map
+MAP_LINES = 64  # lines at most: a larger pool gets a character per several pages
 
 
 def summary(stats: Stats, info: Info | None = None) -> list[str]:
@@ -53,9 +58,14 @@ def requests(stats: Stats) -> list[str]:
 
 
 def page_map(pages: Pages) -> list[str]:
-    """Every KV page, MAP_WIDTH to a line."""
-    return ["page map (. free, R held, c cached, L locked):",
-            *[f"  {pages.states[i:i + MAP_WIDTH]}" for i in range(0, len(pages.states), MAP_WIDTH)]]
+    """The KV pages, MAP_WIDTH characters to a line: a character a page while they fit in MAP_LINES lines,
+    else a character for each few pages, the state most of them are in."""
+    per_char = max(1, math.ceil(pages.total / (MAP_WIDTH * MAP_LINES)))
+    states, holders = paint(pages.total, pages.runs, pages.owners)
+    line = "".join(state for state, _ in cells(states, holders, per_char))
+    scale = f"1 character = {per_char} pages; " if per_char > 1 else ""
+    return [f"page map ({scale}. free, R held, c cached, L locked):",
+            *[f"  {line[i:i + MAP_WIDTH]}" for i in range(0, len(line), MAP_WIDTH)]]
 
 
 def render(stats: Stats, info: Info | None, show_requests: bool = False, show_pages: bool = False) -> str:

@@ -60,6 +60,12 @@ class CacheManager(ABC):
     def cached_pages(self) -> dict[int, bool]:
         """Every page held by the cache, mapped to whether it is locked."""
 
+    @abstractmethod
+    def cached_lock(self, page: int) -> bool | None:
+        """Whether the cache holds `page` locked (True) or unlocked (False); None if it does not hold it.
+        The cache marks a page on the allocator (`PageAllocator.mark`) when this changes without the
+        allocator's doing: when a lock starts or ends."""
+
     @property
     @abstractmethod
     def evictable_size(self) -> int:

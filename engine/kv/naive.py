@@ -26,6 +26,9 @@ class NaiveCacheManager(CacheManager):
     def cached_pages(self) -> dict[int, bool]:
         return {}
 
+    def cached_lock(self, page: int) -> bool | None:
+        return None
+
     @property
     def evictable_size(self) -> int:
         return 0

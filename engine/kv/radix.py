@@ -56,6 +56,7 @@ class RadixCacheManager(CacheManager):
         while isinstance(node, Node) and node is not self.root:
             if node.lock_ref == 0:
                 self._locked += 1
+                self.allocator.mark([node.page])
             node.lock_ref += 1
             node = node.parent
 
@@ -65,6 +66,7 @@ class RadixCacheManager(CacheManager):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._locked -= 1
+                self.allocator.mark([node.page])
             node = node.parent
 
     def _insert(self, keys: list[tuple[int, ...]], pages: list[int]) -> tuple[Node, list[int], list[int]]:
@@ -122,6 +124,10 @@ class RadixCacheManager(CacheManager):
 
     def cached_pages(self) -> dict[int, bool]:
         return {page: node.lock_ref > 0 for page, node in self.by_page.items()}
+
+    def cached_lock(self, page: int) -> bool | None:
+        node = self.by_page.get(page)
+        return None if node is None else node.lock_ref > 0
 
     @property
     def evictable_size(self) -> int:

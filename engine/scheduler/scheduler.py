@@ -28,7 +28,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from types import MappingProxyType
 
 import msgspec
 import torch
@@ -37,6 +36,7 @@ from engine.batch import ForwardBatch, ForwardOutput
 from engine.kv.cache import CacheManager, PrefixMatch
 from engine.kv.table import RequestTable
 from engine.outputs import Delta, Output, StepResult, TokenLogprob
+from engine.pages import PageMap
 from engine.request import Group, Req, ReqState
 from engine.runner import ModelRunner
 from engine.sampling import Grammars, Logprobs, SamplingBatch
@@ -90,6 +90,7 @@ class Scheduler:
         self._unreleased: set[Req] = set()  # finished, but a batch in flight still uses their slot/pages
         self._prefill_streak = 0  # prefill-only steps in a row while running requests waited
         self.inflight_batches = 0
+        self.pages: PageMap | None = None  # what each KV page is, for snapshots (made by the first one)
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
                          "retractions": 0}
 
@@ -121,10 +122,26 @@ class Scheduler:
             self._finish(req, "abort")
         return bool(reqs)
 
-    def snapshot(self) -> SchedulerSnapshot:
-        """A read-only picture of queues, slots, pages and counters (see engine/scheduler/snapshot.py)."""
+    def watch_pages(self) -> set[int]:
+        """A set each snapshot from now on adds the pages whose state changed to; its holder empties it,
+        and gives it to `snapshot` to have only those pages listed."""
+        return self._page_map().watch()
+
+    def _page_map(self) -> PageMap:
+        """Made at the first snapshot: until then nobody asks, and the allocator notes nothing."""
+        if self.pages is None:
+            self.pages = PageMap(self.cache)
+        return self.pages
+
+    def snapshot(self, changed: set[int] | None = None) -> SchedulerSnapshot:
+        """A read-only picture of queues, slots, pages and counters (see engine/scheduler/snapshot.py):
+        every page, or with `changed` (from `watch_pages`) only those."""
         alloc = self.cache.allocator
-        cached = self.cache.cached_pages()
+        page_map = self._page_map()
+        page_map.refresh()
+        runs, owners = page_map.runs(changed)
+        used = len(alloc.owner)
+        cached = alloc.num_pages - alloc.num_free - used
         admitted = sorted(((r, r.slot) for r in self.reqs.values() if r.slot is not None), key=lambda a: a[0].uid)
         running = tuple(
             RunningEntry(rid=r.rid, client=r.client, slot=slot,
@@ -134,10 +151,10 @@ class Scheduler:
                          claimed_pages=self.admission.claim(r), priority=r.params.priority,
                          retractions=r.retractions)
             for r, slot in admitted)
-        pages = PageSnapshot(page_size=self.page_size, total=alloc.num_pages, free=alloc.num_free,
-                             used=len(alloc.owner), cached=len(cached), locked=sum(cached.values()),
-                             claimed=sum(e.claimed_pages for e in running),
-                             owners=MappingProxyType(dict(alloc.owner)), cached_pages=MappingProxyType(cached))
+        pages = PageSnapshot(page_size=self.page_size, total=alloc.num_pages, free=alloc.num_free, used=used,
+                             cached=cached, locked=cached - self.cache.evictable_size,
+                             claimed=sum(e.claimed_pages for e in running), runs=tuple(runs), owners=tuple(owners),
+                             complete=changed is None)
         waiting = tuple(WaitingEntry(rid=r.rid, client=r.client, prompt_tokens=r.input_len, arrival_time=r.arrival_time,
                                      reason=self.prefill_manager.reason(r), priority=r.params.priority,
                                      retractions=r.retractions, generated=len(r.output_ids))

@@ -4,14 +4,16 @@ stats publisher.
 Everything outside the scheduler reads queues, slots and pages through this, never through the
 managers' internals, so the scheduler can change how it keeps them; why a request waits is the
 scheduler's own verdict from its last admission, not recomputed outside. Taking one copies only small
-host lists (O(requests + pages)); the server takes one only when someone is listening.
+host lists (O(requests)) and the pages as runs: every page (O(runs)), or only those in a set from
+`Scheduler.watch_pages` (what changed since its holder emptied it); the server takes one only when
+someone is listening.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.pages import PageRun
 from engine.params import SamplingParams
 
 
@@ -85,9 +87,10 @@ PROMPT_ENDS = 48  # prompt tokens a RequestDetail keeps from each end
 
 @dataclass(frozen=True)
 class PageSnapshot:
-    """Every KV page is exactly one of free, used (held by a request: `owners`) or cached (`cached`,
-    mapped to whether a running request locks it). `claimed` is what admission counts the admitted
-    requests for beyond what they hold (it admits no one into those pages)."""
+    """Every KV page is exactly one of free, used (held by a request) or cached (`locked` while a running
+    request reads it). `claimed` is what admission counts the admitted requests for beyond what they hold
+    (it admits no one into those pages). `runs` (engine/pages.py) list every page in order when
+    `complete`, else only the pages asked about; a held run's `owner` indexes `owners`."""
 
     page_size: int
     total: int
@@ -96,8 +99,9 @@ class PageSnapshot:
     cached: int
     locked: int
     claimed: int
-    owners: Mapping[int, str]
-    cached_pages: Mapping[int, bool]
+    runs: tuple[PageRun, ...]
+    owners: tuple[str, ...]
+    complete: bool
 
 
 @dataclass(frozen=True)

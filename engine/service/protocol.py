@@ -5,7 +5,8 @@ client in any language can speak it; docs/protocol.md is the reference. Nothing 
 so clients stay light. Incoming messages are validated against these schemas (unknown fields are
 refused, to catch typos); anything that does not decode gets an `Error` reply. The engine's own types
 are the wire's where they meet: a Submit carries `engine.SamplingParams` (validated as it decodes), and
-an `Outputs` message the engine's `Delta` and `Final` (engine/outputs.py) as the scheduler made them.
+an `Outputs` message the engine's `Delta` and `Final` (engine/outputs.py) as the scheduler made them,
+and the stats the KV page map's `PageRun`s (engine/pages.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import msgspec
 
 from engine.outputs import Delta, Final
+from engine.pages import PageRun
 from engine.params import SamplingParams
 
 
@@ -258,18 +260,34 @@ class RunningReq(msgspec.Struct, kw_only=True):
 
 
 class Pages(msgspec.Struct, kw_only=True):
-    """Every KV page: `states[i]` is "." free, "R" held by request `owners[i]`, "c" cached, "L" cached
-    and locked (a running request reads it)."""
+    """The KV pool: how many pages are free, held by a request, cached, or cached and locked (a running
+    request reads it), and where they are as runs (engine/pages.py: `paint` turns them into a state per
+    page), laid in order, a later run over an earlier one. When `base` is the seq of the Stats carrying
+    them they paint every page; otherwise they are only the pages changed since the Stats numbered
+    `base`, whose runs did: lay these over those. The engine sends a complete list to a new subscriber,
+    at least every 5 s, and whenever it is cheaper than the changes; minichat's clients keep the newest
+    (StatsFeed), so every Stats they return paints every page."""
 
     page_size: int
-    states: str
-    owners: dict[int, str]
     free: int
     held: int
     cached: int
     locked: int
     total: int
     claimed: int = 0  # further pages admission counts the admitted requests for (it admits no one into them)
+    base: int = 0
+    runs: list[PageRun] = msgspec.field(default_factory=list)
+    owners: list[str] = msgspec.field(default_factory=list)  # the requests holding pages: PageRun.owner indexes this
+
+    @property
+    def used(self) -> int:
+        """Pages running requests use: held, or cached and locked (what vLLM's KV usage counts)."""
+        return self.held + self.locked
+
+    @property
+    def usage(self) -> float:
+        """`used` as a share of the pool, as `vllm:kv_cache_usage_perc` reports it."""
+        return self.used / max(self.total, 1)
 
 
 class Counters(msgspec.Struct, kw_only=True):
@@ -300,7 +318,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
 
 
 class Stats(_EngineMsg, tag="stats"):
-    """A complete snapshot (not a delta), so a subscriber that joins late needs nothing else."""
+    """A complete snapshot, so a subscriber that joins late needs nothing else, but for the map of KV pages:
+    that may be the changes since an earlier Stats (see Pages)."""
 
     seq: int
     time: float

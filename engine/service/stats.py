@@ -1,12 +1,17 @@
-"""Live stats: counters and recent steps recorded by the server, and complete snapshots built from an LLM.
+"""Live stats: counters and recent steps recorded by the server, and snapshots built from an LLM.
 
-A snapshot names every waiting and running request, every request slot and every KV page, so a
-dashboard that subscribes late (PUB/SUB drops what was sent before it joined) can draw the whole
-scheduler from one message.
+A snapshot names every waiting and running request and every request slot, so a dashboard that
+subscribes late (PUB/SUB drops what was sent before it joined) can draw the whole scheduler from one
+message; the KV pages too, but those cost what moved rather than the pool size: a snapshot lists every
+page as runs only when asked (a new subscriber), every FULL_EVERY seconds, or when the pages changed
+since the last complete list outnumber its runs (so that list costs no more than the changes would);
+the others list just those pages, to lay over it (protocol.Pages). The clients keep the newest complete
+list (engine/service/client/core.py's StatsFeed).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from pathlib import Path
@@ -20,6 +25,8 @@ if TYPE_CHECKING:  # only the engine process builds snapshots; `minichat status`
     from engine.scheduler.snapshot import PageSnapshot, SchedulerCounters
 
 RATE_WINDOW = 2.0  # seconds of recent steps that token and step rates average over
+FULL_EVERY = 5.0  # seconds between complete page lists at most, for a subscriber that lost one
+FULL_SPACING = 0.25  # and at least, however many subscribers ask for one
 
 
 class StatsRecorder:
@@ -34,6 +41,11 @@ class StatsRecorder:
         self.unscheduled_aborts = 0  # requests aborted before they reached the scheduler (while tokenizing)
         self.recent: deque[StepRecord] = deque(maxlen=history)
         self._window: deque[tuple[float, int, int]] = deque()  # (end time, prefill tokens, decode tokens)
+        self._changed = llm.watch_pages()  # pages whose state changed since the last complete list
+        self._full_seq = 0  # the snapshot that last listed every page (none yet)
+        self._full_at = -math.inf
+        self._full_runs = 0  # how many runs it had
+        self._full_wanted = False  # a new subscriber asked for one that FULL_SPACING has held back
 
     def record_step(self, result: StepResult) -> None:
         if result.kind == "idle":
@@ -58,10 +70,23 @@ class StatsRecorder:
                         decode_tokens_per_s=decode / span, steps_per_s=len(self._window) / span,
                         retractions=counts.retractions)
 
-    def snapshot(self) -> Stats:
+    def _full_due(self, now: float, asked: bool) -> bool:
+        """Whether the next snapshot lists every page (see the module docstring)."""
+        self._full_wanted |= asked
+        since = now - self._full_at
+        return since >= FULL_EVERY or (self._full_wanted and since >= FULL_SPACING) or \
+            len(self._changed) > self._full_runs
+
+    def snapshot(self, full: bool = False) -> Stats:
+        """The next snapshot; `full`: a new subscriber wants every page listed."""
         now = time.monotonic()
-        snap = self.llm.stats()
+        full = self._full_due(now, full)
+        snap = self.llm.stats(None if full else self._changed)
         self.seq += 1
+        if full:
+            self._changed.clear()
+            self._full_seq, self._full_at, self._full_runs = self.seq, now, len(snap.pages.runs)
+            self._full_wanted = False
         return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=Path(self.llm.model_path).name,
                      waiting=[WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens, waited=now - w.arrival_time,
                                          reason=w.reason, priority=w.priority, retractions=w.retractions,
@@ -71,16 +96,10 @@ class StatsRecorder:
                                          pages=r.pages, priority=r.priority, retractions=r.retractions,
                                          client=r.client)
                               for r in snap.running],
-                     slots=list(snap.slots), pages=_pages(snap.pages), counters=self._counters(now, snap.counters),
+                     slots=list(snap.slots), pages=self._pages(snap.pages), counters=self._counters(now, snap.counters),
                      steps=list(self.recent), admission=snap.admission, policy=snap.policy)
 
-
-def _pages(pages: PageSnapshot) -> Pages:
-    states = ["."] * pages.total
-    for page in pages.owners:
-        states[page] = "R"
-    for page, locked in pages.cached_pages.items():
-        states[page] = "L" if locked else "c"
-    return Pages(page_size=pages.page_size, states="".join(states), owners=dict(pages.owners), free=pages.free,
-                 held=pages.used, cached=pages.cached - pages.locked, locked=pages.locked, total=pages.total,
-                 claimed=pages.claimed)
+    def _pages(self, pages: PageSnapshot) -> Pages:
+        return Pages(page_size=pages.page_size, free=pages.free, held=pages.used, cached=pages.cached - pages.locked,
+                     locked=pages.locked, total=pages.total, claimed=pages.claimed, base=self._full_seq,
+                     runs=list(pages.runs), owners=list(pages.owners))

@@ -14,13 +14,14 @@ from rich.text import Text
 from textual.geometry import Size
 from textual.widget import Widget
 
+from engine.pages import CACHED, FREE, HELD, LOCKED, cells, paint
 from engine.service.protocol import Stats
 from tui.names import RequestNames
 from tui.panels.base import pack, set_titles
 
 Item = tuple[str, str]  # (glyph, style)
-FREE: Item = ("░", "grey35")
-PAGE_STATES: dict[str, Item] = {".": FREE, "c": ("▒", "#5f87af"), "L": ("▓", "bold #ffffff")}
+FREE_ITEM: Item = ("░", "grey35")
+PAGE_STATES: dict[str, Item] = {FREE: FREE_ITEM, CACHED: ("▒", "#5f87af"), LOCKED: ("▓", "bold #ffffff")}
 SLOT_ROWS = 4  # the slot grid grows to at most this many lines before its cells shrink
 
 
@@ -74,7 +75,7 @@ class SlotGrid(CellGrid):
         if stats.slots == self._drawn:
             return
         self._drawn = stats.slots
-        self.set_items([FREE if rid is None else ("█", names.colour(rid)) for rid in stats.slots])
+        self.set_items([FREE_ITEM if rid is None else ("█", names.colour(rid)) for rid in stats.slots])
         busy = sum(rid is not None for rid in stats.slots)
         set_titles(self, f"Request slots {busy}/{len(stats.slots)}")
 
@@ -87,7 +88,9 @@ class PageGrid(CellGrid):
     """One cell per KV page (or per group of pages): free, held by a request, cached, or cached and
     locked (a running request reads it). Above the cells, the counts of each, how the engine admits
     requests into the pages (reserve, or optimistic and what it expects of their output now) and in
-    which order: in lines that wrap between those parts, where a title would be cut at 80 columns."""
+    which order: in lines that wrap between those parts, where a title would be cut at 80 columns.
+    A pool larger than the panel is summarised from its runs (engine/pages.py) straight into as many
+    cells as fit, so a 600,000-page pool costs a few byte scans, not 600,000 items."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -109,9 +112,10 @@ class PageGrid(CellGrid):
             lines = len(pack(self.header, width))
             self.header = header
             self.refresh(layout=len(pack(header, width)) != lines)
-        self.set_items([("█", names.colour(p.owners.get(i, ""))) if state == "R" else PAGE_STATES[state]
-                        for i, state in enumerate(p.states)])
         _, per_cell = fit(p.total, self.size.width, self.grid_rows(self.size.width, self.size.height))
+        states, holders = paint(p.total, p.runs, p.owners)
+        self.set_items([("█", names.colour(holder)) if state == HELD else PAGE_STATES[state]
+                        for state, holder in cells(states, holders, per_cell)])
         set_titles(self, f"KV pages {p.held + p.locked}/{p.total} used",
                    "█ held ▓ locked ▒ cached ░ free" + (f" · 1 cell = {per_cell} pages" if per_cell > 1 else ""))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TypeVar
@@ -42,6 +43,7 @@ class AsyncEngineClient:
         self._sock, self._monitor = sockets.dealer(self._ctx, self.address, self._token)
         self._mail = core.Mailroom(self.address, timeout)
         self._sub: zmq.asyncio.Socket | None = None
+        self._feed = core.StatsFeed()
         self._reader: asyncio.Task[None] | None = None
         self._heard = 0.0  # loop time of the last message, or of a new waiter (it restarts the clock)
         self._nonce = itertools.count(1)
@@ -187,15 +189,20 @@ class AsyncEngineClient:
 
     # -- stats ------------------------------------------------------------------------------------
     async def stats(self, timeout: float = 5.0) -> Stats:
-        """The next stats snapshot."""
+        """The newest stats snapshot (see EngineClient.stats)."""
         if self._sub is None:
             self._sub = sockets.subscriber(self._ctx, self.address, self._token)
         try:
             async with asyncio.timeout(timeout):
-                data = await self._sub.recv()
+                while True:
+                    frames = [await self._sub.recv()]
+                    with contextlib.suppress(zmq.Again):
+                        while True:
+                            frames.append(await self._sub.recv(zmq.NOBLOCK))
+                    if (stats := self._feed.take(frames)) is not None:
+                        return stats
         except TimeoutError:
             raise core.EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s") from None
-        return protocol.decode_stats(data)
 
     async def watch_stats(self, timeout: float = 5.0) -> AsyncIterator[Stats]:
         """Snapshots as they come, newest only."""

@@ -63,6 +63,7 @@ class EngineClient:
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._sub: zmq.Socket | None = None
+        self._feed = core.StatsFeed()
         self._nonce = itertools.count(1)
 
     def __enter__(self) -> EngineClient:
@@ -207,12 +208,19 @@ class EngineClient:
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self, timeout: float = 5.0) -> Stats:
-        """The next stats snapshot (the engine publishes about ten a second)."""
+        """The newest stats snapshot, waiting for one if none is queued (the engine publishes about ten a
+        second); its page map paints every KV page (core.StatsFeed)."""
         if self._sub is None:
             self._sub = sockets.subscriber(self._ctx, self.address, self._token)
-        if not self._sub.poll(int(timeout * 1000)):
-            raise core.EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s")
-        return protocol.decode_stats(self._sub.recv())
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0 and self._sub.poll(int(left * 1000)):
+            frames = []
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    frames.append(self._sub.recv(zmq.NOBLOCK))
+            if (stats := self._feed.take(frames)) is not None:
+                return stats
+        raise core.EngineUnavailable(f"no stats from {stats_address(self.address)} for {timeout:g}s")
 
     def watch_stats(self, timeout: float = 5.0) -> Iterator[Stats]:
         """Snapshots as they come, newest only (a slow reader skips stale ones)."""

@@ -3,7 +3,7 @@ is over, and how a lost or silent connection fails every waiter at once.
 
 It does no I/O. A transport (blocking.py, aio.py) owns the sockets: it hands every frame it reads to
 `Mailroom.file`, tells it when the connection broke (`fail_all`), and waits on a `Box` until `take`
-gives it a reply or raises.
+gives it a reply or raises; and every stats frame to a `StatsFeed`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Literal, TypeVar
 import msgspec
 
 from engine.outputs import Delta, Final, Output
+from engine.pages import PageRun
 from engine.params import SamplingParams
 from engine.prompt import ChatMessage, Prompt, Tools
 from engine.service import protocol
-from engine.service.protocol import Aborted, Description, Error, Info, Pong, ShuttingDown, Text, Tokens
+from engine.service.protocol import Aborted, Description, Error, Info, Pong, ShuttingDown, Stats, Text, Tokens
 
 # ("req", rid): a request's stream or a (de)tokenize call's reply; ("abort", rid), ("describe", rid), ("pong", nonce),
 # ("info", None), ("shutdown", None)
@@ -259,6 +260,40 @@ class Mailroom:
             raise EngineError("too_large", f"this request is {len(data):,} bytes as a message to the engine, more "
                                            f"than its limit of {self.max_message_bytes:,} (--max-message-bytes)", rid)
         return data
+
+
+class StatsFeed:
+    """Stats whose page map paints every KV page. A snapshot's page runs may be only the changes since the
+    newest one that listed every page (protocol.Pages), so the feed reads every snapshot in order (the
+    subscriber does not conflate), keeps that complete one, and lays later changes over it."""
+
+    def __init__(self) -> None:
+        self._full: Stats | None = None
+
+    def take(self, frames: list[bytes]) -> Stats | None:
+        """The newest of these snapshots with every page painted; None while the complete list the
+        changes build on has not come (a new subscriber's comes within a moment)."""
+        newest = None
+        for data in frames:
+            newest = self._add(protocol.decode_stats(data)) or newest
+        return newest
+
+    def _add(self, stats: Stats) -> Stats | None:
+        pages, full = stats.pages, self._full
+        if pages.base == stats.seq:
+            self._full = stats
+            return stats
+        # the same engine (a restarted one numbers from 1 again): it started at the same moment
+        if full is None or full.seq != pages.base or abs(_started(full) - _started(stats)) > 1.0:
+            return None
+        shift = len(full.pages.owners)
+        changes = [PageRun(r.start, r.length, r.state, r.owner + shift) if r.owner >= 0 else r for r in pages.runs]
+        return msgspec.structs.replace(stats, pages=msgspec.structs.replace(
+            pages, base=stats.seq, runs=full.pages.runs + changes, owners=full.pages.owners + pages.owners))
+
+
+def _started(stats: Stats) -> float:
+    return stats.time - stats.uptime
 
 
 class Stream:

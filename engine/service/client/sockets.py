@@ -13,6 +13,7 @@ from engine.service.client.core import AUTH_USER
 
 S = TypeVar("S", bound=zmq.Socket)
 _REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+STATS_QUEUE = 100  # stats snapshots a SUB holds for its reader: ten seconds of them
 
 
 def _secure(sock: S, token: str | None) -> S:
@@ -39,8 +40,11 @@ def dealer(ctx: zmq.Context[S], address: str, token: str | None = None) -> tuple
 
 
 def subscriber(ctx: zmq.Context[S], address: str, token: str | None = None) -> S:
+    """A SUB for the stats. Not conflating: a snapshot's page map may be changes to an earlier one, so the
+    reader takes every queued snapshot in order (core.StatsFeed); a reader that stops reading holds at
+    most STATS_QUEUE of them (the engine drops what does not fit)."""
     sock = _secure(ctx.socket(zmq.SUB), token)
-    sock.setsockopt(zmq.CONFLATE, 1)  # only the newest snapshot matters; each one is complete
+    sock.setsockopt(zmq.RCVHWM, STATS_QUEUE)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(stats_address(address))
     return sock

@@ -59,7 +59,7 @@ class EngineStatsCollector(Collector):
             "minichat_request_slots_free": ("Request slots nobody holds.", sum(r is None for r in s.slots)),
             "minichat_kv_pages_free": ("KV pages free.", s.pages.free),
             "minichat_kv_pages_used": ("KV pages running requests use (held, or cached and locked).",
-                                       s.pages.held + s.pages.locked),
+                                       s.pages.used),
             "minichat_kv_pages_cached": ("KV pages holding reusable prefixes nobody is using.", s.pages.cached),
             "minichat_kv_pages_total": ("KV pages in the pool.", s.pages.total),
         }
@@ -84,11 +84,10 @@ class EngineStatsCollector(Collector):
     def _vllm(self, s: Stats) -> Iterator[Metric]:
         """The same numbers under vLLM's names and label."""
         label = {"model_name": self.model_name}
-        used = s.pages.held + s.pages.locked
         gauges = {
             "vllm:num_requests_running": ("Requests in the running set.", len(s.running)),
             "vllm:num_requests_waiting": ("Requests in the waiting queue.", len(s.waiting)),
-            "vllm:kv_cache_usage_perc": ("KV-cache usage; 1 means 100 percent.", used / max(s.pages.total, 1)),
+            "vllm:kv_cache_usage_perc": ("KV-cache usage; 1 means 100 percent.", s.pages.usage),
         }
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=list(label))
