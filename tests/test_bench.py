@@ -12,6 +12,7 @@ import pytest
 
 from engine.service.client import EngineClient
 from engine.service.launcher import start
+from tui.bench.workload import make_workload
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
@@ -81,6 +82,26 @@ def test_no_engine_fails_fast_with_a_clear_message():
     assert run.returncode == 2
     assert f"no engine answers at {address}" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_shared_prefix_workload_is_token_exact_and_the_cache_serves_the_prefixes(engine_address, tmp_path):
+    """--prefix-len/--num-prefixes: every prompt is one of the prefixes plus its own suffix, exactly that many
+    tokens; one at a time, each prefix misses once and then comes from the prefix cache, and the report says
+    how much did (the engine's `cached_tokens`)."""
+    prefixes = make_workload(list(range(100, 200)), 6, 8, 2, 0.0, seed=3, prefix_len=32, num_prefixes=2)
+    assert len({tuple(r.prompt_ids[:32]) for r in prefixes}) == 2 and all(len(r.prompt_ids) == 40 for r in prefixes)
+    assert [r.prompt_ids[32:] for r in prefixes] == [r.prompt_ids for r in make_workload(list(range(100, 200)), 6, 8,
+                                                                                         2, 0.0, seed=3)]
+    out = tmp_path / "bench.json"
+    run = minichat("bench", "--address", engine_address, "--num-requests", "6", "--concurrency", "1", "--input-len",
+                   "8", "--output-len", "2", "--prefix-len", "32", "--num-prefixes", "2", "--warmup", "0",
+                   "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["prefix_len"] == 32 and [r["prompt_len"] for r in report["records"]] == [40] * 6
+    assert report["engine"]["input_tokens"] == 240
+    assert report["engine"]["cached_prompt_tokens"] == 4 * 32  # whole pages of 16: the prefixes, not a suffix
+    assert "prompt tokens from the prefix cache" in run.stderr and "128 of 240 (53%)" in run.stderr
 
 
 def test_bad_options_are_refused(engine_address):

@@ -1,6 +1,7 @@
 """minichat replicas with the fleet tools people already run (issue 26): vllm-htop reads a replica's
-`/metrics` by vLLM's names and reports the engine's own numbers, and SGLang's gateway (`smg`) spreads
-requests over two replicas, which do not sample in lockstep."""
+`/metrics` by vLLM's names and reports the engine's own numbers; SGLang's gateway (`smg`) spreads requests
+over two replicas (which do not sample in lockstep), sends requests that share a prefix to the replica
+that cached it, and routes around a replica that was SIGKILLed mid-run."""
 
 from __future__ import annotations
 
@@ -8,52 +9,60 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
+import threading
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from engine.service.client import EngineClient
-from tests.test_http_api import free_port, minichat, stop, wait_http
-
-
-@dataclass
-class Replica:
-    url: str  # http://127.0.0.1:PORT
-    address: str  # its engine's
-
-
-@contextmanager
-def replica() -> Iterator[Replica]:
-    """`minichat serve --http` on the demo model."""
-    address = f"ipc://{tempfile.mkdtemp(prefix='mcf')}/engine.sock"
-    port = free_port()
-    process = subprocess.Popen(minichat("serve", "--http", f"127.0.0.1:{port}", "--address", address),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_http(process, f"http://127.0.0.1:{port}/health")
-        yield Replica(f"http://127.0.0.1:{port}", address)
-    finally:
-        stop(process)
+from engine.service.client import EngineClient, probe
+from engine.service.protocol import Stats
+from tests.test_process_faults import gone, wait_until
+from tui.bench.fleet import Replica, gateway, replica, vllm_counters
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name, path=str(__import__("pathlib").Path(sys.executable).parent))
+    path = shutil.which(name, path=str(Path(sys.executable).parent))
     if path is None:
         pytest.skip(f"{name} is not installed (pip install '.[dev]' installs it)")
     return path
 
 
-def test_vllm_htop_reads_a_replica_as_minichat_status_does():
+@pytest.fixture(scope="module")
+def pair() -> Iterator[list[Replica]]:
+    """Two demo-model replicas, shared by this module's tests (each takes seconds to start)."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(replica()) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def smg() -> str:
+    return tool("smg")
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def submitted(rep: Replica) -> int:
+    """Requests the replica's engine has accepted so far."""
+    with EngineClient(rep.address) as engine:
+        return engine.stats().counters.submitted
+
+
+def idle(s: Stats) -> bool:
+    return not s.waiting and not s.running and all(h is None for h in s.slots) and s.pages.held == 0
+
+
+def test_vllm_htop_reads_a_replica_as_minichat_status_does(pair):
     htop = tool("vllm-htop")
-    with replica() as rep, EngineClient(rep.address) as engine:
-        sdk = openai.OpenAI(base_url=rep.url + "/v1", api_key="none", max_retries=0)
-        stream = sdk.completions.create(model="demo_model", prompt="Once more unto the breach", max_tokens=900,
-                                        stream=True, extra_body={"ignore_eos": True})
+    rep = pair[0]
+    with EngineClient(rep.address) as engine:
+        stream = sdk(rep.url).completions.create(model="demo_model", prompt="Once more unto the breach",
+                                                 max_tokens=900, stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))  # it runs now
         try:
             report = subprocess.run([htop, "--url", rep.url, "--once", "--output", "json"], capture_output=True,
@@ -67,30 +76,121 @@ def test_vllm_htop_reads_a_replica_as_minichat_status_does():
         used = (stats.pages.held + stats.pages.locked) / stats.pages.total
         assert row["kv_pct"] == pytest.approx(100 * used, abs=100 * 2 / stats.pages.total)  # a page either way
         assert row["lifetime"]["prompt_tokens_total"] is not None
+        engine.wait_stats(idle, 30)  # the closed stream's request is aborted before the next test
 
 
-def test_two_replicas_behind_smg_share_the_load_and_sample_apart():
-    smg = tool("smg")
-    with ExitStack() as stack:
-        replicas = [stack.enter_context(replica()) for _ in range(2)]
-        # unseeded sampling differs between replicas (each engine draws its own seed)
-        texts = [openai.OpenAI(base_url=r.url + "/v1", api_key="none").completions.create(
-            model="demo_model", prompt="To be, or not to be", max_tokens=24, temperature=1.0,
-            extra_body={"ignore_eos": True}).choices[0].text for r in replicas]
-        assert texts[0] != texts[1]
-        port = free_port()
-        gateway = subprocess.Popen([smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy",
-                                    "round_robin", "--worker-urls", *(r.url for r in replicas)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        stack.callback(stop, gateway)
-        url = f"http://127.0.0.1:{port}"
-        wait_http(gateway, url + "/health")
-        before = [EngineClient(r.address).stats().counters.submitted for r in replicas]
-        sdk = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+def test_two_replicas_behind_smg_share_the_load_and_sample_apart(pair, smg):
+    # unseeded sampling differs between replicas (each engine draws its own seed)
+    texts = [sdk(r.url).completions.create(model="demo_model", prompt="To be, or not to be", max_tokens=24,
+                                           temperature=1.0, extra_body={"ignore_eos": True}).choices[0].text
+             for r in pair]
+    assert texts[0] != texts[1]
+    with gateway(smg, pair, "round_robin") as url:
+        before = [submitted(r) for r in pair]
+        client = sdk(url)
         for i in range(8):
-            out = sdk.completions.create(model="demo_model", prompt=f"Speak, number {i}", max_tokens=4)
+            out = client.completions.create(model="demo_model", prompt=f"Speak, number {i}", max_tokens=4)
             assert out.choices[0].finish_reason in ("stop", "length")
-        after = [EngineClient(r.address).stats().counters.submitted for r in replicas]
-        served = [a - b for a, b in zip(after, before, strict=True)]
-        assert sum(served) == 8 and min(served) >= 2, served
-        assert httpx.get(url + "/v1/models", timeout=10).status_code == 200
+        served = [submitted(r) - b for r, b in zip(pair, before, strict=True)]
+        assert served == [4, 4]
+        assert client.models.list().data[0].id == "demo_model"
+
+
+# smg's cache_aware policy keeps a radix tree of the text it sent each worker and sends a request to the
+# worker whose text matches the largest share of the request's, when that share exceeds --cache-threshold
+# (else to the least loaded). Made deterministic here: a follow-up shares ~95% of its text with its group
+# and ~0% with the others, so 0.5 separates them with room; the spill gate (leave the matched worker for
+# the least loaded one when its load exceeds the mean by both balance thresholds) never opens; and the
+# warm-up slice (route one miss in 4, and divert one hit in 8, to a worker whose tree is still thin) is
+# off, since it would move a group's hits to the other replica on purpose.
+CACHE_AWARE = ("--cache-threshold", "0.5", "--balance-abs-threshold", "1000000", "--balance-rel-threshold", "1000000",
+               "--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0")
+
+
+def test_cache_aware_smg_sends_a_shared_prefix_to_the_replica_that_cached_it(pair, smg):
+    """Four groups of prompts, each group sharing a long prefix (distinct from the first character on):
+    every group lands on one replica, whose prefix cache serves each follow-up its prefix, and each
+    replica's `vllm:prefix_cache_hits` counter moves by what its requests report as cached."""
+    prefixes = [f"{name}: " + " ".join(f"{name.lower()}{i}" for i in range(60))
+                for name in ("Alpha", "Bravo", "Charlie", "Delta")]
+    with gateway(smg, pair, "cache_aware", *CACHE_AWARE) as url:
+        hits_before = [vllm_counters(r.url)["vllm:prefix_cache_hits_total"] for r in pair]
+        client = sdk(url)
+        landed: dict[int, set[int]] = {}
+        cached = [0, 0]
+        for turn in range(3):
+            for group, prefix in enumerate(prefixes):
+                before = [submitted(r) for r in pair]
+                out = client.completions.create(model="demo_model", prompt=f"{prefix} Question {turn}?", max_tokens=2)
+                (where,) = [i for i, (r, b) in enumerate(zip(pair, before, strict=True)) if submitted(r) > b]
+                landed.setdefault(group, set()).add(where)
+                usage = out.usage
+                assert usage is not None and usage.prompt_tokens_details is not None
+                hit = usage.prompt_tokens_details.cached_tokens or 0
+                # first sight: nothing cached; then the prefix, in whole pages of 16 (~90% of the prompt)
+                assert hit == 0 if turn == 0 else hit >= 0.8 * usage.prompt_tokens, (turn, group, hit, usage)
+                cached[where] += hit
+        assert all(len(replicas) == 1 for replicas in landed.values()), landed
+        # the counters move with each request's Final, which the reply waited for
+        hits = [vllm_counters(r.url)["vllm:prefix_cache_hits_total"] - b
+                for r, b in zip(pair, hits_before, strict=True)]
+        assert hits == cached and sum(hits) > 0
+
+
+# What smg does when a worker dies (observed with smg 1.13): a stream it was relaying ends with an SSE error
+# event ("Stream ended by the worker before completion", a 502 in its log), which the SDK raises as an
+# APIError; a request whose response head had not come yet, or one sent to the dead worker afterwards,
+# is retried on another worker (--retry-max-retries, 5 by default), so its client never sees the death.
+# Each failure counts against the worker's circuit breaker; --cb-failure-threshold 1 opens it at the
+# first, so new requests stop being tried on the victim at all. Health checks (every 60 s by default)
+# play no part here. The test kills only once every stream is relaying, so each one's fate is fixed.
+ROUTE_AROUND = ("--cb-failure-threshold", "1")
+
+
+def stream(client: openai.OpenAI, i: int, relaying: threading.Event) -> str:
+    """One streamed request: "completed" (a finish_reason and every token), else the SDK's error. A stream
+    that ends quietly without a finish_reason would be a silently truncated reply: "truncated". `relaying`
+    is set once its first chunk is in: the gateway has its worker's response, and can no longer retry it."""
+    try:
+        chunks = client.completions.create(model="demo_model", prompt=f"Request {i} reads", max_tokens=300,
+                                           stream=True, extra_body={"ignore_eos": True})
+        finish = None
+        for chunk in chunks:
+            relaying.set()
+            finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
+        return "completed" if finish == "length" else "truncated"
+    except openai.APIError as e:
+        return f"error: {e.message}"
+    finally:
+        relaying.set()
+
+
+def test_smg_routes_around_a_sigkilled_replica(pair, smg):
+    """12 streams over a survivor and a victim; once every one is relaying, the victim's `serve --http` is
+    SIGKILLed (its engine child follows it). Every stream the survivor had completes, every one the victim
+    had fails with an error, none is cut short quietly; new requests all go to the survivor and complete;
+    the survivor ends with every page and slot free."""
+    survivor = pair[0]
+    with replica() as victim, gateway(smg, [survivor, victim], "round_robin", *ROUTE_AROUND) as url:
+        pong = probe(victim.address, 5.0)
+        assert pong is not None
+        before = submitted(survivor)
+        client = sdk(url)
+        relaying = [threading.Event() for _ in range(12)]
+        with ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(stream, client, i, r) for i, r in enumerate(relaying)]
+            assert all(r.wait(60) for r in relaying)
+            victim.process.kill()
+            outcomes = [f.result() for f in futures]
+        assert victim.process.wait(30) == -9
+        wait_until(lambda: gone(pong.pid), "the victim's engine to exit with its parent")
+        completed = outcomes.count("completed")
+        assert all(o == "completed" or o.startswith("error: ") for o in outcomes), outcomes
+        assert completed == submitted(survivor) - before and 0 < completed < 12, outcomes  # round robin: 6 each
+        before = submitted(survivor)
+        for i in range(6):
+            out = client.completions.create(model="demo_model", prompt=f"After {i}", max_tokens=4)
+            assert out.choices[0].finish_reason in ("stop", "length")
+        assert submitted(survivor) - before == 6
+    with EngineClient(survivor.address) as engine:
+        engine.wait_stats(idle, 30)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,17 +21,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
+from engine.pages import paint
 from engine.service.client import EngineClient, probe
 from engine.service.launcher import start
+from tui.bench.fleet import PACE, exited, free_port, stop
 
 KEY = "test-key-123"
 START_TIMEOUT = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def minichat(*args: str) -> list[str]:
@@ -44,24 +38,14 @@ def wait_http(process: subprocess.Popen, url: str, headers: dict[str, str] | Non
     """Until `url` answers 200 (the front end is up and reaches its engine), or the process died."""
     end = time.monotonic() + START_TIMEOUT
     while time.monotonic() < end:
-        if process.poll() is not None:
-            raise RuntimeError(f"exited with {process.returncode}: {process.stderr.read() if process.stderr else ''}")
         try:
             if httpx.get(url, headers=headers, timeout=2.0).status_code == 200:
                 return
         except httpx.TransportError:
-            continue  # not listening yet; each attempt waits on a connect or a reply
+            pass  # not listening yet
+        if exited(process, PACE):
+            raise RuntimeError(f"exited with {process.returncode}: {process.stderr.read() if process.stderr else ''}")
     raise TimeoutError(f"{url} did not come up")
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @dataclass
@@ -260,7 +244,7 @@ def test_client_disconnect_aborts_the_engine_request(server, engine, stream):
 
     rid = asyncio.run(leave_mid_request())
     snap = engine.wait_stats(lambda s: s.counters.aborted > aborted and all(r.rid != rid for r in s.running), 15)
-    assert rid not in snap.pages.owners.values() and snap.pages.held == 0
+    assert rid not in paint(snap.pages.total, snap.pages.runs, snap.pages.owners)[1] and snap.pages.held == 0
 
 
 def metric_values(server: Server) -> dict[str, float]:

@@ -21,7 +21,7 @@ from engine.service.launcher import EngineHandle, find_or_start
 from tui.bench.engine_run import run_engine_bench
 from tui.bench.metrics import RequestRecord, Summary, summarize
 from tui.bench.openai_run import error_message, run_openai_bench
-from tui.bench.workload import BenchRequest, make_workload
+from tui.bench.workload import BenchRequest, Spell, make_workload
 
 console = Console(stderr=True)
 
@@ -30,16 +30,35 @@ class BenchError(RuntimeError):
     """A benchmark that cannot run (no engine, bad options); the CLI prints it without a traceback."""
 
 
-def ordinary_vocab(model_path: str) -> list[int]:
-    """Token ids a prompt may use: the tokenizer's vocabulary minus special tokens (or every id)."""
+MIN_WORDS = 16  # fewer whole words than this and prompts are drawn from every ordinary token
+
+
+def prompt_vocab(model_path: str) -> tuple[list[int], Spell | None]:
+    """Token ids a prompt may use, and how to spell such a prompt as text (None: it goes as ids).
+
+    Whole words with their leading space (`Ġthe`, `▁the`) that read back as themselves, where the tokenizer
+    has enough: pre-tokenizers split before each space, so a run of them reads back as exactly those ids
+    and the prompt can go as text, which is what `vllm bench serve` sends and all that a gateway like smg
+    takes (it refuses token ids); each prompt is checked, and one that would not read back goes as ids.
+    Otherwise the vocabulary minus special tokens (or every id, without a
+    tokenizer). Both backends draw from the same ids, so one seed gives both the same workload."""
     from engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(Path(model_path))
-    if tok is not None:
-        special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
-        return [i for i in range(len(tok)) if i not in special]
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return list(range(config["vocab_size"]))
+    if tok is None:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        return list(range(config["vocab_size"])), None
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    ordinary = [i for i in range(len(tok)) if i not in special]
+
+    def say(ids: list[int]) -> str | None:
+        """The ids as text, if it reads back as exactly them (the server may add its BOS, as to any text)."""
+        text = tok.decode(ids)
+        return text if isinstance(text, str) and tok.encode(text, add_special_tokens=False) == ids else None
+
+    words = [i for i in ordinary if str(tok.convert_ids_to_tokens(i))[:1] in ("Ġ", "▁")
+             and (word := say([i])) is not None and word.strip().isalpha()]
+    return (ordinary, None) if len(words) < MIN_WORDS else (words, say)
 
 
 def connect(address: str | None, engine_options: dict[str, Any]) -> EngineHandle:
@@ -71,6 +90,10 @@ def render(title: str, s: Summary) -> Table:
     ]
     if s.mean_running is not None:
         rows.append(("mean running set (requests)", f"{s.mean_running:.1f}"))
+    if s.cached_prompt_tokens is not None:
+        share = s.cached_prompt_tokens / s.input_tokens if s.input_tokens else 0.0
+        rows.append(("prompt tokens from the prefix cache", f"{s.cached_prompt_tokens} of {s.input_tokens} "
+                                                             f"({share:.0%})"))
     for name, dist in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("ITL", s.itl_ms), ("E2E", s.e2e_ms)):
         if not math.isnan(dist["mean"]):
             rows.append((f"{name} mean / median / p90 / p99 (ms)",
@@ -131,7 +154,8 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
               request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
               timeout: float, baseline: str | None, json_path: Path | None, engine_options: dict[str, Any],
               backend: str = "minichat", base_url: str | None = None, tokenizer: str | None = None,
-              api_key: str | None = None, json_schema: Path | None = None) -> dict:
+              api_key: str | None = None, json_schema: Path | None = None, prefix_len: int = 0,
+              num_prefixes: int = 1) -> dict:
     if concurrency < 1:
         raise BenchError("--concurrency must be at least 1")
     if baseline not in (None, "hf", "unconstrained"):
@@ -171,20 +195,30 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
             def launch(workload: list[BenchRequest], warm: int, shape: Shape) -> Coroutine[Any, Any, Measured]:
                 return run_engine_bench(engine_address, workload, warmup=warm, **shape)
 
-        workload = make_workload(ordinary_vocab(target.tokenizer), num_requests + warmup, input_len, output_len,
-                                 range_ratio, seed)
+        try:
+            vocab, spell = prompt_vocab(target.tokenizer)
+        except OSError as e:  # the checkpoint the server names is not here (or not readable)
+            raise BenchError(f"cannot read the tokenizer of {target.tokenizer!r} ({e}); name the checkpoint "
+                             f"with --tokenizer") from e
+
+        def draw(workload_seed: int) -> list[BenchRequest]:
+            return make_workload(vocab, num_requests + warmup, input_len, output_len, range_ratio, workload_seed,
+                                 prefix_len, num_prefixes, spell if backend == "openai" else None)
+
+        workload = draw(seed)
         too_long = [r for r in workload
                     if target.max_seq_len is not None and len(r.prompt_ids) + r.output_len > target.max_seq_len]
         if too_long:
             raise BenchError(f"{len(too_long)} requests exceed the server's max_seq_len {target.max_seq_len}; "
-                             f"lower --input-len/--output-len")
+                             f"lower --input-len/--output-len/--prefix-len")
         warm, measured = workload[:warmup], workload[warmup:]
         records, duration, peak = asyncio.run(launch(warm + measured, len(warm), shape))
         records = records[len(warm):] if warm else records
         summary = summarize(records, duration, peak)
         result: dict = {
             "config": {"concurrency": concurrency, "num_requests": num_requests, "input_len": input_len,
-                       "output_len": output_len, "range_ratio": range_ratio, "request_rate": request_rate,
+                       "output_len": output_len, "range_ratio": range_ratio, "prefix_len": prefix_len,
+                       "num_prefixes": num_prefixes, "request_rate": request_rate,
                        "seed": seed, "ignore_eos": ignore_eos, "temperature": temperature, "model": target.tokenizer,
                        "json_schema": schema, **target.config},
             "engine": summary.to_dict(),
@@ -193,8 +227,7 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
         console.print(render(target.title + (" · JSON schema" if schema else ""), summary))
         if baseline == "unconstrained":  # the same workload again, free: what structure costs the batch
             # drawn anew (same lengths, other tokens): the first run's prompts are in the prefix cache now
-            again = make_workload(ordinary_vocab(target.tokenizer), num_requests + warmup, input_len, output_len,
-                                  range_ratio, seed + 1)
+            again = draw(seed + 1)
             records, duration, peak = asyncio.run(launch(again, len(warm), shape | {"json_schema": None}))
             free = summarize(records[len(warm):], duration, peak)
             console.print(render(target.title + " · unconstrained (baseline)", free))

@@ -26,6 +26,7 @@ class RequestRecord:
     error: str | None = None
     admitted: float | None = None  # seconds the engine ran it (admission to finish), where the backend says
     aborted: bool = False  # ended with finish reason "abort", not by this benchmark's doing
+    cached: int | None = None  # prompt tokens the server's prefix cache served, where it says
 
     @property
     def outcome(self) -> str:
@@ -55,12 +56,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def distribution(values: list[float]) -> dict[str, float]:
-    """mean / median / p90 / p99 in milliseconds; NaN when there is nothing to measure."""
+    """mean / median / p90 / p95 / p99 in milliseconds; NaN when there is nothing to measure."""
     if not values:
-        return {k: float("nan") for k in ("mean", "median", "p90", "p99")}
+        return {k: float("nan") for k in ("mean", "median", "p90", "p95", "p99")}
     ms = [v * 1000 for v in values]
     return {"mean": statistics.fmean(ms), "median": statistics.median(ms), "p90": percentile(ms, 90),
-            "p99": percentile(ms, 99)}
+            "p95": percentile(ms, 95), "p99": percentile(ms, 99)}
 
 
 @dataclass
@@ -79,6 +80,8 @@ class Summary:
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
     mean_running: float | None = None
+    input_tokens: int = 0  # prompt tokens of the completed requests
+    cached_prompt_tokens: int | None = None  # of those, served by the prefix cache (None: the server does not say)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,4 +108,6 @@ def summarize(records: list[RequestRecord], duration: float, peak_concurrency: i
         e2e_ms=distribution([r.e2e for r in ok if r.e2e is not None]),
         mean_running=sum(r.admitted for r in ok if r.admitted is not None) / duration
         if duration > 0 and any(r.admitted is not None for r in ok) else None,
+        input_tokens=inp,
+        cached_prompt_tokens=sum(r.cached or 0 for r in ok) if any(r.cached is not None for r in ok) else None,
     )

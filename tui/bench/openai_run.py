@@ -1,7 +1,9 @@
 """The openai backend of `minichat bench`: any OpenAI-compatible server (minichat's own HTTP API, vLLM,
-SGLang, llama.cpp), streamed `/v1/completions` with the prompt as token ids, so every backend gets
-exactly the same tokens. Times are taken per SSE chunk that carries text, as `vllm bench serve` does;
-token counts come from the final usage chunk (`stream_options.include_usage`).
+SGLang, llama.cpp) or a gateway in front of some (smg), streamed `/v1/completions`. The prompt goes as
+text that reads back as exactly the workload's tokens where the tokenizer can spell it (a gateway takes
+no token ids), else as the ids, so every backend gets exactly the same tokens. Times are taken per SSE
+chunk that carries text, as `vllm bench serve` does; token counts (and the prompt tokens the prefix cache
+served, where the server says) come from the final usage chunk (`stream_options.include_usage`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def client(base_url: str, api_key: str | None, timeout: float, connections: int 
 
 async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eos: bool, temperature: float,
                seed: int | None, json_schema: str | None) -> RequestRecord:
-    body: dict = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": temperature,
-                  "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    body: dict = {"model": model, "prompt": req.prompt_ids if req.text is None else req.text,
+                  "max_tokens": req.output_len, "temperature": temperature, "stream": True,
+                  "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     if json_schema is not None:
         body["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "bench", "schema": json.loads(json_schema)}}
@@ -69,9 +72,10 @@ async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eo
                     record.itl.append(now - last)
                 last = now
                 chunks += 1
-            if event.get("usage"):
-                record.prompt_len = event["usage"]["prompt_tokens"]
-                record.output_len = event["usage"]["completion_tokens"]
+            if usage := event.get("usage"):
+                record.prompt_len = usage["prompt_tokens"]
+                record.output_len = usage["completion_tokens"]
+                record.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     if not finished:
         raise OpenAIError("the stream ended without a finish_reason (cut off)")
     record.e2e = time.perf_counter() - start
