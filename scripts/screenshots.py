@@ -14,17 +14,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 from textual.pilot import Pilot
 
 from engine.config import DEMO_MODEL_DIR
-from engine.service.client import AsyncEngineClient
+from engine.service.client import AsyncEngineClient, EngineClient
 from engine.service.launcher import start
 from tui.app import MinichatApp
+from tui.fleet import Fleet
 from tui.link import EngineLink
 from tui.panels import RequestTable
 from tui.panels.detail import RequestDetailScreen
@@ -192,7 +198,57 @@ async def history(address: str, out: Path) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-SHOTS = (chat_sessions, ops_under_load, small_terminal, context_gauge, session_list, request_detail, history)
+@contextmanager
+def http_api(address: str) -> Iterator[str]:
+    """`minichat api` in front of the engine at `address`, on a free port; yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "tui.cli", "api", "--address", address, "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("minichat api did not come up")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+async def fleet(address: str, out: Path) -> None:
+    """`minichat --engines`: this engine over ZeroMQ, a second one through its HTTP API, and an address where
+    nothing answers; both that answer under load."""
+    here = Path(address.removeprefix("ipc://")).parent
+    with EngineClient(address) as client:
+        model = client.info().model
+    second = f"ipc://{here}/second.sock"
+    with start(second, model=model, **ENGINE_OPTIONS), http_api(second) as url:
+        watched = Fleet([address, url, f"ipc://{here}/stopped.sock"])
+        app = MinichatApp(watched.engines[0].link, fleet=watched)
+        async with app.run_test(size=(170, 16)) as pilot, AsyncEngineClient(address, name="bench") as load, \
+                httpx.AsyncClient(timeout=120) as http:
+            body = {"model": Path(model).name, "prompt": LOAD_PROMPT, "max_tokens": 300, "ignore_eos": True}
+            tasks = [asyncio.ensure_future(load.complete(LOAD_PROMPT, max_tokens=300, ignore_eos=True,
+                                                         rid=f"bench-{i}")) for i in range(10)]
+            tasks += [asyncio.ensure_future(http.post(url + "/v1/completions", json=body)) for _ in range(5)]
+            await until(pilot, lambda: [r.state for r in watched.readings()] == ["up", "up", "down"]
+                        and all(r.ttft_p95 is not None or r.tpot_p95 is not None for r in watched.readings()[:2]))
+            await pilot.pause(1.2)  # the rows redraw once a second
+            app.save_screenshot("fleet.svg", str(out))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+SHOTS = (chat_sessions, ops_under_load, small_terminal, context_gauge, session_list, request_detail, history, fleet)
 
 
 def main() -> None:

@@ -35,12 +35,14 @@ from tui.chat import ChatPane, PromptInput
 from tui.commands import BY_NAME, COMMANDS, Command, parse_fanout, parse_number, parse_slash
 from tui.conversations import Conversations
 from tui.dialogs import AskScreen, ConfirmScreen
+from tui.fleet import WATCH_EVERY, EngineReplica, Fleet
 from tui.help import HelpScreen
-from tui.link import EngineLink, LinkState
+from tui.link import STATS_EVERY, EngineLink, LinkState
 from tui.palette import Palette
 from tui.panels import PANELS, OpsPanels, RequestTable
 from tui.panels.base import update_text
 from tui.panels.detail import RequestDetailScreen
+from tui.panels.fleet import FleetChoice, FleetScreen
 from tui.session import SETTINGS, Session, parse_setting
 from tui.sessions import Choice, SessionsScreen
 from tui.store import data_dir
@@ -59,9 +61,10 @@ def tab_id(session: Session) -> str:
     return f"session-{session.uid}"
 
 
-def tab_label(session: Session) -> Content:
-    """The session's name, with a dot while its reply is generating."""
-    return Content(("● " if session.live is not None else "") + session.name)
+def tab_label(session: Session, replica: int | None = None) -> Content:
+    """The session's name, with a dot while its reply is generating, and the fleet's replica it talks to."""
+    return Content(("● " if session.live is not None else "") + session.name
+                   + (f" @{replica}" if replica is not None else ""))
 
 
 Piece = tuple[int, int, Text]
@@ -120,6 +123,7 @@ class MinichatApp(App[None]):
         Binding("escape", "abort", "Stop reply"),
         Binding("ctrl+pagedown", "switch_session(1)", "Next chat", show=False),
         Binding("ctrl+pageup", "switch_session(-1)", "Previous chat", show=False),
+        Binding("f4", "fleet", "Fleet"),
         Binding("f5", "cycle_layout", "Chat/split/ops"),
         # priority: the prompt box (a TextArea) would take f6 and f7 for selecting text
         Binding("f6", "switch_focus", "Next panel: the prompt box, then each ops table", show=False, priority=True),
@@ -130,18 +134,21 @@ class MinichatApp(App[None]):
     ops_width: reactive[int] = reactive(0, init=False)
     """Percent of the width given to the ops panels: 0 hides them, 100 hides the chat."""
 
-    def __init__(self, link: EngineLink, store_path: Path | None = None) -> None:
-        """`store_path`: the conversation database (default: conversations.sqlite3 in `data_dir()`)."""
+    def __init__(self, link: EngineLink, store_path: Path | None = None, fleet: Fleet | None = None) -> None:
+        """`store_path`: the conversation database (default: conversations.sqlite3 in `data_dir()`). `fleet`:
+        replicas to watch (`--engines`); `link` may be one of theirs."""
         super().__init__()
         self.link = link
-        link.on_stats, link.on_state = self.on_engine_stats, self.on_engine_state
+        self.fleet = fleet
+        for watched in [link, *(r.link for r in fleet.engines if r.link is not link)] if fleet else [link]:
+            self.wire(watched)
         self.conversations = Conversations(self.notify, store_path)
         self.last_stats: Stats | None = None
         self.stats_at = 0.0  # monotonic time of the last snapshot
         self._ops_restore = 50
         self._fan_outs = 0  # fan-outs so far: each names its group of tabs
         self._collapsed = False  # a split that a narrow terminal turned into one side
-        self._context_shown: int | None = None  # the model context the chat tabs' gauges show
+        self._contexts: dict[int, int | None] = {}  # id(link) -> the model context its chat tabs' gauges show
 
     # -- layout -----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -156,7 +163,10 @@ class MinichatApp(App[None]):
         self._ops_restore = 50 if wide else 100
         self.set_reactive(MinichatApp.ops_width, 50 if wide else 0)
         self.watch_ops_width(self.ops_width)
-        self.run_worker(self.link.run(), name="engine link")
+        if self.fleet is None or self.fleet.number(self.link) is None:
+            self.run_worker(self.link.run(), name="engine link")
+        if self.fleet is not None:
+            self.run_worker(self.fleet.run(), name="fleet")
         reopened = self.conversations.open()  # the tabs that were open when the console last ran
         for session in reopened:
             await self.open_session(session, activate=session is reopened[-1])
@@ -164,9 +174,13 @@ class MinichatApp(App[None]):
             await self.new_session()
         self.show_status()
         self.set_interval(0.5, self.show_status)  # the age of stale stats counts up
+        if self.fleet is not None and len(self.fleet.replicas) > 1:
+            self.action_fleet()
 
     async def on_unmount(self) -> None:
         await self.link.close()
+        if self.fleet is not None:
+            await self.fleet.close()
         self.conversations.close()
 
     @property
@@ -222,6 +236,10 @@ class MinichatApp(App[None]):
                        (0, 3, Text(f"decode {c.decode_tokens_per_s:.0f} tok/s", "dim"))]
             if (age := time.monotonic() - self.stats_at) > STALE_AFTER:
                 pieces.append((1, 1, Text(f"stale: {age:.0f} s old", "bold yellow")))
+        if self.fleet is not None:
+            states = [r.state for r in self.fleet.readings()]
+            up = states.count("up")
+            pieces.append((1, 2, Text(f"fleet {up}/{len(states)} up", "dim" if up == len(states) else "yellow")))
         if self.conversations.problem:
             pieces.append((2, 1, Text("not saving", "bold red")))
         head = Text(f" {state.kind} ", STATE_STYLES.get(state.kind, "bold"))
@@ -243,19 +261,42 @@ class MinichatApp(App[None]):
     def on_engine_state(self, state: LinkState) -> None:
         with self.while_open():
             self.show_status()
-            context = self.link.info.max_seq_len if self.link.info is not None else None
-            if state.connected and context != self._context_shown:
-                self._context_shown = context  # once per engine: the context gauges learn the model's context
-                for pane in self.query(ChatPane):
-                    pane.show_settings()
+            self.chats_follow(self.link, state)
             if not state.connected:
                 self.ops.forget()  # its requests are gone with it: none is offered to abort
             if state.kind == "lost":
-                for pane in self.query(ChatPane):
-                    pane.interrupt("interrupted", state.cause)
                 self.notify(state.detail, title="engine lost", severity="warning")
             elif state.kind == "failed":
                 self.notify(state.detail, title="engine", severity="error", timeout=15)
+
+    def on_replica_state(self, link: EngineLink, state: LinkState) -> None:
+        """An engine of the fleet that the console does not show: only the chats pinned to it care."""
+        with self.while_open():
+            if self.chats_follow(link, state) and state.kind in ("lost", "failed"):
+                self.notify(state.detail, title=f"replica {link.address}", severity="warning")
+
+    def chats_follow(self, link: EngineLink, state: LinkState) -> list[ChatPane]:
+        """The chats on `link` learn its model's context (once per engine) and have their replies interrupted
+        when it is lost; returns them."""
+        panes = [pane for pane in self.query(ChatPane) if pane.link is link]
+        context = link.info.max_seq_len if link.info is not None else None
+        if state.connected and context != self._contexts.get(id(link)):
+            self._contexts[id(link)] = context
+            for pane in panes:
+                pane.show_settings()
+        if state.kind == "lost":
+            for pane in panes:
+                pane.interrupt("interrupted", state.cause)
+        return panes
+
+    def wire(self, link: EngineLink) -> None:
+        """The engine the console shows feeds the status line and the ops panels, four snapshots a second;
+        the fleet's other engines are read once a second, and their state matters only to chats pinned there."""
+        if link is self.link:
+            link.on_stats, link.on_state, link.stats_every = self.on_engine_stats, self.on_engine_state, STATS_EVERY
+        else:
+            link.on_stats, link.stats_every = lambda stats: None, WATCH_EVERY
+            link.on_state = partial(self.on_replica_state, link)
 
     @contextmanager
     def while_open(self) -> Iterator[None]:
@@ -283,7 +324,7 @@ class MinichatApp(App[None]):
                 break
         else:
             pane = ChatPane(session, self.link)
-            await self.tabs.add_pane(TabPane(tab_label(session), pane, id=tab_id(session)))
+            await self.tabs.add_pane(TabPane(tab_label(session, self.replica_of(pane)), pane, id=tab_id(session)))
         if activate:
             self.tabs.active = tab_id(session)
             pane.focus_input()
@@ -298,7 +339,11 @@ class MinichatApp(App[None]):
         """The tab shows the session's name, with a dot while its reply is generating."""
         tab_pane = pane.parent
         if isinstance(tab_pane, TabPane) and tab_pane.id is not None:
-            self.tabs.get_tab(tab_pane.id).label = tab_label(pane.session)
+            self.tabs.get_tab(tab_pane.id).label = tab_label(pane.session, self.replica_of(pane))
+
+    def replica_of(self, pane: ChatPane) -> int | None:
+        """The fleet's number for the engine a chat talks to, when the fleet has engines to choose from."""
+        return self.fleet.number(pane.link) if self.fleet is not None and len(self.fleet.engines) > 1 else None
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         if (pane := self.current) is not None and self.tabs.display:
@@ -414,6 +459,36 @@ class MinichatApp(App[None]):
     async def do_abort(self, command: Command, arg: str, pane: ChatPane) -> None:
         await self.action_abort()
 
+    async def do_engine(self, command: Command, arg: str, pane: ChatPane) -> None:
+        replicas = self.fleet.replicas if self.fleet is not None else []
+        if not any(isinstance(r, EngineReplica) for r in replicas):
+            raise ValueError("/engine pins a chat to one engine of a fleet: start the console with "
+                             "--engines ADDR1,ADDR2,... (ZeroMQ addresses)")
+        n = parse_number(arg, "/engine")
+        if n is None:
+            self.notify(f"{pane.session.name!r} talks to {pane.link.address}; /engine N moves it to replica N (f4 "
+                        f"lists them)")
+            return
+        if not 1 <= n <= len(replicas):
+            raise ValueError(f"there is no replica {n}: the fleet has {len(replicas)}")
+        replica = replicas[n - 1]
+        if not isinstance(replica, EngineReplica):
+            raise ValueError(f"replica {n} is an HTTP replica: chats talk to an engine over ZeroMQ; list its "
+                             f"engine's address (its `serve --http` --address) in --engines")
+        self.pin(pane, replica)
+
+    def pin(self, pane: ChatPane, replica: EngineReplica) -> None:
+        """Send this chat's next messages to `replica`'s engine (not while a reply streams from another)."""
+        if pane.link is replica.link:
+            return
+        if pane.session.live is not None:
+            raise ValueError(f"{pane.session.name!r} is streaming a reply from {pane.link.address}: stop it first "
+                             f"(escape)")
+        pane.link = replica.link
+        self.label_tab(pane)
+        pane.show_settings()  # the context gauge: this engine's model
+        self.notify(f"{pane.session.name!r} now talks to {replica.name}")
+
     async def do_reconnect(self, command: Command, arg: str, pane: ChatPane) -> None:
         self.notify(self.link.retry(), title="reconnect")
 
@@ -446,8 +521,8 @@ class MinichatApp(App[None]):
                             self.link)
             pane.start(prompt)
             panes.append(pane)
-        await asyncio.gather(*[self.tabs.add_pane(TabPane(tab_label(pane.session), pane, id=tab_id(pane.session)))
-                               for pane in panes])
+        await asyncio.gather(*[self.tabs.add_pane(TabPane(tab_label(pane.session, self.replica_of(pane)), pane,
+                                                          id=tab_id(pane.session))) for pane in panes])
         self.tabs.active = tab_id(panes[0].session)
         panes[0].focus_input()
         if not self.ops_width and self.size.width >= WIDE:
@@ -705,6 +780,45 @@ class MinichatApp(App[None]):
         if self.last_stats is not None:
             self.ops.show_stats(self.last_stats, self.link.names)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """f4 is offered only where there is a fleet to show."""
+        return self.fleet is not None if action == "fleet" else super().check_action(action, parameters)
+
+    def action_fleet(self) -> None:
+        if self.fleet is not None and not isinstance(self.screen, FleetScreen):
+            self.push_screen(FleetScreen(self.fleet, self.link), self.on_fleet_choice)
+
+    async def on_fleet_choice(self, choice: FleetChoice | None) -> None:
+        if choice is None:
+            return
+        action, replica = choice
+        if action == "ops":
+            await self.show_engine(replica.link)
+        else:
+            self.pin(await self.new_session(), replica)
+
+    async def show_engine(self, link: EngineLink) -> None:
+        """Enter on a fleet row: the status line, the ops panels and new chats turn to `link`'s engine (open
+        chats stay where they are); the panels start afresh, with the same ones shown."""
+        if link is not self.link:
+            old, self.link = self.link, link
+            self.wire(old)  # no snapshot of either reaches the panels while they are swapped
+            hidden = [panel_id for panel_id, _ in PANELS if not self.ops.query_one(f"#{panel_id}").display]
+            await self.ops.remove()
+            ops = OpsPanels(link, id="ops")
+            await self.query_one("#main", Horizontal).mount(ops)
+            for panel_id in hidden:
+                ops.toggle(panel_id)
+            self.watch_ops_width(self.ops_width)
+            self.last_stats, self.stats_at = link.stats, link.stats_at
+            if link.stats is not None:
+                ops.show_stats(link.stats, link.names)
+            self.wire(link)
+        if not self.ops_width:
+            self.ops_width = self._ops_restore if self.size.width >= WIDE else 100
+        self.focus_side(ops=True)
+        self.show_status()
+
     def action_switch_focus(self) -> None:
         """F6: the next of the prompt box and the ops panels' tables (those shown), round and round."""
         pane = self.current if self.tabs.display else None
@@ -722,5 +836,6 @@ class MinichatApp(App[None]):
                                      ("ops panels", OpsPanels.BINDINGS),
                                      ("waiting queue, running set", RequestTable.BINDINGS),
                                      ("request detail (enter on a row)", RequestDetailScreen.BINDINGS),
+                                     ("fleet view (f4, with --engines)", FleetScreen.BINDINGS),
                                      ("conversation list (ctrl+o)", SessionsScreen.BINDINGS),
                                      ("tab list (ctrl+t)", TabsScreen.BINDINGS)]))

@@ -27,28 +27,41 @@ app.command("serve")(serve)
 app.command("api")(api)
 
 
-def root(ctx: typer.Context, version: bool, address: str | None, **engine_options: typing.Any) -> None:
+def root(ctx: typer.Context, version: bool, address: str | None, engines: str | None,
+         **engine_options: typing.Any) -> None:
     """Chat with a local model and watch the continuous-batching scheduler serve it.
 
     Without a command: open the terminal UI, attached to the engine at --address, or to one it starts
-    in the background with the engine options given here (and stops again on exit).
+    in the background with the engine options given here (and stops again on exit). With --engines it
+    watches those replicas (f4) and starts no engine; its chats and ops panels go to --address, else to
+    the first ZeroMQ replica listed.
     """
     if ctx.invoked_subcommand is not None:
         return
     from engine.service.addresses import AddressError, default_address, split
     from tui.app import MinichatApp
+    from tui.fleet import Fleet, parse_engines
     from tui.link import EngineLink
 
-    address = address or default_address()
+    def fail(message: str) -> typing.NoReturn:
+        typer.echo(f"minichat: error: {message}", err=True)
+        raise typer.Exit(2)
+
     try:
-        split(address)
-    except AddressError as e:
-        typer.echo(f"minichat: error: {e}", err=True)
-        raise typer.Exit(2) from e
+        fleet = Fleet(parse_engines(engines)) if engines is not None else None
+        if address is not None:
+            split(address)
+    except (AddressError, ValueError) as e:
+        fail(str(e))
     model = engine_options.pop("model")
-    link = EngineLink(address=address, model=model, engine_options=engine_options_given(engine_options))
+    options = engine_options_given(engine_options)
+    if fleet is not None and (model is not None or options):
+        fail("with --engines the console starts no engine: drop the engine options (`minichat serve` starts one)")
+    home = fleet.engine(address) if fleet and address else fleet.engines[0] if fleet and fleet.engines else None
+    link = home.link if home is not None else EngineLink(address=address or default_address(), model=model,
+                                                         engine_options=options, autostart=fleet is None)
     try:
-        MinichatApp(link).run()
+        MinichatApp(link, fleet=fleet).run()
     finally:
         if link.handle is not None:
             typer.echo(f"minichat: stopping the engine it started (pid {link.handle.pid})")
@@ -62,6 +75,9 @@ set_signature(root, [
                                            help="Print the version.")),
     inspect.Parameter("address", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
                       default=typer.Option(None, "--address", help=ADDRESS_HELP)),
+    inspect.Parameter("engines", inspect.Parameter.KEYWORD_ONLY, annotation=str | None, default=typer.Option(
+        None, "--engines", metavar="ADDR1,ADDR2,...", help="Watch these replicas in the fleet view (f4): engines' "
+        "ZeroMQ addresses and HTTP replicas' URLs (their /metrics), comma-separated.")),
     *engine_parameters(),
 ])
 app.callback(invoke_without_command=True)(root)
@@ -71,7 +87,8 @@ app.callback(invoke_without_command=True)(root)
 def status(
     address: str | None = typer.Option(None, "--address", help=ADDRESS_HELP),
     timeout: float = typer.Option(2.0, help="Seconds to wait for the engine."),
-    pages: bool = typer.Option(False, "--pages", help="Also print the KV page map (one character a page)."),
+    pages: bool = typer.Option(False, "--pages", help="Also print the KV page map (a character a page; "
+                               "several pages a character in a big pool)."),
     requests: bool = typer.Option(False, "--requests", help="Also list the waiting and running requests and the "
                                   "last steps."),
     watch: bool = typer.Option(False, "--watch", help="Print again every --interval seconds until Ctrl-C."),
@@ -145,7 +162,7 @@ def stop(
 def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,
           request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
           timeout: float, baseline: str | None, json_path: Path | None, backend: str, base_url: str | None,
-          tokenizer: str | None, api_key: str | None, json_schema: Path | None,
+          tokenizer: str | None, api_key: str | None, json_schema: Path | None, prefix_len: int, num_prefixes: int,
           **engine_options: typing.Any) -> None:
     """Serving benchmark: throughput and TTFT / TPOT / ITL / E2E latency.
 
@@ -166,7 +183,8 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
                            warmup=warmup, ignore_eos=ignore_eos, temperature=temperature, address=address,
                            timeout=timeout, baseline=baseline, json_path=json_path,
                            engine_options=engine_options_given(engine_options), backend=backend, base_url=base_url,
-                           tokenizer=tokenizer, api_key=api_key, json_schema=json_schema)
+                           tokenizer=tokenizer, api_key=api_key, json_schema=json_schema, prefix_len=prefix_len,
+                           num_prefixes=num_prefixes)
     except (BenchError, ValueError) as e:
         typer.echo(f"minichat bench: error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -184,6 +202,9 @@ set_signature(bench, [
     option("output_len", int, 64, "Output tokens per request."),
     # help is Rich markup, which takes anything in brackets for a tag: escape them
     option("range_ratio", float, 0.0, escape("Draw lengths uniformly in [len*(1-r), len*(1+r)].")),
+    option("prefix_len", int, 0, "Shared prefix: each prompt starts with one of --num-prefixes random prefixes of "
+           "this many tokens, then its own --input-len."),
+    option("num_prefixes", int, 1, "How many shared prefixes (with --prefix-len)."),
     option("request_rate", float, float("inf"), "Requests/s with Poisson arrivals; inf sends all at once."),
     option("seed", int, 0, "Seed for the workload and for sampling."),
     option("warmup", int, 2, "Unmeasured requests sent first."),

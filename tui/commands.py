@@ -64,6 +64,8 @@ COMMANDS = (
     Command("closegroup", "Close fan-out group", "close every tab of this tab's fan-out at once, stopping their "
             "replies (ctrl+g)", handler="do_close_group"),
     Command("abort", "Stop generation", "abort this session's reply; the text so far is kept", handler="do_abort"),
+    Command("engine", "Pin this chat to a replica", "send this chat's next messages to replica N of the fleet "
+            "(--engines; f4 lists them); without N, say which engine it talks to", "N", handler="do_engine"),
     Command("reconnect", "Reconnect to the engine", "look for the engine again, starting one if allowed",
             handler="do_reconnect"),
     Command("help", "Help: keys and commands", "list every key binding and command", handler="do_help"),

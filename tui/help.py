@@ -43,6 +43,20 @@ it streams. **x** aborts a request, here or there, after asking; a request that 
 asked is reported as already finished, not aborted. **/** filters both tables by id, owner or state,
 **X** aborts every request the filter matches, **s** / **r** sort a table, **p** pauses the view.
 The **history** panel keeps the queue, the running set and the KV pages in use over five minutes.
+
+## The fleet view (`minichat --engines ADDR1,ADDR2,...`, f4)
+
+One row per replica, redrawn each second: an engine's ZeroMQ address (its stats stream) or an HTTP
+replica's URL (its `/metrics`, read once a second: minichat's `serve --http`, vLLM, anything with vLLM's
+metric names). A replica is **up**, **stale** (no fresh numbers for 3 s, or an HTTP replica whose engine
+publishes none) or **down** (nothing answers). Rates over HTTP are counter deltas between reads; **TTFT
+p95** is estimated from the histogram buckets gained over the last 10 s, and only HTTP replicas have
+it (an engine's stats carry no per-request latencies); **TPOT p95** over ZeroMQ is the gaps between
+the steps each request was in. The line below compares the replicas that are up: the busiest and the
+idlest by running + waiting, and the spread of their KV use. **enter** on an engine's row turns the
+status line, the ops panels and new chats to that engine (▶ marks it; open chats stay on theirs); on
+an HTTP row it shows the replica's metrics, since the ops panels need the engine's own snapshots.
+**c** opens a chat on the replica, `/engine N` moves the current chat to replica N (`@N` on its tab).
 """
 
 Row = tuple[str, str, str]

@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,9 @@ class EngineLink:
     handle: EngineHandle | None = None
     start_failed: bool = False
     lost_options: tuple[str, dict[str, Any]] | None = None  # model and options of a lost engine we did not start
+    stats: Stats | None = None  # the newest snapshot, kept for whoever reads rather than listens (the fleet view)
+    stats_at: float = 0.0  # monotonic time it arrived
+    stats_every: float = STATS_EVERY  # seconds between two callbacks (slower for a replica nobody looks at)
 
     def __post_init__(self) -> None:
         self._ready = asyncio.Event()
@@ -247,8 +251,9 @@ class EngineLink:
                 self._set("stalled", f"no stats for {STALL_AFTER:g} s; the engine is busy or stuck")
                 continue
             self._set("connected", connected)
+            self.stats, self.stats_at = stats, time.monotonic()
             self.on_stats(stats)
-            await asyncio.sleep(STATS_EVERY)
+            await asyncio.sleep(self.stats_every)
 
     async def close(self) -> None:
         """Drop the client (the engine is gone, or the app is closing); stopping an engine is `stop_engine`'s."""
