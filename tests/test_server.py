@@ -75,6 +75,8 @@ def test_32_concurrent_streams_match_in_process_llm(served: EngineHandle, long_c
             return await asyncio.gather(*(one(p) for p in PROMPTS))
 
     results = asyncio.run(stream_all())
+    ttfts = ops.wait_stats(idle).ttfts  # the engine's own TTFTs of recent first tokens, for dashboards
+    assert {outs[-1].timings.ttft for outs in results} <= set(ttfts)
     expected = LLM(str(long_ckpt), **ENGINE).generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     for outs, exp in zip(results, expected, strict=True):
         *deltas, final = outs

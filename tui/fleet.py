@@ -4,8 +4,8 @@ A replica is either an engine's ZeroMQ address, watched through an EngineLink th
 engine (the same link then feeds the ops panels when the view drills down to it, and the chats pinned
 to it), or an HTTP replica's `/metrics` (minichat's `serve --http`, vLLM, anything with vLLM's
 names), polled once a second. Both come down to a `Reading`, so the view and the imbalance line do not
-care which. The engine's stats carry its rates but no per-request latencies, so over ZeroMQ the TPOT
-comes from the gaps between the steps each request was in, and the TTFT only from HTTP's histograms.
+care which. Over ZeroMQ the TTFT comes from the recent TTFTs the stats carry and the TPOT from the gaps
+between the steps each request was in; over HTTP both come from the histograms.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class EngineReplica:
         return Reading("stale" if stale else "up", f"no stats for {age:.0f} s" if stale else "",
                        model=stats.model, running=len(stats.running), waiting=len(stats.waiting),
                        kv_used=stats.pages.usage, prefill_tps=c.prefill_tokens_per_s,
-                       decode_tps=c.decode_tokens_per_s, tpot_p95=nearest_rank(step_gaps(stats, LATENCY_WINDOW), Q))
+                       decode_tps=c.decode_tokens_per_s, ttft_p95=nearest_rank(stats.ttfts, Q),
+                       tpot_p95=nearest_rank(step_gaps(stats, LATENCY_WINDOW), Q))
 
 
 class HttpReplica:

@@ -333,6 +333,9 @@ class Stats(_EngineMsg, tag="stats"):
     steps: list[StepRecord]
     admission: str = ""  # the admission rule and its current estimate
     policy: str = ""  # the waiting queue's order: fcfs, priority or lpm
+    # seconds from arrival to first token of the requests whose first token came in the last 10 s (the
+    # latest 256), so a dashboard has TTFT percentiles without a histogram
+    ttfts: list[float] = msgspec.field(default_factory=list)
 
 
 # -- codecs -------------------------------------------------------------------------------------

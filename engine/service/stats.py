@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.outputs import Final
 from engine.service.protocol import Counters, Pages, RunningReq, Stats, StepRecord, WaitingReq
 
 if TYPE_CHECKING:  # only the engine process builds snapshots; `minichat status` just formats them
@@ -25,6 +26,8 @@ if TYPE_CHECKING:  # only the engine process builds snapshots; `minichat status`
     from engine.scheduler.snapshot import PageSnapshot, SchedulerCounters
 
 RATE_WINDOW = 2.0  # seconds of recent steps that token and step rates average over
+TTFT_WINDOW = 10.0  # seconds of first tokens whose TTFTs a snapshot carries ...
+MAX_TTFTS = 256  # ... the latest this many of them
 FULL_EVERY = 5.0  # seconds between complete page lists at most, for a subscriber that lost one
 FULL_SPACING = 0.25  # and at least, however many subscribers ask for one
 
@@ -41,6 +44,8 @@ class StatsRecorder:
         self.unscheduled_aborts = 0  # requests aborted before they reached the scheduler (while tokenizing)
         self.recent: deque[StepRecord] = deque(maxlen=history)
         self._window: deque[tuple[float, int, int]] = deque()  # (end time, prefill tokens, decode tokens)
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=MAX_TTFTS)  # (when, TTFT) of recent first tokens
+        self._started: set[str] = set()  # live requests whose first token is counted
         self._changed = llm.watch_pages()  # pages whose state changed since the last complete list
         self._full_seq = 0  # the snapshot that last listed every page (none yet)
         self._full_at = -math.inf
@@ -56,6 +61,26 @@ class StatsRecorder:
                                       num_tokens=result.num_tokens, duration=result.duration,
                                       at=now - self.start))
         self._window.append((now, result.num_prefill_tokens, result.num_decode_tokens))
+        self._record_ttfts(result, now)
+
+    def _record_ttfts(self, result: StepResult, now: float) -> None:
+        """The TTFT of each request whose first token this step made: from its Final if it ended at once,
+        else from the live request (a Delta carries no timings)."""
+        for out in result.outputs:
+            if out.rid in self._started:
+                if out.finished:
+                    self._started.discard(out.rid)
+                continue
+            if isinstance(out, Final):
+                ttft = out.timings.ttft
+            else:
+                req = self.llm.request(out.rid)
+                if req is None or req.first_token_time is None:
+                    continue
+                ttft = req.first_token_time - req.arrival_time
+                self._started.add(out.rid)
+            if ttft is not None:
+                self._ttfts.append((now, ttft))
 
     def _counters(self, now: float, counts: SchedulerCounters) -> Counters:
         while self._window and self._window[0][0] < now - RATE_WINDOW:
@@ -97,7 +122,8 @@ class StatsRecorder:
                                          client=r.client)
                               for r in snap.running],
                      slots=list(snap.slots), pages=self._pages(snap.pages), counters=self._counters(now, snap.counters),
-                     steps=list(self.recent), admission=snap.admission, policy=snap.policy)
+                     steps=list(self.recent), admission=snap.admission, policy=snap.policy,
+                     ttfts=[ttft for at, ttft in self._ttfts if at >= now - TTFT_WINDOW])
 
     def _pages(self, pages: PageSnapshot) -> Pages:
         return Pages(page_size=pages.page_size, free=pages.free, held=pages.used, cached=pages.cached - pages.locked,

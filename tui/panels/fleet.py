@@ -34,8 +34,8 @@ NAME_WIDTH = 30  # an address's characters in the table
 LABEL_WIDTH = 44  # a metric name's in an HTTP replica's metrics
 MISSING = "—"  # what a replica has not said (as the request detail shows it)
 HINT = ("enter: this replica's ops panels (ZeroMQ) or its metrics (HTTP) · c: a new chat on it · escape: back · "
-        "TTFT p95 from HTTP replicas' histograms (an engine's stats carry no per-request latencies); TPOT p95 over "
-        "ZeroMQ: the gaps between the steps each request was in; both over the last 10 s")
+        "TTFT and TPOT p95 over the last 10 s: over HTTP from the histograms; over ZeroMQ from the engine's recent "
+        "TTFTs and the gaps between the steps each request was in")
 
 
 def short(name: str, width: int = NAME_WIDTH) -> str:
