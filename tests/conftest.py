@@ -93,15 +93,16 @@ def raw(served: EngineHandle) -> Iterator[zmq.Socket]:
 
 # The console's tests (tests/test_tui*.py): conversations in a private directory, one engine per module.
 @pytest.fixture
-def console_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Where the app keeps conversations: never the user's own data directory."""
     monkeypatch.setenv("MINICHAT_DATA_DIR", str(tmp_path / "data"))
     return tmp_path / "data"
 
 
 @pytest.fixture(scope="module")
-def console_engine(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """An engine with four request slots on a private ipc address, for the module."""
+def engine(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An engine with four request slots on a private ipc address, for the module (a module with an
+    `engine` fixture of its own overrides this one)."""
     from tests.test_tui import start_engine
 
     address = f"ipc://{tmp_path_factory.mktemp('console')}/engine.sock"

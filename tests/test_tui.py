@@ -48,14 +48,7 @@ def start_engine(model: Path, address: str) -> EngineHandle:
     return start(address, model=str(model), timeout=120, **ENGINE_OPTIONS)
 
 
-@pytest.fixture(autouse=True)
-def data_dir(console_data_dir: Path) -> Path:
-    return console_data_dir
-
-
-@pytest.fixture(scope="module")
-def engine(console_engine: str) -> str:
-    return console_engine
+pytestmark = pytest.mark.usefixtures("data_dir")  # conversations in a private directory (conftest.py)
 
 
 def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -50,14 +50,7 @@ from tui.tablist import TabsScreen
 FAN_OUT = 16  # four running (the engine's slots) and twelve waiting
 
 
-@pytest.fixture(autouse=True)
-def data_dir(console_data_dir: Path) -> Path:
-    return console_data_dir
-
-
-@pytest.fixture(scope="module")
-def engine(console_engine: str) -> str:
-    return console_engine
+pytestmark = pytest.mark.usefixtures("data_dir")  # conversations in a private directory (conftest.py)
 
 
 def panes(app: MinichatApp) -> list[ChatPane]:

@@ -18,23 +18,15 @@ import pytest
 from textual.widgets import DataTable, Label, Static
 
 from engine.service.client import AsyncEngineClient
-from tests.test_fleet_tools import replica
 from tests.test_tui import SIZE, box, run, shown, table_rids, type_and_send, wait_for
 from tests.test_tui_ops import started
 from tui.app import MinichatApp, tab_id
+from tui.bench.fleet import replica
 from tui.fleet import STALE_AFTER, Fleet, HttpReplica, Reading, imbalance, parse_engines
 from tui.panels.fleet import MISSING, FleetScreen, MetricsScreen
 from tui.scrape import gained, parse, quantile
 
-
-@pytest.fixture(autouse=True)
-def data_dir(console_data_dir: Path) -> Path:
-    return console_data_dir
-
-
-@pytest.fixture(scope="module")
-def engine(console_engine: str) -> str:
-    return console_engine
+pytestmark = pytest.mark.usefixtures("data_dir")  # conversations in a private directory (conftest.py)
 
 
 def test_a_p95_from_cumulative_buckets_is_prometheus_histogram_quantile() -> None:

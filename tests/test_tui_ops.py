@@ -40,14 +40,7 @@ from tui.panels.history import HistoryPanel
 FOREVER = {"max_tokens": 16000, "ignore_eos": True}
 
 
-@pytest.fixture(autouse=True)
-def data_dir(console_data_dir: Path) -> Path:
-    return console_data_dir
-
-
-@pytest.fixture(scope="module")
-def engine(console_engine: str) -> str:
-    return console_engine
+pytestmark = pytest.mark.usefixtures("data_dir")  # conversations in a private directory (conftest.py)
 
 
 def table(app: MinichatApp, table_id: str) -> RequestTable:
