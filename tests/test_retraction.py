@@ -45,9 +45,13 @@ def assert_all_free(llm: LLM) -> None:
     assert snap.pages.used == snap.pages.locked == 0 and all(h is None for h in snap.slots) and snap.idle
 
 
-@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "unmixed"])
-@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
-@pytest.mark.parametrize("family", FAMILIES)
+# Every architecture on the default loop (overlapped, mixed batches); the other three loops on llama.
+LOOPS = [*((family, True, True) for family in FAMILIES),
+         *(("llama", overlap, mixed) for overlap, mixed in ((False, True), (False, False), (True, False)))]
+LOOP_IDS = [f"{f}-{'overlap' if o else 'sequential'}-{'mixed' if m else 'unmixed'}" for f, o, m in LOOPS]
+
+
+@pytest.mark.parametrize(("family", "overlap", "mixed"), LOOPS, ids=LOOP_IDS)
 def test_retracted_requests_stay_token_exact(checkpoints, hf, family, overlap, mixed):
     path = checkpoints[family]
     llm = tight(path, overlap=overlap, mixed_batches=mixed)
