@@ -92,6 +92,11 @@ class Req:
     client: str = ""  # who sent it, in a few words ("bench", "client 3"): what an operator sees it by
 
     @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token; None before it."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
     def client_rid(self) -> str:
         """The rid the client gave (a group's choices have rids of their own inside the engine)."""
         return self.group.rid if self.group is not None else self.rid
@@ -154,5 +159,5 @@ class Req:
                      finish_reason=self.finish_reason or "",
                      usage=Usage(prompt_tokens=self.input_len, completion_tokens=done, cached_tokens=self.prefix_len),
                      timings=Timings(queue=None if self.admit_time is None else self.admit_time - arrival,
-                                     ttft=None if self.first_token_time is None else self.first_token_time - arrival,
+                                     ttft=self.ttft,
                                      total=(self.finish_time or time.monotonic()) - arrival))

@@ -75,9 +75,9 @@ class StatsRecorder:
                 ttft = out.timings.ttft
             else:
                 req = self.llm.request(out.rid)
-                if req is None or req.first_token_time is None:
+                ttft = None if req is None else req.ttft
+                if ttft is None:
                     continue
-                ttft = req.first_token_time - req.arrival_time
                 self._started.add(out.rid)
             if ttft is not None:
                 self._ttfts.append((now, ttft))
