@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,28 +23,15 @@ from transformers import AutoTokenizer
 from engine.pages import paint
 from engine.service.client import EngineClient, probe
 from engine.service.launcher import start
-from tui.bench.fleet import PACE, exited, free_port, stop
+from tui.bench.fleet import START_TIMEOUT, free_port, minichat, stop, wait_up
 
 KEY = "test-key-123"
-START_TIMEOUT = 120.0
-
-
-def minichat(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tui.cli", *args]
 
 
 def wait_http(process: subprocess.Popen, url: str, headers: dict[str, str] | None = None) -> None:
     """Until `url` answers 200 (the front end is up and reaches its engine), or the process died."""
-    end = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < end:
-        try:
-            if httpx.get(url, headers=headers, timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass  # not listening yet
-        if exited(process, PACE):
-            raise RuntimeError(f"exited with {process.returncode}: {process.stderr.read() if process.stderr else ''}")
-    raise TimeoutError(f"{url} did not come up")
+    wait_up(process, lambda: httpx.get(url, headers=headers, timeout=2.0).status_code == 200, url,
+            lambda: process.stderr.read() if process.stderr else "")
 
 
 @dataclass

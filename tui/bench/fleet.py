@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from tui.scrape import parse
 
 START_TIMEOUT = 120.0
 PACE = 0.05  # seconds between two readiness checks of a starting process
@@ -37,8 +38,15 @@ def launch(args: list[str], what: str) -> tuple[subprocess.Popen, Path]:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), log
 
 
-def wait_up(process: subprocess.Popen, log: Path, ready: Callable[[], bool], timeout: float = START_TIMEOUT) -> None:
-    """Until `ready()` holds, or the process died (the end of its log in the error), or `timeout` passed."""
+def minichat(*args: str) -> list[str]:
+    """The command line of `minichat ARGS` with this interpreter (the venv's, whatever is on PATH)."""
+    return [sys.executable, "-m", "tui.cli", *args]
+
+
+def wait_up(process: subprocess.Popen, ready: Callable[[], bool], what: str, output: Callable[[], str],
+            timeout: float = START_TIMEOUT) -> None:
+    """Until `ready()` holds, or the process died (`output()`, the end of what it printed, in the error), or
+    `timeout` passed."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
@@ -47,8 +55,12 @@ def wait_up(process: subprocess.Popen, log: Path, ready: Callable[[], bool], tim
         except httpx.TransportError:
             pass  # not listening yet
         if exited(process, PACE):  # a refused connect returns at once: without a pause this loop takes a core
-            raise RuntimeError(f"{log.stem} exited with {process.returncode}: {log.read_text()[-2000:]}")
-    raise TimeoutError(f"{log.stem} did not come up within {timeout:.0f} s (log: {log})")
+            raise RuntimeError(f"{what} exited with {process.returncode}: {output()}")
+    raise TimeoutError(f"{what} did not come up within {timeout:.0f} s")
+
+
+def log_tail(log: Path) -> Callable[[], str]:
+    return lambda: log.read_text()[-2000:]
 
 
 def exited(process: subprocess.Popen, within: float) -> bool:
@@ -85,10 +97,11 @@ def replica(*serve_args: str) -> Iterator[Replica]:
     address = f"ipc://{tempfile.mkdtemp(prefix='mcf')}/engine.sock"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process, log = launch([sys.executable, "-m", "tui.cli", "serve", "--http", f"127.0.0.1:{port}", "--address",
-                           address, *serve_args], "serve")
+    process, log = launch(minichat("serve", "--http", f"127.0.0.1:{port}", "--address", address, *serve_args),
+                          "serve")
     try:
-        wait_up(process, log, lambda: httpx.get(url + "/health", timeout=2.0).status_code == 200)
+        wait_up(process, lambda: httpx.get(url + "/health", timeout=2.0).status_code == 200, f"serve (log: {log})",
+                log_tail(log))
         yield Replica(url, address, process, log)
     finally:
         stop(process)
@@ -111,7 +124,7 @@ def gateway(smg: str, replicas: Sequence[Replica], policy: str, *options: str) -
         return len(workers) == len(replicas) and all(w.get("is_healthy") for w in workers)
 
     try:
-        wait_up(process, log, registered)
+        wait_up(process, registered, f"smg (log: {log})", log_tail(log))
         yield url
     finally:
         process.kill()  # stateless; SIGTERM would hold the port for smg's 5 s load-balancer settle window
@@ -121,9 +134,6 @@ def gateway(smg: str, replicas: Sequence[Replica], policy: str, *options: str) -
 def vllm_counters(url: str) -> defaultdict[str, float]:
     """A replica's `vllm:*_total` counters from its /metrics, each summed over its labels (0 for one that
     has no sample yet: a labelled counter has none before its first request)."""
-    totals: defaultdict[str, float] = defaultdict(float)
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10.0).text):
-        for sample in family.samples:
-            if sample.name.startswith("vllm:") and sample.name.endswith("_total"):
-                totals[sample.name] += sample.value
-    return totals
+    values = parse(httpx.get(url + "/metrics", timeout=10.0).text, time.monotonic()).values
+    return defaultdict(float, {name: value for name, value in values.items()
+                               if name.startswith("vllm:") and name.endswith("_total")})
