@@ -11,7 +11,6 @@ between the steps each request was in; over HTTP both come from the histograms.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 from collections import deque
@@ -24,6 +23,7 @@ import httpx
 from engine.service.addresses import AddressError, split
 from engine.service.cli import API_KEY_ENV
 from engine.service.protocol import Stats
+from tui.bench.metrics import percentile
 from tui.link import EngineLink
 from tui.scrape import Scrape, gained, parse, quantile, rate
 
@@ -60,10 +60,9 @@ class Reading:
         return None if self.running is None or self.waiting is None else self.running + self.waiting
 
 
-def nearest_rank(values: Sequence[float], q: float) -> float | None:
-    """The q-quantile of exact values (the smallest that at least a share q of them do not exceed)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else None
+def sample_p95(values: list[float]) -> float | None:
+    """The p95 of exact values, as `minichat bench` computes its percentiles; None without values."""
+    return percentile(values, 100 * Q) if values else None
 
 
 def step_gaps(stats: Stats, window: float) -> list[float]:
@@ -107,8 +106,8 @@ class EngineReplica:
         return Reading("stale" if stale else "up", f"no stats for {age:.0f} s" if stale else "",
                        model=stats.model, running=len(stats.running), waiting=len(stats.waiting),
                        kv_used=stats.pages.usage, prefill_tps=c.prefill_tokens_per_s,
-                       decode_tps=c.decode_tokens_per_s, ttft_p95=nearest_rank(stats.ttfts, Q),
-                       tpot_p95=nearest_rank(step_gaps(stats, LATENCY_WINDOW), Q))
+                       decode_tps=c.decode_tokens_per_s, ttft_p95=sample_p95(stats.ttfts),
+                       tpot_p95=sample_p95(step_gaps(stats, LATENCY_WINDOW)))
 
 
 class HttpReplica:
