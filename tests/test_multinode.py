@@ -7,51 +7,23 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.distributed.node import Meeting
-from engine.service.client import EngineClient, EngineUnavailable
-from tests.test_tensor_parallel import prompts
-
-
-def free_port_pair() -> int:
-    """A port P with P + 1 free too (the store and the control listener)."""
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
+from engine.service.client import EngineClient
+from tests.test_client_launcher import free_port_pair
+from tests.test_tensor_parallel import prompts, wait_ready
 
 
 def serve(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "engine.service", *args], stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env)
-
-
-def wait_ready(address: str, engine: subprocess.Popen[bytes], log: Path) -> None:
-    with EngineClient(address) as client:
-        deadline = time.monotonic() + 180
-        while True:
-            assert engine.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                client.ping(0.5)
-                return
-            except EngineUnavailable:
-                continue
 
 
 def stop(*procs: subprocess.Popen[bytes]) -> None:
@@ -88,7 +60,7 @@ def test_two_nodes_on_loopback_match_transformers_and_a_killed_remote_rank_is_na
     try:
         assert intruder.wait(120) != 0, intruder_log.read_text()
         node1 = serve(*common, "--node-rank", "1", log=node1_log)
-        wait_ready(address, node0, node0_log)
+        wait_ready(address, node0, node0_log, 180)
         with EngineClient(address) as client:
             assert client.info().config["nnodes"] == 2
             for prompt in prompts(3, seed=21, max_len=30):

@@ -91,6 +91,20 @@ def test_sizes_that_do_not_divide_are_refused_before_any_rank_starts(llama_ckpt)
         LLM(str(llama_ckpt), tensor_parallel_size=3)
 
 
+def wait_ready(address: str, engine: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    """Until the engine answers a ping (each waits up to 0.5 s), or it exited, or `timeout` passed."""
+    with EngineClient(address) as client:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert engine.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                client.ping(0.5)
+                return
+            except EngineUnavailable:
+                continue
+
+
 def test_serve_tp2_serves_and_exits_naming_a_killed_rank(llama_ckpt, hf, tmp_path):
     address = f"ipc://{tmp_path}/engine.sock"
     log = tmp_path / "serve.log"
@@ -99,16 +113,8 @@ def test_serve_tp2_serves_and_exits_naming_a_killed_rank(llama_ckpt, hf, tmp_pat
     with open(log, "wb") as out:
         engine = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        wait_ready(address, engine, log, 120)
         with EngineClient(address) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                assert engine.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                try:
-                    client.ping(0.5)
-                    break
-                except EngineUnavailable:
-                    continue
             assert client.info().config["tensor_parallel_size"] == 2
             prompt = prompts(1, seed=8, max_len=30)[0]
             assert client.complete(prompt, max_tokens=5, ignore_eos=True).token_ids == hf.greedy(llama_ckpt, prompt, 5)
