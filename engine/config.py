@@ -10,6 +10,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 LINEAR_DTYPES = ("auto", "model", "float32")
 ADMISSIONS = ("optimistic", "reserve")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
+QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1"}
+"""`quantization` -> the GGML block format float weights are quantized to at load (engine/model/quantized.py)."""
+
+
+def model_id(model_path: str) -> str:
+    """The name a checkpoint is served under: its directory's name, or a GGUF file's name without `.gguf`."""
+    return Path(model_path).name.removesuffix(".gguf")
 
 
 @dataclass
@@ -46,6 +53,10 @@ class EngineConfig:
     `threads` is how many CPU threads compute a step (torch's and the C kernels' one OpenMP team): None
     is up to the cores this process may use, as many as measure fastest beside whatever else runs
     (engine/threads.py); a number is that many, always. Under tensor parallelism each rank gets its share.
+    `quantization` ("int8" or "int4") quantizes float weights at load (a safetensors checkpoint, or a GGUF
+    file's float tensors) into GGML's Q8_0 / Q4_1 blocks, which the CPU kernels multiply by as they are; a
+    GGUF file's quantized tensors always stay as they are unless `dequantize` expands them to `dtype` (the
+    transformers-exact path). See engine/model/quantized.py.
     `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
     (when the attention backend supports them and there is one rank; see engine/cuda_graph.py; None:
     every decode batch the request slots allow, up to 256).
@@ -79,6 +90,8 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     max_wait_steps: int = 1000
     max_consecutive_prefills: int = 8
+    quantization: str | None = None
+    dequantize: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -110,6 +123,11 @@ class EngineConfig:
                              f"{self.nnodes} (each node runs the same number of ranks)")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT: where node 0 meets the others")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None); "
+                             f"got {self.quantization!r}")
+        if self.quantization is not None and self.dequantize:
+            raise ValueError("quantization and dequantize contradict each other: choose one")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
 

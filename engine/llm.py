@@ -23,15 +23,17 @@ from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.loop import StepLoop
-from engine.model.llama import ModelSpec
 from engine.model.loader import (
     TORCH_DTYPES,
+    LoadOptions,
     attention_shape,
     check_shardable,
     load_hf_config,
     load_model,
-    resolve_model_path,
+    model_spec,
+    resolve_checkpoint,
 )
+from engine.model.quantized import weight_footprint
 from engine.outputs import Final, RequestOutput, StepResult
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import Prompt, Tools, is_chat, is_token_ids
@@ -45,6 +47,8 @@ from engine.threads import ThreadGovernor, usable_cores, wait_policy
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from engine.tools import ToolFormat, template_messages, tool_format
 from kernels.attention import make_backend
+from kernels.cpu import load_cpu_kernels
+from kernels.quant import BlockMatrix
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +91,7 @@ class LLM:
             raise ValueError(f"{per_node} tensor-parallel ranks on this node need that many GPUs from "
                              f"{cfg.device}; this machine has {torch.cuda.device_count()}")
         self.device = torch.device(cfg.device)
-        self.model_path = resolve_model_path(cfg.model_path)
+        self.checkpoint = resolve_checkpoint(cfg.model_path)
         self.tp = TensorParallel()
         self.workers: WorkerPool | None = None
         # CPU threads per rank: the ones asked for, or the usable cores; only a single rank adapts them to the load
@@ -98,11 +102,11 @@ class LLM:
             if cfg.threads is None and cfg.tensor_parallel_size == 1:
                 self.governor = ThreadGovernor(threads)
         if cfg.tensor_parallel_size > 1:
-            spec = ModelSpec.from_hf_config(load_hf_config(self.model_path))
+            spec = model_spec(self.checkpoint, load_hf_config(self.checkpoint))
             check_shardable(spec, cfg.tensor_parallel_size)
-            self.tp, self.workers = launch(cfg.tensor_parallel_size, spec, str(self.model_path), cfg.dtype,
-                                           cfg.device, cfg.page_size, cfg.attention_backend, cfg.linear_dtype,
-                                           cfg.prepack_weights, cfg.cpu_kernels, threads, nnodes=cfg.nnodes,
+            self.tp, self.workers = launch(cfg.tensor_parallel_size, spec, str(self.checkpoint.path),
+                                           LoadOptions.of(cfg), cfg.page_size, cfg.attention_backend, threads,
+                                           nnodes=cfg.nnodes,
                                            meeting=Meeting.parse(cfg.dist_init_addr) if cfg.dist_init_addr else None)
         try:
             self._build()
@@ -113,10 +117,9 @@ class LLM:
     def _build(self) -> None:
         """Load this rank's model and size the KV pool (the workers load theirs meanwhile, then get the size)."""
         cfg = self.config
-        self.model, self.hf_config = load_model(self.model_path, cfg.dtype, cfg.device, self.tp, cfg.linear_dtype,
-                                                cfg.prepack_weights, cfg.cpu_kernels)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_ids = eos_token_ids(self.model_path, self.tokenizer, self.hf_config)
+        self.model, self.hf_config = load_model(self.checkpoint, LoadOptions.of(cfg), self.tp)
+        self.tokenizer = load_tokenizer(self.checkpoint.meta)
+        self.eos_ids = eos_token_ids(self.checkpoint.meta, self.tokenizer, self.hf_config)
         spec = self.model.spec
 
         context = spec.max_position_embeddings
@@ -295,9 +298,15 @@ class LLM:
         """What the execution options resolved to on this machine: `auto` choices and any fallback
         (the C kernels off where no compiler builds them, say)."""
         weight = self.model.layers[0].qkv_proj.weight
-        gemm = str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
+        if isinstance(weight, BlockMatrix):
+            gemm = f"{'+'.join(weight.formats)} blocks, minichat's {load_cpu_kernels().isa} kernels"
+        else:
+            gemm = str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
+        formats, size = weight_footprint(self.model)
+        total = sum(formats.values())
+        mix = ", ".join(f"{name} {count / total:.0%}" for name, count in sorted(formats.items(), key=lambda f: -f[1]))
         execution = {"request_slots": str(self.config.request_slots), "attention_backend": self.runner.backend.name,
-                     "gemm": gemm,
+                     "weights": f"{size / 2**20:.1f} MiB ({mix})", "gemm": gemm,
                      "cpu_kernels": "on" if self.model.kernels is not None else "off",
                      "overlap": "on" if self.config.use_overlap else "off"}
         if self.device.type == "cuda":

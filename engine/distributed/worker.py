@@ -19,7 +19,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
-from pathlib import Path
 
 import torch
 
@@ -28,7 +27,7 @@ from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.kv.pool import KVPool
 from engine.model.llama import ModelSpec
-from engine.model.loader import TORCH_DTYPES, attention_shape, build_model
+from engine.model.loader import TORCH_DTYPES, LoadOptions, attention_shape, build_model, resolve_checkpoint
 from engine.threads import wait_policy
 from kernels.attention import make_backend
 
@@ -42,13 +41,9 @@ class WorkerSpec:
     port: int
     model: ModelSpec
     model_path: str
-    dtype: str
-    device: str
+    load: LoadOptions
     page_size: int
     attention_backend: str
-    linear_dtype: str
-    prepack_weights: bool
-    cpu_kernels: bool
     threads: int
     timeout: float
     host: str = LOOPBACK  # where rank 0's store listens (the nodes' meeting host when they span machines)
@@ -70,18 +65,17 @@ def main(conn: Connection) -> None:
 
 def _serve(spec: WorkerSpec, conn: Connection) -> None:
     torch.set_num_threads(spec.threads)
-    device = torch.device(spec.device)
+    device = torch.device(spec.load.device)
     conn.send(("hello", torch.get_num_threads(), wait_policy()))
     store = connect_store(spec.host, spec.port, spec.size, spec.timeout)
     tp = join_group(spec.rank, spec.size, store, device, spec.timeout, interface_toward(spec.host))
-    model = build_model(spec.model, Path(spec.model_path), spec.dtype, spec.device, tp, spec.linear_dtype,
-                        spec.prepack_weights, spec.cpu_kernels)
+    model = build_model(spec.model, resolve_checkpoint(spec.model_path), spec.load, tp)
     conn.send(("loaded",))
     num_pages = conn.recv()
     kv = KVPool(model.spec.num_layers, num_pages, spec.page_size, model.num_kv_heads, model.spec.head_dim,
-                TORCH_DTYPES[spec.dtype], device)
-    backend = make_backend(spec.attention_backend, spec.device, spec.dtype, spec.cpu_kernels)
-    backend.setup(attention_shape(model, spec.dtype), device)
+                TORCH_DTYPES[spec.load.dtype], device)
+    backend = make_backend(spec.attention_backend, spec.load.device, spec.load.dtype, spec.load.cpu_kernels)
+    backend.setup(attention_shape(model, spec.load.dtype), device)
     model.use_attention_backend(backend)
     conn.send(("ready",))
     steps = 0

@@ -23,6 +23,7 @@ import sys
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from pathlib import Path
@@ -35,6 +36,7 @@ from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.distributed.worker import WorkerSpec
 from engine.model.llama import ModelSpec
+from engine.model.loader import LoadOptions
 
 TIMEOUT = 120.0
 """Seconds for the rendezvous, for a worker's start-up stages, and for any one collective."""
@@ -261,9 +263,8 @@ def _stop(procs: list[subprocess.Popen[bytes] | None], conns: list[Connection],
     sentinels.clear()
 
 
-def launch(size: int, spec: ModelSpec, model_path: str, dtype: str, device: str, page_size: int, attention_backend: str,
-           linear_dtype: str, prepack_weights: bool, cpu_kernels: bool, threads: int,
-           timeout: float = TIMEOUT, nnodes: int = 1,
+def launch(size: int, spec: ModelSpec, model_path: str, load: LoadOptions, page_size: int, attention_backend: str,
+           threads: int, timeout: float = TIMEOUT, nnodes: int = 1,
            meeting: Meeting | None = None) -> tuple[TensorParallel, WorkerPool]:
     """Start this node's ranks 1..size/nnodes-1, admit the other nodes' ranks (at `meeting`), and join
     them all as rank 0; they load their shards while rank 0 loads its own."""
@@ -272,11 +273,9 @@ def launch(size: int, spec: ModelSpec, model_path: str, dtype: str, device: str,
     store = host_store(size, timeout, host, meeting.port if meeting is not None else 0)
 
     def spec_for(r: int) -> WorkerSpec:  # a rank's device counts from the first one on its own node
-        return WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path, dtype=dtype,
-                          device=rank_device(device, r % per_node), page_size=page_size,
-                          attention_backend=attention_backend, linear_dtype=linear_dtype,
-                          prepack_weights=prepack_weights, cpu_kernels=cpu_kernels, threads=threads,
-                          timeout=timeout, host=host)
+        return WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path,
+                          load=replace(load, device=rank_device(load.device, r % per_node)), page_size=page_size,
+                          attention_backend=attention_backend, threads=threads, timeout=timeout, host=host)
 
     pool = WorkerPool([spec_for(r) for r in range(1, per_node)])
     try:
@@ -284,7 +283,7 @@ def launch(size: int, spec: ModelSpec, model_path: str, dtype: str, device: str,
             pool.admit_remote([spec_for(r) for r in range(per_node, size)], meeting, timeout)
         # each worker says how its threads run: (hello, torch threads, OpenMP wait), for LLM.execution
         pool.threads = [f"{n} ({wait})" for _, n, wait in pool.expect("hello", timeout)]
-        device0 = torch.device(rank_device(device, 0))
+        device0 = torch.device(rank_device(load.device, 0))
         return join_group(0, size, store, device0, timeout, interface_toward(host)), pool
     except BaseException:
         pool.close()

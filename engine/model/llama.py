@@ -18,17 +18,18 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.kv.pool import KVPool
-from engine.model.ops import linear, linear_binary
+from engine.model.ops import fuses_add, gemm_dtype, linear, linear_add
 from engine.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
+    Source,
     Split,
-    TensorSlice,
     VocabParallelEmbedding,
     WeightTarget,
     load_into,
 )
+from engine.model.quantized import finish_block_weights
 from kernels.attention.base import AttentionBackend
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
@@ -41,6 +42,9 @@ Rope = Callable[[torch.Tensor], torch.Tensor]
 """This step's rotary embedding, applied to [tokens, heads, head_dim] (possibly in place)."""
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+"""A config's model_type -> the architecture minichat runs for it."""
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -70,6 +74,8 @@ class ModelSpec:
     def from_hf_config(cls, config: PretrainedConfig) -> ModelSpec:
         archs = getattr(config, "architectures", None) or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if not archs:  # a config written without `architectures`: its model_type, as transformers' Auto classes read it
+            arch = MODEL_TYPES.get(getattr(config, "model_type", ""))
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or config.model_type!r}; minichat runs "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -242,7 +248,7 @@ class DecoderLayer(nn.Module):
         """residual + proj(x), rounded to the residual's dtype first (x may be a float32 activation of a
         bf16 model); inside the GEMM where `residual_in_gemm` allows."""
         if self.residual_in_gemm:
-            return linear_binary(x, residual, proj.weight, "add")
+            return linear_add(x, residual, proj.weight)
         return residual + proj(x).to(residual.dtype)
 
     def fuse_residual_adds(self) -> None:
@@ -250,7 +256,7 @@ class DecoderLayer(nn.Module):
         their weights are prepacked: for float32 activations (a half-precision model rounds the GEMM's
         output before adding, as transformers does), one rank (a row-parallel output is all-reduced
         before the add) and no biases."""
-        self.residual_in_gemm = (self.o_proj.weight.is_mkldnn and self.down_proj.weight.is_mkldnn
+        self.residual_in_gemm = (fuses_add(self.o_proj.weight) and fuses_add(self.down_proj.weight)
                                  and self.post_attention_layernorm.weight.dtype == torch.float32
                                  and self.o_proj.tp.size == 1 and self.o_proj.bias is None
                                  and self.down_proj.bias is None)
@@ -279,7 +285,7 @@ class CausalLM(nn.Module):
         """KV heads this rank stores (its share of the KV pool's width)."""
         return self.layers[0].num_kv_heads
 
-    def _weight_targets(self) -> dict[str, WeightTarget]:
+    def weight_targets(self) -> dict[str, WeightTarget]:
         """HF tensor name -> where this rank's slice of it goes. Fused projections take several."""
         s = self.spec
         targets: dict[str, WeightTarget] = {
@@ -312,10 +318,10 @@ class CausalLM(nn.Module):
         return targets
 
     @torch.no_grad()
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | TensorSlice]]) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, Source]]) -> None:
         """Copy this rank's slice of each checkpoint tensor into place (ignoring ones we do not use);
         raise naming any missing. Lazy slices are read only where this rank's slice lies."""
-        targets = self._weight_targets()
+        targets = self.weight_targets()
         loaded: set[str] = set()
         for name, tensor in tensors:
             if name in targets:
@@ -324,13 +330,17 @@ class CausalLM(nn.Module):
         missing = set(targets) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:8])}")
+        finish_block_weights(self)
         self._finish_loading()
 
     def _finish_loading(self) -> None:
         """Tie the output head and build the RoPE table (cos, signed sin; see `apply_rope`) for every position."""
         if self.spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        device = self.embed_tokens.weight.device
+            weight = self.embed_tokens.weight
+            if not isinstance(weight, nn.Parameter):  # block formats (engine/model/quantized.py)
+                self.lm_head._parameters.pop("weight", None)
+            self.lm_head.weight = weight
+        device = self.norm.weight.device
         pos = torch.arange(self.spec.max_position_embeddings, dtype=torch.float, device=device)
         freqs = pos[:, None] * self.spec.inv_freq.to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -350,7 +360,7 @@ class CausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.kernels = kernels
         for layer in self.layers:
-            if layer.gate_up_proj.weight.dtype == torch.float32 and layer.down_proj.tp.size == 1:
+            if gemm_dtype(layer.gate_up_proj.weight) == torch.float32 and layer.down_proj.tp.size == 1:
                 layer.mlp_kernels = kernels
 
     def use_attention_backend(self, backend: AttentionBackend) -> None:

@@ -1,24 +1,37 @@
-"""Find a checkpoint directory, read its config, and load its safetensors into our model."""
+"""Find a checkpoint (a directory of safetensors or a GGUF file), read its config, and load its weights into
+our model: as float tensors, or kept in block formats (engine/model/quantized.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
-from engine.config import DTYPES
+from engine.config import DTYPES, EngineConfig, model_id
 from engine.distributed import TensorParallel
+from engine.model.gguf import (
+    SUFFIX,
+    GGUFCheckpoint,
+    block_tensor_names,
+    is_gguf,
+    open_gguf,
+    read_tensors,
+    rope_factors,
+)
 from engine.model.llama import CausalLM, ModelSpec
 from engine.model.ops import resolve_linear_dtype
-from engine.model.parallel import TensorSlice, prepack_linear_weights, set_linear_dtype
+from engine.model.parallel import QUANTIZABLE, Source, TensorSlice, prepack_linear_weights, set_linear_dtype
+from engine.model.quantized import QUANTIZATIONS, plan_block_weights
 from kernels.attention.base import AttentionShape
 from kernels.cpu import KernelBuildError, load_cpu_kernels, supported
+from kernels.quant import QTYPES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -34,11 +47,11 @@ def resolve_model_path(model: str) -> Path:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is a directory but has no config.json; point --model at an HF "
-                             f"checkpoint directory (config.json + *.safetensors)")
+                             f"checkpoint directory (config.json + *.safetensors) or a .gguf file")
         return path
     if path.exists() or model.count("/") != 1 or model.startswith((".", "/", "~")):
-        raise ValueError(f"model {model!r} is not a checkpoint directory, and not a hub id of the form "
-                         f"'org/name'")
+        raise ValueError(f"model {model!r} is not a checkpoint directory or a .gguf file, and not a hub id of "
+                         f"the form 'org/name'")
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_CACHE
 
@@ -56,10 +69,83 @@ def resolve_model_path(model: str) -> Path:
                              f"and downloading it failed: {download_err}") from download_err
 
 
-def load_hf_config(path: Path) -> PretrainedConfig:
+@dataclass(frozen=True)
+class Checkpoint:
+    """What `--model` names: a directory of safetensors, or one GGUF file (`gguf`), whose config and tokenizer
+    then live in a directory converted from its metadata (engine/model/gguf.py)."""
+
+    path: Path
+    gguf: GGUFCheckpoint | None = None
+
+    @property
+    def meta(self) -> Path:
+        """The directory with config.json, the tokenizer and generation_config.json."""
+        return self.gguf.meta if self.gguf is not None else self.path
+
+    @property
+    def name(self) -> str:
+        """The model id clients see."""
+        return model_id(str(self.path))
+
+    def formats(self) -> dict[str, int]:
+        """The checkpoint's weight formats and how many tensors each (safetensors: by dtype)."""
+        if self.gguf is not None:
+            return self.gguf.formats
+        counts: dict[str, int] = {}
+        for file in _weight_files(self.path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    dtype = f.get_slice(name).get_dtype()
+                    counts[dtype] = counts.get(dtype, 0) + 1
+        return counts
+
+
+def resolve_checkpoint(model: str) -> Checkpoint:
+    """A GGUF file, a local checkpoint directory, or a hub id already in the local HF cache."""
+    path = Path(model).expanduser()
+    if is_gguf(path):
+        return Checkpoint(path, open_gguf(path))
+    if path.suffix == SUFFIX:
+        raise ValueError(f"{path}: no such GGUF file")
+    return Checkpoint(resolve_model_path(model))
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How the weights load and where the GEMMs run (EngineConfig's fields of the same names): the model's
+    `dtype` on `device`; projections stored in `linear_dtype` and, on the CPU in float32, prepacked for
+    oneDNN; norms, RoPE and the activation in the C kernels; float weights quantized at load to
+    `quantization` (int8 / int4), or a GGUF file's block weights expanded to the model dtype (`dequantize`)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    linear_dtype: str = "auto"
+    prepack_weights: bool = True
+    cpu_kernels: bool = True
+    quantization: str | None = None
+    dequantize: bool = False
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> LoadOptions:
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+
+def load_hf_config(checkpoint: Checkpoint) -> PretrainedConfig:
     from transformers import AutoConfig  # here, so that workers (which get a ModelSpec) never import it
 
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(checkpoint.meta)
+
+
+def model_spec(checkpoint: Checkpoint, hf_config: PretrainedConfig) -> ModelSpec:
+    """The model's shape from its config, with a GGUF file's RoPE divisors applied (engine/model/gguf.py)."""
+    spec = ModelSpec.from_hf_config(hf_config)
+    factors = rope_factors(checkpoint.gguf) if checkpoint.gguf is not None else None
+    if factors is not None:
+        if factors.shape != spec.inv_freq.shape:
+            raise ValueError(f"{checkpoint.path}: rope_freqs has {factors.numel()} values for "
+                             f"{spec.inv_freq.numel()} frequencies")
+        spec.inv_freq = spec.inv_freq / factors
+    return spec
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -69,11 +155,12 @@ def _weight_files(path: Path) -> list[Path]:
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)")
+        raise ValueError(f"{path} has no *.safetensors weights (point --model at a checkpoint directory of "
+                         f"safetensors, or at a .gguf file)")
     return files
 
 
-def _read_tensors(path: Path) -> Iterator[tuple[str, TensorSlice]]:
+def _read_safetensors(path: Path) -> Iterator[tuple[str, TensorSlice]]:
     """Every checkpoint tensor as a lazy slice: a tensor-parallel rank reads only its own part."""
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -88,34 +175,54 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
         CausalLM(spec, TensorParallel(rank=0, size=size))
 
 
-def load_model(path: Path, dtype: str, device: str, tp: TensorParallel | None = None,
-               linear_dtype: str = "auto", prepack_weights: bool = True,
-               cpu_kernels: bool = True) -> tuple[CausalLM, PretrainedConfig]:
-    """Build the model for `path`'s architecture (this rank's shard of it, under tensor parallelism)
+def load_model(checkpoint: Checkpoint, options: LoadOptions,
+               tp: TensorParallel | None = None) -> tuple[CausalLM, PretrainedConfig]:
+    """Build the model for the checkpoint's architecture (this rank's shard of it, under tensor parallelism)
     and fill it from the checkpoint's tensors."""
-    hf_config = load_hf_config(path)
-    return build_model(ModelSpec.from_hf_config(hf_config), path, dtype, device, tp, linear_dtype,
-                       prepack_weights, cpu_kernels), hf_config
+    hf_config = load_hf_config(checkpoint)
+    return build_model(model_spec(checkpoint, hf_config), checkpoint, options, tp), hf_config
 
 
-def build_model(spec: ModelSpec, path: Path, dtype: str, device: str, tp: TensorParallel | None = None,
-                linear_dtype: str = "auto", prepack_weights: bool = True, cpu_kernels: bool = True) -> CausalLM:
-    """The model `spec` describes (this rank's shard), filled from the safetensors in `path`, its
-    projections stored in `linear_dtype` and, on the CPU in float32, prepacked for oneDNN, its norms
-    and RoPE in the C kernels (EngineConfig.linear_dtype, .prepack_weights, .cpu_kernels)."""
+def build_model(spec: ModelSpec, checkpoint: Checkpoint, options: LoadOptions,
+                tp: TensorParallel | None = None) -> CausalLM:
+    """The model `spec` describes (this rank's shard), filled from the checkpoint, as `options` say."""
+    dtype = TORCH_DTYPES[options.dtype]
+    if options.quantization is not None and options.quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {options.quantization!r}")
+    if options.quantization is not None and options.dequantize:
+        raise ValueError("quantization and dequantize contradict each other: choose one")
     with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
-        model = CausalLM(spec, tp).to(TORCH_DTYPES[dtype])
-    model = model.to_empty(device=device)
+        model = CausalLM(spec, tp).to(dtype)
+    targets = model.weight_targets()
+    gguf = checkpoint.gguf
+    if gguf is not None:
+        tensors: Iterable[tuple[str, Source]] = read_tensors(gguf, list(targets), spec.num_layers, spec.num_heads,
+                                                             spec.num_kv_heads)
+    else:
+        tensors = _read_safetensors(checkpoint.path)
+    block_names = set() if gguf is None or options.dequantize else block_tensor_names(gguf, list(targets),
+                                                                                      spec.num_layers)
+    quantize_to = QTYPES[QUANTIZATIONS[options.quantization]] if options.quantization else None
+    if block_names or quantize_to is not None:
+        if options.device != "cpu":
+            raise ValueError("weights in block formats (GGUF's quantized types, --quantization) run on the CPU "
+                             "for now; on a GPU load a GGUF file with --dequantize")
+        try:
+            kernels = load_cpu_kernels()
+        except KernelBuildError as e:
+            raise ValueError(f"quantized weights need minichat's CPU kernels, which cannot be built here: {e}") from e
+        plan_block_weights(model, targets, block_names, quantize_to, QUANTIZABLE, kernels)
+    model = model.to_empty(device=options.device)
     try:
-        model.load_weights(_read_tensors(path))
+        model.load_weights(tensors)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
-    set_linear_dtype(model, resolve_linear_dtype(linear_dtype, TORCH_DTYPES[dtype], torch.device(device)))
-    if prepack_weights:
+        raise ValueError(f"{checkpoint.path}: {e}") from e
+    set_linear_dtype(model, resolve_linear_dtype(options.linear_dtype, dtype, torch.device(options.device)))
+    if options.prepack_weights:
         prepack_linear_weights(model)
         for layer in model.layers:
             layer.fuse_residual_adds()
-    if cpu_kernels and supported(device, TORCH_DTYPES[dtype]):
+    if options.cpu_kernels and supported(options.device, dtype):
         try:
             model.use_cpu_kernels(load_cpu_kernels())
         except KernelBuildError as e:

@@ -34,7 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import LINEAR_DTYPES
+from kernels.cpu import load_cpu_kernels
 from kernels.gemm import has_native_half_gemm
+from kernels.quant import BlockMatrix
+
+Weight = torch.Tensor | BlockMatrix
+"""A projection's weight: a tensor (maybe oneDNN-packed), or rows in GGML block formats (kernels/quant.py)."""
 
 
 def resolve_linear_dtype(choice: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -88,17 +93,42 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
 
 
-def linear_binary(x: torch.Tensor, other: torch.Tensor, packed: torch.Tensor, op: str) -> torch.Tensor:
-    """(x W^T) `op` other, op "add" or "mul", in one oneDNN call (a binary post-op on the GEMM's output);
-    the residual adds use it."""
-    return _bucketed(torch.ops.mkldnn._linear_pointwise.binary, x, packed, None, op, other=other)
+def gemm_dtype(weight: Weight) -> torch.dtype:
+    """What the GEMM with `weight` computes in: its storage dtype, float32 for block formats."""
+    return torch.float32 if isinstance(weight, BlockMatrix) else weight.dtype
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def fuses_add(weight: Weight) -> bool:
+    """Whether `linear_binary` can add inside the GEMM with this weight (oneDNN-packed or block formats)."""
+    return isinstance(weight, BlockMatrix) or weight.is_mkldnn
+
+
+def linear_add(x: torch.Tensor, other: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x W^T + other in one call: a binary post-op of oneDNN's GEMM on a packed weight, or added by the block
+    kernels as they write (float32 activations); the residual adds use it."""
+    if isinstance(weight, BlockMatrix):
+        return load_cpu_kernels().q_linear(x, weight, add=other)
+    return _bucketed(torch.ops.mkldnn._linear_pointwise.binary, x, weight, None, "add", other=other)
+
+
+def embedding(ids: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """Rows `ids` of an embedding table (block formats: dequantized, as float32)."""
+    if isinstance(weight, BlockMatrix):
+        if len(weight.segments) != 1:
+            raise ValueError("an embedding table in block formats must be one segment")
+        return load_cpu_kernels().dequantize(weight.segments[0], weight.in_features, ids)
+    return F.embedding(ids, weight)
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x W^T + b in the weight's storage dtype (through oneDNN for a prepacked weight), returned in
-    `out_dtype` (default: `x`'s dtype)."""
+    """x W^T + b in the weight's storage dtype (through oneDNN for a prepacked weight, minichat's kernels for
+    block formats), returned in `out_dtype` (default: `x`'s dtype)."""
     out_dtype = out_dtype or x.dtype
+    if isinstance(weight, BlockMatrix):
+        b = None if bias is None else bias.float()
+        out = load_cpu_kernels().q_linear(x.float().contiguous(), weight, b)
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
     if weight.is_mkldnn:
         out = _bucketed(torch.ops.mkldnn._linear_pointwise, x.to(weight.dtype), weight, bias, "none", [], "")
         return out.to(out_dtype)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.model.ops import can_prepack, linear, prepack
+from engine.model.ops import can_prepack, embedding, linear, prepack
+from engine.model.quantized import BlockSource, BlockWeightBuilder
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,11 @@ class WeightTarget:
     """Where one checkpoint tensor goes on this rank.
 
     The checkpoint tensor (whose dimension `dim` must be `full` long, when given) is cut to
-    `[start, start + size)` along `dim` (None: kept whole), and the cut fills rows `[row, ...)` of `param`.
+    `[start, start + size)` along `dim` (None: kept whole), and the cut fills rows `[row, ...)` of `param`
+    (a weight kept in block formats collects its parts in a builder instead).
     """
 
-    param: torch.Tensor
+    param: torch.Tensor | BlockWeightBuilder
     row: int = 0
     dim: int = 0
     start: int = 0
@@ -77,24 +78,41 @@ class TensorSlice(Protocol):
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
 
 
-def shape_of(source: torch.Tensor | TensorSlice) -> tuple[int, ...]:
-    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+Source = torch.Tensor | TensorSlice | BlockSource
+"""A checkpoint tensor as a loader yields it."""
+
+
+def shape_of(source: Source) -> tuple[int, ...]:
+    if isinstance(source, (torch.Tensor, BlockSource)):
+        return tuple(source.shape)
+    return tuple(source.get_shape())
 
 
 @torch.no_grad()
-def load_into(target: WeightTarget, name: str, source: torch.Tensor | TensorSlice) -> None:
-    """Copy this rank's slice of checkpoint tensor `name` into place, or raise saying why it does not fit."""
-    shape, param = shape_of(source), target.param
-    cut = list(shape)
-    index: tuple[slice, ...] = (slice(None),)
-    if target.size is not None and len(shape) > target.dim:
-        cut[target.dim] = target.size
-        index = (slice(None),) * target.dim + (slice(target.start, target.start + target.size),)
-    fits = (len(shape) == param.dim() and (target.full is None or shape[target.dim] == target.full)
-            and cut[1:] == list(param.shape[1:]) and target.row + cut[0] <= param.shape[0])
-    if not fits:
+def load_into(target: WeightTarget, name: str, source: Source) -> None:
+    """Copy this rank's slice of checkpoint tensor `name` into place, or raise saying why it does not fit. A
+    block-format tensor goes to its weight's builder as it is, or is dequantized where the weight is float."""
+    shape = shape_of(source)
+    if target.full is not None and len(shape) > target.dim and shape[target.dim] != target.full:
         raise ValueError(f"weight {name} has shape {shape}, which does not fit the config")
-    param[target.row : target.row + cut[0]].copy_(source[index])
+    cut: torch.Tensor | BlockSource
+    if target.size is not None and len(shape) > target.dim:
+        if isinstance(source, BlockSource):
+            cut = source.cut(target.dim, target.start, target.size)
+        else:
+            cut = source[(slice(None),) * target.dim + (slice(target.start, target.start + target.size),)]
+    else:
+        cut = source if isinstance(source, (torch.Tensor, BlockSource)) else source[(slice(None),)]
+    if isinstance(target.param, BlockWeightBuilder):
+        target.param.put(target.row, name, cut)
+        return
+    if isinstance(cut, BlockSource):
+        cut = cut.dequantize()
+    param = target.param
+    if cut.dim() != param.dim() or list(cut.shape[1:]) != list(param.shape[1:]) or \
+            target.row + cut.shape[0] > param.shape[0]:
+        raise ValueError(f"weight {name} has shape {shape}, which does not fit the config")
+    param[target.row : target.row + cut.shape[0]].copy_(cut)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -163,9 +181,9 @@ class VocabParallelEmbedding(VocabParallel):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.start + self.weight.shape[0])
-        x = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+        x = embedding((ids - self.start).masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
 
@@ -174,6 +192,10 @@ class ParallelLMHead(VocabParallel):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.tp.gather_last_dim(linear(x, self.weight))
+
+
+QUANTIZABLE = (ColumnParallelLinear, RowParallelLinear, VocabParallel)
+"""The layers whose weight may be kept in block formats (engine/model/quantized.py)."""
 
 
 @torch.no_grad()
@@ -186,7 +208,7 @@ def set_linear_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             for param in (module.weight, getattr(module, "bias", None)):
-                if param is not None:
+                if isinstance(param, torch.Tensor):  # a weight in block formats keeps them
                     param.data = param.data.to(dtype)
 
 
@@ -196,5 +218,6 @@ def prepack_linear_weights(model: nn.Module) -> None:
 
     The dense weight is dropped, except where a tied embedding still looks rows up in it."""
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and can_prepack(module.weight):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and \
+                isinstance(module.weight, torch.Tensor) and can_prepack(module.weight):
             module.weight = nn.Parameter(prepack(module.weight.data), requires_grad=False)

@@ -123,7 +123,7 @@ class EngineServer:
         the previous batch, processed while the next one runs in the model worker, so detokenising,
         sending and receiving all happen off the model's critical path (the seed's overlap_loop)."""
         log.info("engine ready: model %s, %d KV pages x %d tokens, %d request slots; listening on %s, "
-                 "stats on %s (pid %d)", self.llm.model_path, self.llm.num_pages, self.llm.config.page_size,
+                 "stats on %s (pid %d)", self.llm.checkpoint.path, self.llm.num_pages, self.llm.config.page_size,
                  self.llm.config.request_slots, self.sockets.address, self.sockets.stats_address,
                  os.getpid())
         try:
@@ -444,7 +444,7 @@ class EngineServer:
         config.update(max_waiting_requests=self.options.max_waiting_requests,
                       max_message_bytes=self.options.max_message_bytes, allow_remote=self.options.allow_remote)
         return protocol.Info(version=engine.__version__, pid=os.getpid(), host=socket.gethostname(),
-                             model=str(self.llm.model_path), address=self.sockets.address,
+                             model=str(self.llm.checkpoint.path), address=self.sockets.address,
                              stats_address=self.sockets.stats_address, max_seq_len=self.llm.max_seq_len,
                              num_pages=self.llm.num_pages, config=config, execution=self.llm.execution,
                              tool_format=self.llm.tool_format)

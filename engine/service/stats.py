@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.outputs import Final
@@ -112,7 +111,7 @@ class StatsRecorder:
             self._changed.clear()
             self._full_seq, self._full_at, self._full_runs = self.seq, now, len(snap.pages.runs)
             self._full_wanted = False
-        return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=Path(self.llm.model_path).name,
+        return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=self.llm.checkpoint.name,
                      waiting=[WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens, waited=now - w.arrival_time,
                                          reason=w.reason, priority=w.priority, retractions=w.retractions,
                                          generated=w.generated, client=w.client) for w in snap.waiting],

@@ -1,5 +1,5 @@
-"""minichat's C kernels for the CPU step: attention over the paged pool, RMSNorm, RoPE, and the
-MLP activation between float32 GEMMs.
+"""minichat's C kernels for the CPU step: attention over the paged pool, RMSNorm, RoPE, the MLP
+activation between float32 GEMMs, and products with weights in GGML's block formats (quant.c).
 
 They take float32 and bfloat16 tensors (the dtypes a CPU model runs in) and are called through ctypes
 with raw pointers, so every wrapper checks layout before handing a pointer over. `load_cpu_kernels`
@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu.build import KernelBuildError, load_library
+from kernels.cpu.build import NATIVE, KernelBuildError, load_library
+from kernels.quant import PANEL, BlockMatrix, QType, Segment
 
 SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -25,6 +26,21 @@ _SIGNATURES = {
     "rope": [_P, _I, _I, _I, _P, _P, _P, _I],
     "silu_mul": [_P, _P, _I, _I],  # by the model dtype whose roundings it keeps; always float32 data
 }
+
+
+_QUANT_SIGNATURES = {
+    "q_linear": [_P, _I, _P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
+    "q_dequantize": [_P, _P, _I, _P, _I, ctypes.c_int32],
+    "q_repack": [_P, _P, _I, _I, _I, ctypes.c_int32],
+    "q_quantize_act": [_P, _P, _I, _I],
+}
+
+
+class _Segment(ctypes.Structure):
+    """quant.c's `segment`: rows of one format and the first output column they fill."""
+
+    _fields_ = [("type", ctypes.c_int32), ("data", ctypes.c_void_p), ("rows", ctypes.c_int64),
+                ("col", ctypes.c_int64)]
 
 
 def supported(device: str, dtype: torch.dtype) -> bool:
@@ -54,6 +70,17 @@ class CpuKernels:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
+        self._quant: dict[str, Callable[..., object]] = {}
+        for name, argtypes in _QUANT_SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+            self._quant[name] = fn
+        lib.q_act_block_bytes.restype = lib.q_isa.restype = ctypes.c_int32
+        lib.q_panel_bytes.argtypes, lib.q_panel_bytes.restype = [ctypes.c_int32, _I], _I
+        self._panel_bytes = lib.q_panel_bytes
+        self.act_block_bytes = int(lib.q_act_block_bytes())
+        self.isa = ("C", "AVX2", "AVX2+VNNI")[lib.q_isa()]
+        """The instructions the quantized products run on here."""
 
     def _fn(self, name: str, x: torch.Tensor) -> Callable[..., None]:
         """The entry point for x's dtype, after checking that x is a CPU tensor of a supported dtype."""
@@ -118,11 +145,93 @@ class CpuKernels:
         return out
 
 
+    def _segments(self, w: BlockMatrix) -> ctypes.Array[_Segment]:
+        """The C view of `w`'s segments, built once per matrix (it points into the segments' tensors)."""
+        if w.handle is None:
+            col, items = 0, []
+            for seg in w.segments:
+                if not seg.data.is_contiguous():
+                    raise ValueError("a block matrix's segments must be contiguous")
+                items.append(_Segment(seg.qtype.ggml_id, seg.data.data_ptr(), seg.rows, col))
+                col += seg.rows
+            w.handle = (_Segment * len(items))(*items)
+        return w.handle  # type: ignore[return-value]
+
+    def repack(self, rows: torch.Tensor, qtype: QType, columns: int) -> Segment:
+        """File rows of a block format (uint8 [rows, row_bytes]) in the kernels' panels of 8 rows (quant.c)."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or \
+                rows.shape[1] != qtype.row_bytes(columns):
+            raise ValueError(f"repack needs uint8 rows of {qtype.row_bytes(columns)} bytes ({columns} {qtype.name} "
+                             f"values); got {tuple(rows.shape)} {rows.dtype}")
+        panels = -(-rows.shape[0] // PANEL)
+        out = torch.empty((panels, self._panel_bytes(qtype.ggml_id, columns)), dtype=torch.uint8)
+        self._quant["q_repack"](out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], columns,
+                                qtype.ggml_id)
+        return Segment(qtype, out, rows.shape[0])
+
+    def q_linear(self, x: torch.Tensor, w: BlockMatrix, bias: torch.Tensor | None = None,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) (+ add) in float32 for a float32 x [rows, in] (unit-stride rows), W in block formats;
+        x is quantized to 8 bits per 32 values on the way (see quant.c)."""
+        _check(x, torch.float32, "q_linear input")
+        rows, k = x.shape
+        if x.stride(1) != 1 or k != w.in_features or k % 32:
+            raise ValueError(f"q_linear needs unit-stride rows of {w.in_features} values (a multiple of 32); "
+                             f"got {tuple(x.shape)}")
+        n = w.out_features
+        for t, what in ((bias, "bias"), (add, "added tensor")):
+            if t is not None:
+                _check(t, torch.float32, f"q_linear {what}")
+        if bias is not None and not bias.is_contiguous():
+            raise ValueError("q_linear needs a contiguous bias")
+        if add is not None and (add.shape != (rows, n) or add.stride(1) != 1):
+            raise ValueError(f"q_linear adds a [{rows}, {n}] tensor with unit-stride rows; got {tuple(add.shape)}")
+        out = torch.empty((rows, n), dtype=torch.float32)
+        scratch = torch.empty(rows * (k // 32) * self.act_block_bytes, dtype=torch.uint8)
+        self._quant["q_linear"](out.data_ptr(), n, x.data_ptr(), x.stride(0), rows, k, scratch.data_ptr(),
+                                self._segments(w), len(w.segments), None if bias is None else bias.data_ptr(),
+                                None if add is None else add.data_ptr(), 0 if add is None else add.stride(0))
+        return out
+
+    def dequantize(self, seg: Segment, columns: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A repacked segment's rows (`ids`: only those) as float32 [.., columns], equal bit for bit to gguf's
+        dequantization of the file's rows."""
+        if seg.qtype.name == "F32":
+            dense = seg.data.view(torch.float32).reshape(seg.rows, columns)
+            return dense.clone() if ids is None else dense[ids]
+        if seg.data.shape[1] != self._panel_bytes(seg.qtype.ggml_id, columns):
+            raise ValueError(f"dequantize: panels of {seg.data.shape[1]} bytes do not hold {columns} {seg.qtype.name} "
+                             f"values")
+        if ids is not None:
+            _check(ids, torch.int64, "dequantize ids")
+            ids = ids.contiguous()
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= seg.rows):
+                raise ValueError(f"dequantize ids must be in [0, {seg.rows})")
+        rows = seg.rows if ids is None else ids.numel()
+        out = torch.empty((rows, columns), dtype=torch.float32)
+        self._quant["q_dequantize"](out.data_ptr(), seg.data.data_ptr(), columns,
+                                    None if ids is None else ids.data_ptr(), rows, seg.qtype.ggml_id)
+        return out
+
+    def quantize_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, k] as the product sees it after quantizing it (quant.c's act_block: d * (q + r / 254) per
+        block of 32), as float32 (for the tests)."""
+        _check(x, torch.float32, "quantize_activations input")
+        x = x.contiguous()
+        rows, k = x.shape
+        raw = torch.empty((rows * (k // 32), self.act_block_bytes), dtype=torch.uint8)
+        self._quant["q_quantize_act"](raw.data_ptr(), x.data_ptr(), rows, k)
+        d = raw[:, :4].contiguous().view(torch.float32)
+        q = raw[:, 16:48].contiguous().view(torch.int8).float()
+        r = raw[:, 48:80].contiguous().view(torch.int8).float()
+        return (d * (q + r / 254.0)).reshape(rows, k)
+
+
 @functools.cache
 def _load() -> CpuKernels | KernelBuildError:
     """One build attempt per process: a failure is remembered, not retried at every call."""
     try:
-        return CpuKernels(load_library())
+        return CpuKernels(load_library(NATIVE))
     except KernelBuildError as e:
         return e
 

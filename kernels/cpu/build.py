@@ -32,8 +32,13 @@ SOURCES = {
     "elementwise.c": ["-ffp-contract=off", "-fno-math-errno"],
     # SiLU's expf is its own vectorisable one (activation.c): exact enough for transformers' bf16 roundings
     "activation.c": ["-ffp-contract=off", "-fno-math-errno"],
+    # quantized products: explicit FMAs where wanted; dequantization's S * q + M is exact either way
+    "quant.c": ["-ffp-contract=off", "-fno-math-errno"],
 }
-COMMON_FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-std=gnu11"]
+COMMON_FLAGS = ["-O3", "-fPIC", "-fopenmp", "-std=gnu11"]
+NATIVE = ("-march=native",)
+"""The instruction set the library is built for: this CPU's. Tests also build older ones (`-march=haswell`:
+AVX2 without VNNI; `-march=x86-64`: no AVX at all) to run every path of the quantized kernels here."""
 LIBS = ["-lmvec", "-lm"]
 
 
@@ -65,24 +70,25 @@ def _cpu_signature() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
-def _library_key(cc: str) -> str:
+def _library_key(cc: str, arch: tuple[str, ...]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    for part in (version, _cpu_signature(), " ".join(COMMON_FLAGS + LIBS), repr(SOURCES)):
+    for part in (version, _cpu_signature(), " ".join(COMMON_FLAGS + list(arch) + LIBS), repr(SOURCES)):
         digest.update(part.encode())
     for path in sorted(SOURCE_DIR.glob("*.[ch]")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def _compile(cc: str, target: Path) -> None:
+def _compile(cc: str, target: Path, arch: tuple[str, ...]) -> None:
     """Build every source into `target`, atomically (concurrent engines may build at once)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         objects = []
         for name, flags in SOURCES.items():
             obj = Path(tmp) / (name + ".o")
-            _run([cc, *COMMON_FLAGS, *flags, "-I", str(SOURCE_DIR), "-c", str(SOURCE_DIR / name), "-o", str(obj)])
+            _run([cc, *COMMON_FLAGS, *arch, *flags, "-I", str(SOURCE_DIR), "-c", str(SOURCE_DIR / name), "-o",
+                  str(obj)])
             objects.append(str(obj))
         built = Path(tmp) / target.name
         _run([cc, "-shared", "-fopenmp", *objects, "-o", str(built), *LIBS])
@@ -95,16 +101,17 @@ def _run(cmd: list[str]) -> None:
         raise KernelBuildError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr.strip()[-2000:]}")
 
 
-def load_library() -> ctypes.CDLL:
-    """The kernels' shared library, built first if this CPU, compiler and source have none cached.
-    Import torch before calling, so that the library's OpenMP is torch's."""
+def load_library(arch: tuple[str, ...] = NATIVE) -> ctypes.CDLL:
+    """The kernels' shared library for `arch` (compiler flags; default this CPU's), built first if this
+    CPU, compiler and source have none cached. Import torch before calling, so that the library's OpenMP
+    is torch's."""
     cc = _compiler()
-    target = cache_dir() / f"cpu_kernels-{_library_key(cc)}.so"
+    target = cache_dir() / f"cpu_kernels-{_library_key(cc, arch)}.so"
     if not target.is_file():
         log.info("building minichat's CPU kernels into %s (once per CPU and compiler)", target)
         start = time.perf_counter()
         try:
-            _compile(cc, target)
+            _compile(cc, target, arch)
         except OSError as e:  # an unwritable cache directory, say: the torch paths run instead
             raise KernelBuildError(f"cannot build into {target.parent}: {e}") from e
         log.info("CPU kernels built in %.1f s", time.perf_counter() - start)

@@ -23,3 +23,28 @@ static inline uint16_t f32_to_bf16(float f) {
 #define F32_STORE(x) (x)
 #define BF16_LOAD(x) bf16_to_f32(x)
 #define BF16_STORE(x) f32_to_bf16(x)
+
+/* IEEE half precision (GGUF's block scales) to float32: exact, subnormals included. */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else { /* subnormal: mant * 2^-24, exact in float32 */
+        float f = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif

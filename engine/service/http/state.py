@@ -8,9 +8,9 @@ import contextlib
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
+from engine.config import model_id
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.http.errors import ApiError
 from engine.service.http.metrics import Metrics
@@ -75,7 +75,7 @@ class ApiState:
             await asyncio.gather(self._probe, return_exceptions=True)
 
     async def model_name(self) -> str:
-        return self.options.served_model_name or Path((await self.info()).model).name
+        return self.options.served_model_name or model_id((await self.info()).model)
 
     async def check_model(self, requested: str | None) -> str:
         """The served model's id; 404 in OpenAI's shape for another one (the checkpoint path also names it)."""

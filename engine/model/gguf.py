@@ -1,0 +1,197 @@
+"""GGUF checkpoints: a model's config, tokenizer, chat template and weights in one file, read with `gguf`
+(ggml's own reader) and transformers' GGUF conversion.
+
+The first open of a file turns its metadata into an ordinary checkpoint directory in the cache (config.json
+with `architectures`, the tokenizer's files with its chat template, and an index of the tensors:
+name, format, shape, offset), keyed by the file's path, size and modification time. Reading that metadata
+takes seconds (the reader walks every vocabulary entry, transformers reads the file once for the config
+and once more for the tokenizer), so later opens, and tensor-parallel workers, read the cache and map the
+file's tensors directly.
+
+Weights come out under their Hugging Face names, as the safetensors loader yields them: float tensors
+(F32, F16, BF16) as torch tensors, block formats as `BlockSource` rows left as the file has them. llama.cpp
+stores Llama's q and k rows permuted for its RoPE layout; they are put back in Hugging Face's order here
+(a permutation of whole rows, so block data moves unchanged). A Llama 3 file's `rope_freqs` (llama.cpp's
+form of the llama3 RoPE scaling) divides the inverse frequencies, as llama.cpp applies it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import model_id
+from engine.model.llama import MODEL_TYPES
+from engine.model.quantized import BlockSource
+from kernels.cpu.build import cache_dir
+from kernels.quant import BLOCK_TYPES, QTYPES
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".gguf"
+PERMUTED_ARCHS = ("llama",)
+"""GGUF architectures whose q/k rows llama.cpp permuted (its converter's LlamaModel.permute)."""
+INDEX_VERSION = 1
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == SUFFIX and path.is_file()
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file: format name, shape in Hugging Face's order ([out, in]), where its bytes lie."""
+
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    """A GGUF file and the directory its metadata was converted into (`meta`: config.json, tokenizer files)."""
+
+    path: Path
+    meta: Path
+    architecture: str
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def formats(self) -> dict[str, int]:
+        """How many tensors of each format the file has."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            counts[t.qtype] = counts.get(t.qtype, 0) + 1
+        return counts
+
+
+def _meta_dir(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{INDEX_VERSION}".encode())
+    return cache_dir() / "gguf" / f"{model_id(str(path))}-{key.hexdigest()[:16]}"
+
+
+def open_gguf(path: Path) -> GGUFCheckpoint:
+    """The checkpoint of a GGUF file, its metadata converted into the cache on the first open."""
+    meta = _meta_dir(path)
+    if not (meta / "tensors.json").is_file():
+        log.info("reading %s's metadata into %s (once per file)", path, meta)
+        _convert_metadata(path, meta)
+    index = json.loads((meta / "tensors.json").read_text())
+    tensors = {t["name"]: TensorInfo(t["name"], t["qtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
+               for t in index["tensors"]}
+    return GGUFCheckpoint(path, meta, index["architecture"], tensors)
+
+
+def _convert_metadata(path: Path, meta: Path) -> None:
+    """Write `meta` (atomically: concurrent engines may open the same file at once)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer
+
+    reader = GGUFReader(path)
+    arch_field = reader.fields.get("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else "?"
+    tensors = []
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        if qtype not in QTYPES:
+            raise ValueError(f"{path}: tensor {t.name} is {qtype}; minichat reads {', '.join(QTYPES)}")
+        tensors.append({"name": t.name, "qtype": qtype, "shape": [int(d) for d in reversed(t.shape.tolist())],
+                        "offset": int(t.data_offset), "nbytes": int(t.n_bytes)})
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{path}: transformers cannot read this GGUF file's metadata ({arch}): {e}") from e
+    if config.model_type not in MODEL_TYPES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} ({config.model_type}); minichat runs "
+                         f"{', '.join(sorted(MODEL_TYPES))}")
+    config.architectures = [MODEL_TYPES[config.model_type]]
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=meta.parent, prefix=".convert-"))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "tensors.json").write_text(json.dumps({"architecture": arch, "file": str(path), "tensors": tensors}))
+        try:
+            os.rename(tmp, meta)
+        except OSError:  # another engine converted it first
+            if not (meta / "tensors.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (within each head, interleaved pairs -> two halves)."""
+    n = rows.shape[0]
+    order = np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)
+    return rows[order]
+
+
+def _hf_to_gguf_names(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int) -> dict[str, str]:
+    import gguf
+
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == ckpt.architecture), None)
+    if arch is None:
+        raise ValueError(f"{ckpt.path}: unknown GGUF architecture {ckpt.architecture!r}")
+    names = gguf.get_tensor_name_map(arch, num_layers)
+    mapping = {}
+    for hf in hf_names:
+        g = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if g is not None:
+            mapping[hf] = g
+    return mapping
+
+
+def block_tensor_names(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int) -> set[str]:
+    """Those of `hf_names` whose tensor the file stores in a block format."""
+    mapping = _hf_to_gguf_names(ckpt, hf_names, num_layers)
+    return {hf for hf, g in mapping.items() if g in ckpt.tensors and ckpt.tensors[g].qtype in BLOCK_TYPES}
+
+
+def read_tensors(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int, num_heads: int,
+                 num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | BlockSource]]:
+    """The file's tensors under the Hugging Face names in `hf_names` (those it has), block formats as
+    `BlockSource` rows straight from the mapped file, float ones as float32/bf16 tensors."""
+    data = np.memmap(ckpt.path, dtype=np.uint8, mode="r")
+    permuted = ckpt.architecture in PERMUTED_ARCHS
+    for hf, name in _hf_to_gguf_names(ckpt, hf_names, num_layers).items():
+        info = ckpt.tensors.get(name)
+        if info is None:
+            continue
+        raw = data[info.offset : info.offset + info.nbytes]
+        heads = num_heads if ".q_proj." in hf else (num_kv_heads if ".k_proj." in hf else 0)
+        if info.qtype in BLOCK_TYPES:
+            qtype = QTYPES[info.qtype]
+            rows = raw.reshape(info.shape[0], -1)
+            yield hf, BlockSource(qtype, _unpermute(rows, heads) if permuted and heads else rows, info.shape[1])
+            continue
+        dense = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[info.qtype]).reshape(info.shape)
+        if permuted and heads:
+            dense = _unpermute(dense, heads)
+        tensor = torch.from_numpy(np.array(dense))
+        yield hf, tensor.view(torch.bfloat16) if info.qtype == "BF16" else tensor.float()
+
+
+def rope_factors(ckpt: GGUFCheckpoint) -> torch.Tensor | None:
+    """llama.cpp's per-frequency RoPE divisors (Llama 3's scaling as the converter wrote it), if the file has them."""
+    info = ckpt.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    if info.qtype != "F32":
+        raise ValueError(f"{ckpt.path}: rope_freqs.weight is {info.qtype}, expected F32")
+    data = np.memmap(ckpt.path, dtype=np.uint8, mode="r")[info.offset : info.offset + info.nbytes]
+    return torch.from_numpy(np.array(data.view(np.float32)))

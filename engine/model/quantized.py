@@ -1,0 +1,149 @@
+"""Weights that stay in block formats inside the model (kernels/quant.py's `BlockMatrix`).
+
+Which weights: every projection, the embedding and the output head whose checkpoint tensors come in a block
+format (a GGUF file's Q4_K, Q8_0, ...), or all of them under `quantization` ("int8": Q8_0, a scale per 32
+values; "int4": Q4_1, a scale and a minimum per 32 values), quantized at load with gguf's own quantizer.
+`plan_block_weights` swaps those modules' float parameters for a `BlockWeightBuilder` before the model's
+memory is allocated, so no float copy of a quantized weight ever exists; the loader hands each builder
+this rank's cut of every checkpoint tensor (rows of a column-parallel part, whole blocks of columns of a
+row-parallel one) and `finish_block_weights` puts the joined `BlockMatrix` in its place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.config import QUANTIZATIONS
+from kernels.quant import QTYPES, BlockMatrix, QType, Segment, column_range
+
+if TYPE_CHECKING:
+    from kernels.cpu import CpuKernels
+
+__all__ = ["QUANTIZATIONS", "BlockSource", "BlockWeightBuilder", "finish_block_weights", "plan_block_weights",
+           "quantize", "weight_footprint"]
+
+
+@dataclass
+class BlockSource:
+    """A checkpoint tensor in a block format: its rows as the file stores them (uint8 [out, row_bytes])."""
+
+    qtype: QType
+    rows: np.ndarray
+    columns: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows.shape[0], self.columns
+
+    def cut(self, dim: int, start: int, size: int) -> BlockSource:
+        """Rows [start, start + size) (dim 0), or those columns (dim 1: whole blocks only)."""
+        if dim == 0:
+            return BlockSource(self.qtype, self.rows[start : start + size], self.columns)
+        return BlockSource(self.qtype, self.rows[:, column_range(self.qtype, self.columns, start, size)], size)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 values, by gguf's own dequantization (the reference the kernels are tested against)."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        return torch.from_numpy(dequantize(np.ascontiguousarray(self.rows), GGMLQuantizationType[self.qtype.name]))
+
+
+class BlockWeightBuilder:
+    """Collects this rank's parts of one weight as the checkpoint's tensors arrive; `finish` joins them."""
+
+    def __init__(self, out_features: int, in_features: int, quantize_to: QType | None, kernels: CpuKernels) -> None:
+        self.shape = (out_features, in_features)
+        self.quantize_to = quantize_to
+        self.kernels = kernels
+        self.parts: dict[int, Segment] = {}
+
+    def put(self, row: int, name: str, source: torch.Tensor | BlockSource) -> None:
+        """Place `source` (already cut to this rank's share) at rows [row, ...)."""
+        rows, columns = source.shape
+        if columns != self.shape[1] or row + rows > self.shape[0]:
+            raise ValueError(f"weight {name} has shape {tuple(source.shape)}, which does not fit the config")
+        if isinstance(source, torch.Tensor):
+            if self.quantize_to is None:  # a float part of a weight whose other parts are quantized
+                dense = source.float().contiguous()
+                self.parts[row] = Segment(QTYPES["F32"], dense.view(torch.uint8), rows)
+                return
+            source = quantize(source, self.quantize_to)
+        self.parts[row] = self.kernels.repack(torch.from_numpy(np.ascontiguousarray(source.rows)), source.qtype,
+                                              columns)
+
+    def finish(self, what: str) -> BlockMatrix:
+        parts, row = [], 0
+        for start in sorted(self.parts):
+            if start != row:
+                raise ValueError(f"{what}: rows [{row}, {start}) missing from the checkpoint")
+            parts.append(self.parts[start])
+            row += self.parts[start].rows
+        if row != self.shape[0]:
+            raise ValueError(f"{what}: rows [{row}, {self.shape[0]}) missing from the checkpoint")
+        return BlockMatrix.join(self.shape[1], parts)
+
+
+def quantize(weight: torch.Tensor, qtype: QType) -> BlockSource:
+    """A float [out, in] weight in `qtype` blocks, by gguf's quantizer (ggml's reference rounding)."""
+    from gguf import GGMLQuantizationType
+    from gguf import quantize as gguf_quantize
+
+    if weight.shape[1] % qtype.block:
+        raise ValueError(f"cannot quantize a weight of {weight.shape[1]} columns to {qtype.name}: rows must be "
+                         f"whole blocks of {qtype.block} values")
+    data = gguf_quantize(weight.float().numpy(), GGMLQuantizationType[qtype.name])
+    return BlockSource(qtype, data, weight.shape[1])
+
+
+def plan_block_weights(model: nn.Module, targets: Mapping[str, object], block_names: set[str],
+                       quantize_to: QType | None, quantizable: tuple[type[nn.Module], ...],
+                       kernels: CpuKernels) -> None:
+    """Give every `quantizable` module one of whose checkpoint tensors is in `block_names` (or all of them,
+    with `quantize_to`) a builder in place of its float weight parameter. `targets` maps checkpoint names to
+    their WeightTargets (whose `param` tells the module)."""
+    owners = {id(m.weight): m for m in model.modules() if isinstance(m, quantizable)}
+    chosen: dict[int, nn.Module] = {}
+    for name, target in targets.items():
+        module = owners.get(id(getattr(target, "param", None)))
+        if module is not None and (quantize_to is not None or name in block_names):
+            chosen[id(module)] = module
+    for module in chosen.values():
+        out_features, in_features = cast(torch.Tensor, module.weight).shape
+        del module.weight  # the float parameter is never allocated
+        setattr(module, "weight", BlockWeightBuilder(out_features, in_features, quantize_to, kernels))  # noqa: B010
+
+
+def weight_footprint(model: nn.Module) -> tuple[dict[str, int], int]:
+    """The model's weights by format (elements of each: block formats by name, tensors by dtype) and the bytes
+    they take in memory (a tied weight counted once)."""
+    seen: set[int] = set()
+    formats: dict[str, int] = {}
+    total = 0
+    for module in model.modules():
+        for value in [*module._parameters.values(), getattr(module, "weight", None)]:
+            if value is None or id(value) in seen or not isinstance(value, (torch.Tensor, BlockMatrix)):
+                continue
+            seen.add(id(value))
+            if isinstance(value, BlockMatrix):
+                for seg in value.segments:
+                    formats[seg.qtype.name] = formats.get(seg.qtype.name, 0) + seg.rows * value.in_features
+                total += value.nbytes
+            else:
+                name = str(value.dtype).removeprefix("torch.")
+                formats[name] = formats.get(name, 0) + value.numel()
+                total += value.numel() * value.element_size()
+    return formats, total
+
+
+def finish_block_weights(model: nn.Module) -> None:
+    """Swap every builder for the weight it built."""
+    for name, module in model.named_modules():
+        builder = getattr(module, "weight", None)
+        if isinstance(builder, BlockWeightBuilder):
+            module.weight = builder.finish(f"{name}.weight")

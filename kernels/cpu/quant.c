@@ -1,0 +1,624 @@
+/* Weight-only quantized products over GGML's block formats (the tensor types of GGUF files), on the CPU.
+ *
+ * Every format comes down to the same thing per 32 values of a row: 32 small integers q and, for each
+ * half of 16, a scale S and an offset M, so that a weight is S * q + M (Q4_0's d * (q - 8): S = d,
+ * M = -8d; Q4_K's sub-block scale d * sc and -dmin * m; Q6_K has a scale per 16 values, hence halves).
+ *
+ * At load the rows are repacked, losslessly, into panels of 8 rows (`q_repack`). A panel holds, per 32
+ * values, one tile: the 8 rows' integers interleaved four at a time (for the 4-bit part: byte
+ * [p][row][i] holds value 4p+i in its low nibble and 16+4p+i in its high one; a 5th or 5th-6th bit in a
+ * plane of its own; Q8_0 signed bytes [g][row][i]), then the 8 rows' scale fields as the file has them
+ * (f16 d and m; the K formats' 6-bit sc and m unpacked to bytes, their f16 d and dmin once per 256
+ * values). So one 32-byte vector of a tile is four consecutive values of each of the 8 rows, and one
+ * dot-product instruction (AVX2's maddubs + madd, or VNNI's dpbusd) against four values of x broadcast
+ * adds into each row's own lane: eight of them give a block's 8 row sums, with no horizontal reduction.
+ * That is the layout trick of ggml's repacked CPU GEMMs and of oneDNN; per-row blocks spend most of
+ * their instructions reducing and rescaling.
+ *
+ * The product y = x W^T quantizes each row of x to 8 bits per 32 values first (one float scale per
+ * block, as ggml's q8_1), so inner products are integer: y += da * (S * dot + M * sum(a)), with the sum
+ * of a kept per half in the block. Unsigned integers stay below 64, so maddubs' 16-bit pair sums never
+ * saturate (63 * 127 * 2 < 32767); Q8_0's signed ones go in as |q| against a with q's sign. Rows of x
+ * are taken four at a time per unpacked tile. Without AVX2 the same arithmetic runs as plain C.
+ *
+ * `q_dequantize` reads the repacked rows back and rounds where gguf's dequantization rounds (S * q is
+ * exact in float32), so the two agree bit for bit.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QUANT_AVX2 1
+#endif
+
+#include "dtype.h"
+
+enum { T_F32 = 0, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13,
+       T_Q6_K = 14 };
+
+#define PANEL 8                  /* rows interleaved in a panel */
+#define ROWS_PER_PASS 4          /* rows of x that share one unpacked tile */
+#define PARALLEL_MIN_WORK 32768  /* below this many multiply-adds one thread does the whole product */
+
+/* 32 values of a row of x, to about 15 bits: x = d * (q + r / RESIDUAL) with d = max|x| / 127, q = round(x / d)
+ * and r the rounding residual, itself rounded to 8 bits; s = d * sum(q + r / RESIDUAL), and per half of 16. */
+typedef struct {
+    float d, s, s_lo, s_hi;
+    int8_t q[32], r[32];
+} act_block;
+
+#define RESIDUAL 254.0f /* |x / d - q| <= 1/2, so r = round(254 (x / d - q)) fits in [-127, 127] */
+
+/* -- the file's layouts ------------------------------------------------------------------------------- */
+
+static inline int is_k(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+static inline int64_t block_values(int type) { return is_k(type) ? 256 : 32; }
+
+static inline int64_t block_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    default: return 210; /* T_Q6_K */
+    }
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes (ggml's get_scale_min_k4). */
+static inline void k_scale_min(const uint8_t *sc, int j, uint8_t *scale, uint8_t *min) {
+    if (j < 4) {
+        *scale = sc[j] & 63;
+        *min = sc[j + 4] & 63;
+    } else {
+        *scale = (uint8_t)((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4));
+        *min = (uint8_t)((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
+    }
+}
+
+/* The 32 integers of sub-block j of file block `b` (signed only for Q8_0). */
+static void file_ints(int type, const uint8_t *b, int j, int32_t q[32]) {
+    switch (type) {
+    case T_Q4_0:
+    case T_Q4_1: {
+        const uint8_t *qs = b + (type == T_Q4_0 ? 2 : 4);
+        for (int i = 0; i < 16; i++) {
+            q[i] = qs[i] & 0xF;
+            q[i + 16] = qs[i] >> 4;
+        }
+        break;
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+        const uint8_t *qh = b + (type == T_Q5_0 ? 2 : 4), *qs = qh + 4;
+        uint32_t bits;
+        memcpy(&bits, qh, 4);
+        for (int i = 0; i < 16; i++) {
+            q[i] = (qs[i] & 0xF) | (((bits >> i) & 1) << 4);
+            q[i + 16] = (qs[i] >> 4) | (((bits >> (i + 16)) & 1) << 4);
+        }
+        break;
+    }
+    case T_Q8_0:
+        for (int i = 0; i < 32; i++) q[i] = ((const int8_t *)(b + 2))[i];
+        break;
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int shift = (j & 1) * 4;
+        const uint8_t *qs = b + (type == T_Q4_K ? 16 : 48) + (j >> 1) * 32, *qh = b + 16;
+        for (int i = 0; i < 32; i++) {
+            q[i] = (qs[i] >> shift) & 0xF;
+            if (type == T_Q5_K) q[i] |= ((qh[i] >> j) & 1) << 4;
+        }
+        break;
+    }
+    default: { /* T_Q6_K: 128 values per half; low nibbles of 64 bytes, then their high nibbles; 2 bits more */
+        const int half = j >> 2, t = j & 3;
+        const uint8_t *ql = b + half * 64 + (t & 1) * 32, *qh = b + 128 + half * 32;
+        for (int i = 0; i < 32; i++) q[i] = ((ql[i] >> ((t >> 1) * 4)) & 0xF) | (((qh[i] >> (2 * t)) & 3) << 4);
+        break;
+    }
+    }
+}
+
+/* -- the repacked layout ------------------------------------------------------------------------------- */
+
+static inline int64_t tile_q_bytes(int type) { return type == T_Q8_0 ? 256 : 128; }
+
+static inline int64_t tile_plane_bytes(int type) { /* the 5th bit, or Q6_K's 5th and 6th */
+    return type == T_Q6_K ? 64 : ((type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) ? 32 : 0);
+}
+
+static inline int64_t tile_scale_bytes(int type) { return (type == T_Q4_1 || type == T_Q5_1) ? 32 : 16; }
+
+static inline int64_t tile_bytes(int type) { return tile_q_bytes(type) + tile_plane_bytes(type) + tile_scale_bytes(type); }
+
+static inline int64_t header_bytes(int type) { /* per 256 values: f16 d[8] (and dmin[8]) */
+    return type == T_Q6_K ? 16 : (is_k(type) ? 32 : 0);
+}
+
+static inline int64_t group_bytes(int type) { return header_bytes(type) + block_values(type) / 32 * tile_bytes(type); }
+
+/* Bytes of one panel of rows `k` values long. */
+int64_t q_panel_bytes(int32_t type, int64_t k) { return k / block_values(type) * group_bytes(type); }
+
+/* The tile of the 32 values starting at c * 32, and the header of its group. */
+static inline const uint8_t *tile_at(int type, const uint8_t *panel, int64_t c, const uint8_t **header) {
+    const int64_t subs = block_values(type) / 32;
+    *header = panel + (c / subs) * group_bytes(type);
+    return *header + header_bytes(type) + (c % subs) * tile_bytes(type);
+}
+
+/* Formats whose offset is a float (a min), and the integer offset z of the others (M = -z * S). */
+static inline int has_min(int type) { return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K; }
+
+static inline int32_t zero_point(int type) {
+    return type == T_Q4_0 ? 8 : (type == T_Q5_0 ? 16 : (type == T_Q6_K ? 32 : 0));
+}
+
+/* Scale and offset of each half of the tile's values in row `lane`. */
+static inline void tile_scales(int type, const uint8_t *header, const uint8_t *tile, int lane, float S[2],
+                               float M[2]) {
+    const uint8_t *sc = tile + tile_q_bytes(type) + tile_plane_bytes(type);
+    float s, m = 0.0f;
+    if (type == T_Q6_K) {
+        const float d = f16_to_f32(load_u16(header + 2 * lane));
+        for (int h = 0; h < 2; h++) S[h] = d * (float)((const int8_t *)sc)[h * PANEL + lane];
+        M[0] = M[1] = 0.0f; /* unused: Q6_K is an offset-z format */
+        return;
+    }
+    if (is_k(type)) {
+        s = f16_to_f32(load_u16(header + 2 * lane)) * (float)sc[lane];
+        m = -(f16_to_f32(load_u16(header + 16 + 2 * lane)) * (float)sc[PANEL + lane]);
+    } else {
+        s = f16_to_f32(load_u16(sc + 2 * lane));
+        if (has_min(type)) m = f16_to_f32(load_u16(sc + 16 + 2 * lane));
+    }
+    S[0] = S[1] = s;
+    M[0] = M[1] = m;
+}
+
+/* Where value v (0..31) of row `lane` lies in a tile's 4-bit (or 8-bit) part and its planes. */
+static inline int64_t q_offset(int v, int lane) { return (v & 15) / 4 * 32 + lane * 4 + (v & 3); }
+
+static void tile_ints(int type, const uint8_t *tile, int lane, int32_t q[32]) {
+    const uint8_t *plane = tile + tile_q_bytes(type);
+    for (int v = 0; v < 32; v++) {
+        const int g = v / 4, i = v & 3;
+        if (type == T_Q8_0) {
+            q[v] = ((const int8_t *)tile)[g * 32 + lane * 4 + i];
+            continue;
+        }
+        q[v] = (tile[q_offset(v, lane)] >> (v < 16 ? 0 : 4)) & 0xF;
+        if (type == T_Q6_K) q[v] |= ((plane[(g / 4) * 32 + lane * 4 + i] >> (2 * (g % 4))) & 3) << 4;
+        else if (tile_plane_bytes(type)) q[v] |= ((plane[lane * 4 + i] >> g) & 1) << 4;
+    }
+}
+
+/* Rows [0, rows) of `w` (file blocks, `row_bytes` apart) into ceil(rows / 8) panels at `out`; rows past the
+ * end of the last panel are zeros. */
+void q_repack(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t type) {
+    const int64_t panels = (rows + PANEL - 1) / PANEL, pbytes = q_panel_bytes(type, k);
+    const int64_t subs = block_values(type) / 32;
+#pragma omp parallel for schedule(static) if (rows * k >= 8 * PARALLEL_MIN_WORK)
+    for (int64_t p = 0; p < panels; p++) {
+        uint8_t *panel = out + p * pbytes;
+        memset(panel, 0, (size_t)pbytes);
+        for (int lane = 0; lane < PANEL && p * PANEL + lane < rows; lane++) {
+            const uint8_t *row = w + (p * PANEL + lane) * row_bytes;
+            for (int64_t blk = 0; blk < k / block_values(type); blk++) {
+                const uint8_t *b = row + blk * block_bytes(type);
+                uint8_t *header = panel + blk * group_bytes(type);
+                if (type == T_Q6_K) memcpy(header + 2 * lane, b + 208, 2);
+                else if (is_k(type)) {
+                    memcpy(header + 2 * lane, b, 2);
+                    memcpy(header + 16 + 2 * lane, b + 2, 2);
+                }
+                for (int j = 0; j < subs; j++) {
+                    uint8_t *tile = header + header_bytes(type) + j * tile_bytes(type);
+                    uint8_t *plane = tile + tile_q_bytes(type), *sc = plane + tile_plane_bytes(type);
+                    int32_t q[32];
+                    file_ints(type, b, j, q);
+                    for (int v = 0; v < 32; v++) {
+                        const int g = v / 4, i = v & 3;
+                        if (type == T_Q8_0) {
+                            tile[g * 32 + lane * 4 + i] = (uint8_t)q[v];
+                            continue;
+                        }
+                        tile[q_offset(v, lane)] |= (uint8_t)((q[v] & 0xF) << (v < 16 ? 0 : 4));
+                        if (type == T_Q6_K) plane[(g / 4) * 32 + lane * 4 + i] |= (uint8_t)(((q[v] >> 4) & 3) << (2 * (g % 4)));
+                        else if (tile_plane_bytes(type)) plane[lane * 4 + i] |= (uint8_t)(((q[v] >> 4) & 1) << g);
+                    }
+                    if (type == T_Q6_K) {
+                        for (int h = 0; h < 2; h++) sc[h * PANEL + lane] = b[192 + 2 * j + h];
+                    } else if (is_k(type)) {
+                        k_scale_min(b + 4, j, &sc[lane], &sc[PANEL + lane]);
+                    } else {
+                        memcpy(sc + 2 * lane, b, 2);
+                        if (has_min(type)) memcpy(sc + 16 + 2 * lane, b + 2, 2);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* -- dequantization ----------------------------------------------------------------------------------- */
+
+static inline __attribute__((always_inline)) void dequantize_row(int type, const uint8_t *panel, int lane,
+                                                                 int64_t k, float *out) {
+    for (int64_t c = 0; c < k / 32; c++) {
+        const uint8_t *header, *tile = tile_at(type, panel, c, &header);
+        int32_t q[32];
+        float S[2], M[2];
+        tile_ints(type, tile, lane, q);
+        tile_scales(type, header, tile, lane, S, M);
+        float *o = out + c * 32;
+        if (has_min(type)) {
+            for (int i = 0; i < 32; i++) o[i] = S[i >> 4] * (float)q[i] + M[i >> 4];
+        } else { /* S * (q - z) as gguf computes it: M = -z S would turn its -0.0s into +0.0s */
+            const int32_t z = zero_point(type);
+            for (int i = 0; i < 32; i++) o[i] = S[i >> 4] * (float)(q[i] - z);
+        }
+    }
+}
+
+/* out[r] = row ids[r] (ids NULL: row r) of repacked `w`, `rows` of them, as float32. */
+void q_dequantize(float *out, const uint8_t *w, int64_t k, const int64_t *ids, int64_t rows, int32_t type) {
+    const int64_t pbytes = q_panel_bytes(type, k);
+#pragma omp parallel for schedule(static) if (rows * k >= 8 * PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t row = ids ? ids[r] : r;
+        const uint8_t *panel = w + row / PANEL * pbytes;
+        const int lane = (int)(row % PANEL);
+        switch (type) { /* one specialised loop per format */
+        case T_Q4_0: dequantize_row(T_Q4_0, panel, lane, k, out + r * k); break;
+        case T_Q4_1: dequantize_row(T_Q4_1, panel, lane, k, out + r * k); break;
+        case T_Q5_0: dequantize_row(T_Q5_0, panel, lane, k, out + r * k); break;
+        case T_Q5_1: dequantize_row(T_Q5_1, panel, lane, k, out + r * k); break;
+        case T_Q8_0: dequantize_row(T_Q8_0, panel, lane, k, out + r * k); break;
+        case T_Q4_K: dequantize_row(T_Q4_K, panel, lane, k, out + r * k); break;
+        case T_Q5_K: dequantize_row(T_Q5_K, panel, lane, k, out + r * k); break;
+        default: dequantize_row(T_Q6_K, panel, lane, k, out + r * k); break;
+        }
+    }
+}
+
+/* -- activations ---------------------------------------------------------------------------------------- */
+
+static void quantize_act_block(const float *x, act_block *a) {
+    int32_t sums[2] = {0, 0}; /* RESIDUAL * q + r per half */
+    float d;
+#ifdef QUANT_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    d = _mm_cvtss_f32(m4) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4], r[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 scaled = _mm256_mul_ps(v[i], id);
+        q[i] = _mm256_cvtps_epi32(scaled);
+        r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(scaled, _mm256_cvtepi32_ps(q[i])),
+                                                _mm256_set1_ps(RESIDUAL)));
+    }
+    /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i pq = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i pr = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256((__m256i *)a->q, _mm256_permutevar8x32_epi32(pq, order));
+    _mm256_storeu_si256((__m256i *)a->r, _mm256_permutevar8x32_epi32(pr, order));
+    const __m256i weight = _mm256_set1_epi32((int32_t)RESIDUAL);
+    int32_t lanes[16];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(q[0], q[1]), weight),
+                                                           _mm256_add_epi32(r[0], r[1])));
+    _mm256_storeu_si256((__m256i *)(lanes + 8), _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(q[2], q[3]), weight),
+                                                                 _mm256_add_epi32(r[2], r[3])));
+    for (int i = 0; i < 16; i++) sums[i / 8] += lanes[i];
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+    d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 32; i++) {
+        const float scaled = x[i] * id;
+        const int32_t q = (int32_t)nearbyintf(scaled), r = (int32_t)nearbyintf((scaled - (float)q) * RESIDUAL);
+        a->q[i] = (int8_t)q;
+        a->r[i] = (int8_t)r;
+        sums[i / 16] += (int32_t)RESIDUAL * q + r;
+    }
+#endif
+    a->d = d;
+    a->s_lo = d / RESIDUAL * (float)sums[0];
+    a->s_hi = d / RESIDUAL * (float)sums[1];
+    a->s = d / RESIDUAL * (float)(sums[0] + sums[1]);
+}
+
+/* -- the product ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    int32_t type;
+    const uint8_t *data;  /* panels (T_F32: plain float32 rows) */
+    int64_t rows;         /* real rows (the last panel may be part padding) */
+    int64_t col;          /* its first output column */
+} segment;
+
+#ifdef QUANT_AVX2
+/* Eight int32 sums, each += four adjacent products u[i] * s[i] (u unsigned, s signed). */
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* The tile's eight vectors: w[g] holds values 4g..4g+3 of each of the 8 rows. */
+static inline __attribute__((always_inline)) void tile_vectors(int type, const uint8_t *tile, __m256i w[8]) {
+    if (type == T_Q8_0) {
+        for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(tile + 32 * g));
+        return;
+    }
+    const __m256i low4 = _mm256_set1_epi8(0xF);
+    for (int p = 0; p < 4; p++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + 32 * p));
+        w[p] = _mm256_and_si256(v, low4);
+        w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    const uint8_t *plane = tile + 128;
+    if (type == T_Q6_K) { /* bits 2(g%4), 2(g%4)+1 of plane g/4 move to bits 4-5 */
+        const __m256i top2 = _mm256_set1_epi8(0x30);
+        for (int half = 0; half < 2; half++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(plane + 32 * half));
+            w[4 * half + 0] = _mm256_or_si256(w[4 * half + 0], _mm256_and_si256(_mm256_slli_epi16(h, 4), top2));
+            w[4 * half + 1] = _mm256_or_si256(w[4 * half + 1], _mm256_and_si256(_mm256_slli_epi16(h, 2), top2));
+            w[4 * half + 2] = _mm256_or_si256(w[4 * half + 2], _mm256_and_si256(h, top2));
+            w[4 * half + 3] = _mm256_or_si256(w[4 * half + 3], _mm256_and_si256(_mm256_srli_epi16(h, 2), top2));
+        }
+    } else if (tile_plane_bytes(type)) { /* bit g moves to bit 4 */
+        const __m256i bit4 = _mm256_set1_epi8(0x10), h = _mm256_loadu_si256((const __m256i *)plane);
+        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4));
+        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4));
+        w[4] = _mm256_or_si256(w[4], _mm256_and_si256(h, bit4));
+        w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4));
+        w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4));
+        w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4));
+    }
+}
+
+static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline __m256 u8x8(const uint8_t *p) { /* eight bytes as floats, unsigned or (Q6_K) signed */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline __m256 i8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* The tile's dot products with x's q and with its residual r as one: iq + ir / RESIDUAL. */
+static inline __m256 combine(__m256i iq, __m256i ir) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(ir), _mm256_set1_ps(1.0f / RESIDUAL), _mm256_cvtepi32_ps(iq));
+}
+
+/* acc[r] (lane = panel row) += the panel's rows . x row r, for nr rows of x (quantized, `blocks` per row). */
+static inline __attribute__((always_inline)) void panel_dots(int type, const uint8_t *panel, const act_block *a,
+                                                             int64_t blocks, int nr, __m256 acc[ROWS_PER_PASS]) {
+    __m256 d8 = _mm256_setzero_ps(), dmin8 = _mm256_setzero_ps();
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *header, *tile = tile_at(type, panel, c, &header);
+        if (is_k(type) && c % 8 == 0) {
+            d8 = f16x8(header);
+            if (type != T_Q6_K) dmin8 = f16x8(header + 16);
+        }
+        const uint8_t *sc = tile + tile_q_bytes(type) + tile_plane_bytes(type);
+        __m256 S, M = _mm256_setzero_ps(), S_hi = _mm256_setzero_ps();
+        if (type == T_Q6_K) {
+            S = _mm256_mul_ps(d8, i8x8(sc));
+            S_hi = _mm256_mul_ps(d8, i8x8(sc + PANEL));
+        } else if (is_k(type)) {
+            S = _mm256_mul_ps(d8, u8x8(sc));
+            M = _mm256_mul_ps(dmin8, _mm256_sub_ps(_mm256_setzero_ps(), u8x8(sc + PANEL)));
+        } else {
+            S = f16x8(sc);
+            if (has_min(type)) M = f16x8(sc + 16);
+            else if (zero_point(type)) M = _mm256_mul_ps(S, _mm256_set1_ps(-(float)zero_point(type)));
+        }
+        __m256i w[8];
+        tile_vectors(type, tile, w);
+        for (int r = 0; r < nr; r++) {
+            const act_block *ab = a + r * blocks + c;
+            const __m256 d = _mm256_set1_ps(ab->d);
+            if (type == T_Q6_K) { /* a scale per half; M = -32 S */
+                for (int h = 0; h < 2; h++) {
+                    __m256i iq = _mm256_setzero_si256(), ir = _mm256_setzero_si256();
+                    for (int g = 4 * h; g < 4 * h + 4; g++) {
+                        iq = dot_acc(iq, w[g], bcast4(ab->q + 4 * g));
+                        ir = dot_acc(ir, w[g], bcast4(ab->r + 4 * g));
+                    }
+                    const __m256 Sh = h ? S_hi : S;
+                    acc[r] = _mm256_fmadd_ps(combine(iq, ir), _mm256_mul_ps(Sh, d), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(Sh, _mm256_set1_ps(-32.0f * (h ? ab->s_hi : ab->s_lo)), acc[r]);
+                }
+                continue;
+            }
+            __m256i iq = _mm256_setzero_si256(), ir = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                const __m256i xq = bcast4(ab->q + 4 * g), xr = bcast4(ab->r + 4 * g);
+                if (type == T_Q8_0) {
+                    const __m256i u = _mm256_sign_epi8(w[g], w[g]);
+                    iq = dot_acc(iq, u, _mm256_sign_epi8(xq, w[g]));
+                    ir = dot_acc(ir, u, _mm256_sign_epi8(xr, w[g]));
+                } else {
+                    iq = dot_acc(iq, w[g], xq);
+                    ir = dot_acc(ir, w[g], xr);
+                }
+            }
+            acc[r] = _mm256_fmadd_ps(combine(iq, ir), _mm256_mul_ps(S, d), acc[r]);
+            if (type != T_Q8_0) acc[r] = _mm256_fmadd_ps(M, _mm256_set1_ps(ab->s), acc[r]);
+        }
+    }
+}
+
+/* Rows [r0, r0 + nr) of the output for one panel, nr a compile-time constant after inlining. */
+static inline __attribute__((always_inline)) void panel_pass(int type, const uint8_t *panel, const act_block *a,
+                                                             int64_t blocks, int nr, float out[ROWS_PER_PASS][PANEL]) {
+    __m256 acc[ROWS_PER_PASS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    panel_dots(type, panel, a, blocks, nr, acc);
+    for (int r = 0; r < nr; r++) _mm256_storeu_ps(out[r], acc[r]);
+}
+#else
+static inline __attribute__((always_inline)) void panel_pass(int type, const uint8_t *panel, const act_block *a,
+                                                             int64_t blocks, int nr, float out[ROWS_PER_PASS][PANEL]) {
+    for (int r = 0; r < nr; r++)
+        for (int lane = 0; lane < PANEL; lane++) out[r][lane] = 0.0f;
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *header, *tile = tile_at(type, panel, c, &header);
+        for (int lane = 0; lane < PANEL; lane++) {
+            int32_t q[32];
+            float S[2], M[2];
+            tile_ints(type, tile, lane, q);
+            tile_scales(type, header, tile, lane, S, M);
+            if (!has_min(type)) {
+                M[0] = -(float)zero_point(type) * S[0];
+                M[1] = -(float)zero_point(type) * S[1];
+            }
+            for (int r = 0; r < nr; r++) {
+                const act_block *ab = a + r * blocks + c;
+                int32_t dq[2] = {0, 0}, dr[2] = {0, 0};
+                for (int i = 0; i < 32; i++) {
+                    dq[i >> 4] += q[i] * ab->q[i];
+                    dr[i >> 4] += q[i] * ab->r[i];
+                }
+                for (int h = 0; h < 2; h++)
+                    out[r][lane] += ab->d * S[h] * ((float)dq[h] + (float)dr[h] / RESIDUAL) + M[h] * (h ? ab->s_hi : ab->s_lo);
+            }
+        }
+    }
+}
+#endif
+
+/* One panel against rows [r0, r0 + nr) of x, for each format and row count (specialised by inlining). */
+static void panel_rows(int type, const uint8_t *panel, const act_block *a, int64_t blocks, int nr,
+                       float out[ROWS_PER_PASS][PANEL]) {
+#define BY_ROWS(T)                                                  \
+    switch (nr) {                                                   \
+    case 1: panel_pass(T, panel, a, blocks, 1, out); break;         \
+    case 2: panel_pass(T, panel, a, blocks, 2, out); break;         \
+    case 3: panel_pass(T, panel, a, blocks, 3, out); break;         \
+    default: panel_pass(T, panel, a, blocks, ROWS_PER_PASS, out);   \
+    }                                                               \
+    break;
+    switch (type) {
+    case T_Q4_0: BY_ROWS(T_Q4_0)
+    case T_Q4_1: BY_ROWS(T_Q4_1)
+    case T_Q5_0: BY_ROWS(T_Q5_0)
+    case T_Q5_1: BY_ROWS(T_Q5_1)
+    case T_Q8_0: BY_ROWS(T_Q8_0)
+    case T_Q4_K: BY_ROWS(T_Q4_K)
+    case T_Q5_K: BY_ROWS(T_Q5_K)
+    default: BY_ROWS(T_Q6_K)
+    }
+#undef BY_ROWS
+}
+
+/* Output columns [col, col + count) of one segment: a panel, or (T_F32) up to 8 float rows. */
+static void panel_columns(const segment *s, int64_t panel, const act_block *a, const float *x, int64_t x_stride,
+                          int64_t m, int64_t k, float *out, int64_t out_stride, const float *bias, const float *add,
+                          int64_t add_stride) {
+    const int64_t blocks = k / 32, col = s->col + panel * PANEL;
+    const int width = (int)(s->rows - panel * PANEL < PANEL ? s->rows - panel * PANEL : PANEL);
+    float part[ROWS_PER_PASS][PANEL];
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
+        const int nr = (int)(m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS);
+        if (s->type == T_F32) {
+            for (int r = 0; r < nr; r++)
+                for (int lane = 0; lane < width; lane++) {
+                    const float *wr = (const float *)s->data + (panel * PANEL + lane) * k, *xr = x + (r0 + r) * x_stride;
+                    float sum = 0.0f;
+                    for (int64_t i = 0; i < k; i++) sum += wr[i] * xr[i];
+                    part[r][lane] = sum;
+                }
+        } else {
+            panel_rows(s->type, s->data + panel * q_panel_bytes(s->type, k), a + r0 * blocks, blocks, nr, part);
+        }
+        for (int r = 0; r < nr; r++) {
+            float *o = out + (r0 + r) * out_stride + col;
+            for (int lane = 0; lane < width; lane++) {
+                float v = part[r][lane];
+                if (bias) v += bias[col + lane];
+                if (add) v += add[(r0 + r) * add_stride + col + lane];
+                o[lane] = v;
+            }
+        }
+    }
+}
+
+/* out[m, N] = x[m, k] W^T (+ bias) (+ add), W the row-wise concatenation of `nseg` segments. `scratch`
+ * holds m * k / 32 act_blocks. `add` may be `out` (a residual added in place). */
+void q_linear(float *out, int64_t out_stride, const float *x, int64_t x_stride, int64_t m, int64_t k,
+              act_block *scratch, const segment *segs, int64_t nseg, const float *bias, const float *add,
+              int64_t add_stride) {
+    const int64_t blocks = k / 32;
+    int64_t panels = 0, n_total = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        panels += (segs[s].rows + PANEL - 1) / PANEL;
+        n_total += segs[s].rows;
+    }
+#pragma omp parallel if (m * n_total * k >= PARALLEL_MIN_WORK)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m * blocks; i++)
+            quantize_act_block(x + (i / blocks) * x_stride + (i % blocks) * 32, scratch + i);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            int64_t s = 0, first = 0; /* the segment of global panel p, and that segment's first panel */
+            while (p >= first + (segs[s].rows + PANEL - 1) / PANEL) first += (segs[s++].rows + PANEL - 1) / PANEL;
+            panel_columns(&segs[s], p - first, scratch, x, x_stride, m, k, out, out_stride, bias, add, add_stride);
+        }
+    }
+}
+
+/* For the tests: x quantized as the product sees it (`rows` rows of k values). */
+void q_quantize_act(act_block *out, const float *x, int64_t rows, int64_t k) {
+    for (int64_t i = 0; i < rows * (k / 32); i++) quantize_act_block(x + i * 32, out + i);
+}
+
+int32_t q_act_block_bytes(void) { return (int32_t)sizeof(act_block); }
+
+int32_t q_isa(void) { /* 0 plain C, 1 AVX2, 2 AVX2 with VNNI dot products */
+#if defined(QUANT_AVX2) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+    return 2;
+#elif defined(QUANT_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
