@@ -56,10 +56,11 @@ def make_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def make_checkpoint(family: str, out: Path, seed: int = 0, tokenizer: bool = True) -> Path:
+def make_checkpoint(family: str, out: Path, seed: int = 0, tokenizer: bool = True, **overrides: object) -> Path:
+    """A tiny random `family` checkpoint (its config: COMMON, the family's switches, then `overrides`)."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **overrides})
     model = model_cls(config).eval()
     model.save_pretrained(out)
     if tokenizer:

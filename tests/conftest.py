@@ -61,8 +61,10 @@ class HFOracle:
     def model(self, path: Path) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        if path not in self._models:
-            self._models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if path not in self._models:  # a GGUF file: transformers dequantizes it to float32 with gguf's own code
+            where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) if path.suffix == ".gguf" \
+                else dict(pretrained_model_name_or_path=path)
+            self._models[path] = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
         return self._models[path]
 
     def log_softmax(self, path: Path, ids: list[int]) -> torch.Tensor:

@@ -115,6 +115,9 @@ def _convert_metadata(path: Path, meta: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, KeyError) as e:
         raise ValueError(f"{path}: transformers cannot read this GGUF file's metadata ({arch}): {e}") from e
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):  # transformers' Qwen3 mapping leaves it at a default
+        config.head_dim = int(key_length.contents())
     if config.model_type not in MODEL_TYPES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} ({config.model_type}); minichat runs "
                          f"{', '.join(sorted(MODEL_TYPES))}")

@@ -3,14 +3,16 @@
 Which weights: every projection, the embedding and the output head whose checkpoint tensors come in a block
 format (a GGUF file's Q4_K, Q8_0, ...), or all of them under `quantization` ("int8": Q8_0, a scale per 32
 values; "int4": Q4_1, a scale and a minimum per 32 values), quantized at load with gguf's own quantizer.
-`plan_block_weights` swaps those modules' float parameters for a `BlockWeightBuilder` before the model's
-memory is allocated, so no float copy of a quantized weight ever exists; the loader hands each builder
+Rows that are not whole blocks (a 688-wide MLP, say) stay float, as llama.cpp's quantizer falls back to
+another type for them. `plan_block_weights` swaps those modules' float parameters for a `BlockWeightBuilder`
+before the model's memory is allocated, so no float copy of a quantized weight ever exists; the loader hands each builder
 this rank's cut of every checkpoint tensor (rows of a column-parallel part, whole blocks of columns of a
 row-parallel one) and `finish_block_weights` puts the joined `BlockMatrix` in its place.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -24,6 +26,8 @@ from kernels.quant import QTYPES, BlockMatrix, QType, Segment, column_range
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuKernels
+
+log = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATIONS", "BlockSource", "BlockWeightBuilder", "finish_block_weights", "plan_block_weights",
            "quantize", "weight_footprint"]
@@ -113,6 +117,14 @@ def plan_block_weights(model: nn.Module, targets: Mapping[str, object], block_na
         module = owners.get(id(getattr(target, "param", None)))
         if module is not None and (quantize_to is not None or name in block_names):
             chosen[id(module)] = module
+    if quantize_to is not None:  # rows that are not whole blocks stay float, as llama.cpp's quantizer falls back
+        odd = {i: m for i, m in chosen.items() if m.weight.shape[1] % quantize_to.block}
+        if odd:
+            names = sorted({n for n, m in model.named_modules() if id(m) in odd})
+            log.warning("%d weights stay float32: their rows are not whole %s blocks of %d values (%s)", len(names),
+                        quantize_to.name, quantize_to.block, ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
+        for i in odd:
+            del chosen[i]
     for module in chosen.values():
         out_features, in_features = cast(torch.Tensor, module.weight).shape
         del module.weight  # the float parameter is never allocated

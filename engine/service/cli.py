@@ -28,7 +28,7 @@ if typing.TYPE_CHECKING:  # the launcher is imported where it is used: `minichat
 
 ADDRESS_HELP = "Engine address: ipc:///path or tcp://127.0.0.1:PORT (default: a per-user ipc socket)."
 ENGINE_HELP = {
-    "model": "HF checkpoint directory or cached hub id (default: the embedded demo model).",
+    "model": "HF checkpoint directory, .gguf file or cached hub id (default: the embedded demo model).",
     "device": "cpu, cuda or cuda:N.",
     "dtype": "float32, bfloat16 or float16.",
     "page_size": "Tokens per KV page.",
@@ -58,6 +58,8 @@ ENGINE_HELP = {
     "schedule_policy": "Waiting-queue order: fcfs, priority (SamplingParams.priority, lower first) or lpm.",
     "max_wait_steps": "A request waiting this many steps is admitted next, whatever the policy.",
     "max_consecutive_prefills": "Without mixed batches: prefill-only steps in a row before running requests decode.",
+    "quantization": "Quantize float weights at load: int8 (Q8_0 blocks) or int4 (Q4_1 blocks); CPU only.",
+    "dequantize": "Expand a GGUF file's quantized weights to --dtype at load (slower; exact vs transformers).",
     "threads": "CPU compute threads (default: up to the usable cores, as many as measure fastest beside other work).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}

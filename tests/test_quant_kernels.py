@@ -1,0 +1,135 @@
+"""The block-format kernels (kernels/cpu/quant.c) on every format and every instruction set this CPU can run:
+this CPU's own build, AVX2 without VNNI (-march=haswell) and plain C (-march=x86-64), each built here.
+
+Dequantization must equal gguf's bit for bit. The product cannot: x is quantized on the way. Its tolerance,
+derived: each x value becomes d * (q + r / 254) with d = max|x| / 127 over its block of 32, q = round(x / d)
+and r = round(254 (x / d - q)), so |x - x~| <= d / 508, plus the rounding of x / d itself in float32 (below
+2^-24 * 128 of d, 0.4% of d / 508): |x - x~| <= 1.01 d / 508, and |x W^T - x~ W^T| <= sum over k of
+|w_k| 1.01 d_k / 508. On top of that float32 accumulation: at most k / 32 + 16 additions of terms bounded
+by |w| . |x|, each rounding by 2^-24 relative, so 1e-5 |w| . |x| covers it for these sizes with room.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as G
+from gguf import dequantize
+
+from kernels.cpu import CpuKernels, load_cpu_kernels
+from kernels.cpu.build import NATIVE, load_library
+from kernels.quant import BLOCK_TYPES, PANEL, QTYPES, BlockMatrix, Segment
+from tests.gguf_files import quantize_rows
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+ARCHES = [NATIVE, *((("-march=haswell",), ("-march=x86-64",)) if X86 else ())]
+
+
+@pytest.fixture(scope="module", params=ARCHES, ids=lambda a: a[0].removeprefix("-march="))
+def kernels(request: pytest.FixtureRequest) -> CpuKernels:
+    return CpuKernels(load_library(request.param))
+
+
+def test_the_instruction_sets_are_what_they_say() -> None:
+    if not X86:
+        pytest.skip("the AVX2 builds are x86 only")
+    assert CpuKernels(load_library(("-march=x86-64",))).isa == "C"
+    assert CpuKernels(load_library(("-march=haswell",))).isa == "AVX2"
+    assert load_cpu_kernels().isa in ("AVX2", "AVX2+VNNI")  # every x86 machine this project runs on has AVX2
+
+
+def file_rows(qtype: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random weights in `qtype`'s file layout; scales of both signs, outlier rows, a zero row."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, columns)).astype(np.float32) * rng.uniform(0.01, 2.0, (rows, 1)).astype(np.float32)
+    x[1] *= 40.0
+    x[2] = 0.0
+    return quantize_rows(x, qtype)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("rows,columns", [(37, 256), (8, 512), (19, 768)])
+def test_dequantize_equals_gguf_bit_for_bit(kernels: CpuKernels, qtype: str, rows: int, columns: int) -> None:
+    raw = file_rows(qtype, rows, columns, seed=rows + columns)
+    reference = dequantize(raw, G[qtype])
+    seg = kernels.repack(torch.from_numpy(raw), QTYPES[qtype], columns)
+    assert seg.rows == rows and seg.data.shape[0] == -(-rows // PANEL)
+    ours = kernels.dequantize(seg, columns).numpy()
+    assert np.array_equal(ours.view(np.uint32), reference.view(np.uint32))  # -0.0 and NaN bits included
+    ids = torch.tensor([rows - 1, 0, 7, 1, 7], dtype=torch.int64)
+    picked = kernels.dequantize(seg, columns, ids).numpy()
+    assert np.array_equal(picked.view(np.uint32), reference[ids.numpy()].view(np.uint32))
+
+
+def tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The bound derived in the module docstring, per output element."""
+    d = x.abs().reshape(x.shape[0], -1, 32).amax(-1) / 127
+    step = (1.01 * d / 508).repeat_interleave(32, dim=1)
+    return (step.double() @ w.abs().double().T) + 1e-5 * (x.abs().double() @ w.abs().double().T)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_product_is_within_the_derived_bound(kernels: CpuKernels, qtype: str, m: int) -> None:
+    rows, columns = 45, 512
+    raw = file_rows(qtype, rows, columns, seed=m)
+    w = torch.from_numpy(dequantize(raw, G[qtype]))
+    matrix = BlockMatrix(columns, [kernels.repack(torch.from_numpy(raw), QTYPES[qtype], columns)])
+    x = torch.randn(m, columns, generator=torch.Generator().manual_seed(m))
+    x[0, 5] = 300.0  # an outlier in one block, as real activations have
+    y = kernels.q_linear(x, matrix)
+    exact = x.double() @ w.double().T
+    assert ((y.double() - exact).abs() <= tolerance(x, w)).all()
+    # the activations as the product saw them are within the bound the tolerance assumes
+    seen = kernels.quantize_activations(x)
+    block_max = x.abs().reshape(m, -1, 32).amax(-1, keepdim=True).expand(m, -1, 32).reshape(m, columns)
+    assert ((seen - x).abs() <= 1.01 * block_max / 127 / 508).all()
+
+
+def test_mixed_segments_bias_and_residual(kernels: CpuKernels) -> None:
+    """A fused weight whose parts came in different formats (a Q4_K_M file's q/k/v), a float part, a bias and a
+    residual added as the output is written."""
+    columns, parts = 256, [("Q4_K", 16), ("Q6_K", 13), ("Q8_0", 8)]
+    segments, dense = [], []
+    for i, (qtype, rows) in enumerate(parts):
+        raw = file_rows(qtype, rows, columns, seed=i)
+        segments.append(kernels.repack(torch.from_numpy(raw), QTYPES[qtype], columns))
+        dense.append(torch.from_numpy(dequantize(raw, G[qtype])))
+    f32 = torch.randn(5, columns)
+    segments.append(Segment(QTYPES["F32"], f32.contiguous().view(torch.uint8), 5))
+    dense.append(f32)
+    matrix = BlockMatrix.join(columns, segments)
+    w = torch.cat(dense)
+    assert matrix.shape == (42, columns) and matrix.formats == ["Q4_K", "Q6_K", "Q8_0", "F32"]
+    x, bias, residual = torch.randn(6, columns), torch.randn(42), torch.randn(6, 42)
+    y = kernels.q_linear(x, matrix, bias=bias, add=residual)
+    exact = x.double() @ w.double().T + bias.double() + residual.double()
+    assert ((y.double() - exact).abs() <= tolerance(x, w) + 1e-6).all()
+
+
+def test_join_merges_only_whole_panels() -> None:
+    kernels = load_cpu_kernels()
+    raw = [file_rows("Q8_0", rows, 64, seed=rows) for rows in (16, 8, 5, 3)]
+    segs = [kernels.repack(torch.from_numpy(r), QTYPES["Q8_0"], 64) for r in raw]
+    joined = BlockMatrix.join(64, segs)
+    assert [s.rows for s in joined.segments] == [29, 3]  # 16 + 8 + 5 merge; the 5 leaves a part-filled panel
+    full = torch.from_numpy(dequantize(np.concatenate(raw), G.Q8_0))
+    assert torch.equal(torch.cat([kernels.dequantize(s, 64) for s in joined.segments]), full)
+    assert torch.equal(kernels.dequantize(joined.rows_of(8, 16).segments[0], 64), full[8:24])
+    with pytest.raises(ValueError, match="panels"):
+        joined.rows_of(4, 8)
+
+
+def test_bad_shapes_are_refused() -> None:
+    kernels = load_cpu_kernels()
+    raw = torch.from_numpy(file_rows("Q4_K", 8, 256, seed=0))
+    with pytest.raises(ValueError, match="rows of 144 bytes"):
+        kernels.repack(raw[:, :100], QTYPES["Q4_K"], 256)
+    matrix = BlockMatrix(256, [kernels.repack(raw, QTYPES["Q4_K"], 256)])
+    with pytest.raises(ValueError, match="unit-stride rows of 256"):
+        kernels.q_linear(torch.randn(2, 128), matrix)
+    with pytest.raises(ValueError, match="ids must be in"):
+        kernels.dequantize(matrix.segments[0], 256, torch.tensor([8]))
