@@ -5,8 +5,8 @@ format (a GGUF file's Q4_K, Q8_0, ...), or all of them under `quantization` ("in
 values; "int4": Q4_1, a scale and a minimum per 32 values), quantized at load with gguf's own quantizer.
 Rows that are not whole blocks (a 688-wide MLP, say) stay float, as llama.cpp's quantizer falls back to
 another type for them. `plan_block_weights` swaps those modules' float parameters for a `BlockWeightBuilder`
-before the model's memory is allocated, so no float copy of a quantized weight ever exists; the loader hands each builder
-this rank's cut of every checkpoint tensor (rows of a column-parallel part, whole blocks of columns of a
+before the model's memory is allocated, so no float copy of a quantized weight ever exists; the loader hands
+each builder this rank's cut of every checkpoint tensor (rows of a column-parallel part, whole blocks of columns of a
 row-parallel one) and `finish_block_weights` puts the joined `BlockMatrix` in its place.
 """
 
@@ -118,7 +118,7 @@ def plan_block_weights(model: nn.Module, targets: Mapping[str, object], block_na
         if module is not None and (quantize_to is not None or name in block_names):
             chosen[id(module)] = module
     if quantize_to is not None:  # rows that are not whole blocks stay float, as llama.cpp's quantizer falls back
-        odd = {i: m for i, m in chosen.items() if m.weight.shape[1] % quantize_to.block}
+        odd = {i: m for i, m in chosen.items() if cast(torch.Tensor, m.weight).shape[1] % quantize_to.block}
         if odd:
             names = sorted({n for n, m in model.named_modules() if id(m) in odd})
             log.warning("%d weights stay float32: their rows are not whole %s blocks of %d values (%s)", len(names),
