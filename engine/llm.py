@@ -304,9 +304,9 @@ class LLM:
             gemm = str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
         formats, size = weight_footprint(self.model)
         total = sum(formats.values())
-        mix = ", ".join(f"{name} {count / total:.0%}" for name, count in sorted(formats.items(), key=lambda f: -f[1]))
+        main = [name for name, count in sorted(formats.items(), key=lambda f: -f[1]) if count >= 0.01 * total]
         execution = {"request_slots": str(self.config.request_slots), "attention_backend": self.runner.backend.name,
-                     "weights": f"{size / 2**20:.1f} MiB ({mix})", "gemm": gemm,
+                     "weights": f"{'+'.join(main)}, {size / 2**20:.1f} MiB", "gemm": gemm,
                      "cpu_kernels": "on" if self.model.kernels is not None else "off",
                      "overlap": "on" if self.config.use_overlap else "off"}
         if self.device.type == "cuda":

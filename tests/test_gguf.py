@@ -19,6 +19,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import QUANTIZATIONS
+from engine.model.quantized import weight_footprint
 from engine.model.loader import resolve_checkpoint
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
@@ -103,7 +104,10 @@ def test_the_weights_stay_the_files_size(mixed_files):
     tensors = resolve_checkpoint(str(path)).gguf.tensors.values()
     expected = sum(t.nbytes * (2 if t.qtype in ("F16", "BF16") else 1) for t in tensors)
     llm = LLM(str(path))
-    size = float(llm.execution["weights"].split(" MiB")[0]) * 2**20
+    size = weight_footprint(llm.model)[1]
+    formats, _, mib = llm.execution["weights"].rpartition(", ")
+    assert set(formats.split("+")) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "float32"}
+    assert mib == f"{size / 2**20:.1f} MiB"
     assert 0.99 * expected < size < 1.03 * expected
 
 

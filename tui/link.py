@@ -18,10 +18,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from engine.config import DEMO_MODEL_DIR, EngineConfig
+from engine.config import DEMO_MODEL_DIR, EngineConfig, model_id
 from engine.service.addresses import AddressError, default_address, ipc_listening, log_path, split
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.launcher import EngineHandle, EngineStartError, find, start
@@ -140,7 +139,7 @@ class EngineLink:
             self.lost_options = None
         self._retry.set()
         if self.autostart:
-            model = Path(self.model).name if self.model else "the demo model"
+            model = model_id(self.model) if self.model else "the demo model"
             return f"looking for the engine at {self.address}, and starting {model} if none answers"
         return f"looking for the engine at {self.address}"
 
@@ -180,7 +179,7 @@ class EngineLink:
                         # surprise; wait for it, and let the person start it again with its own options
                         self.start_failed, self.lost_options = True, restart_options(self.info)
                         self._set("lost", f"{why}; it was not started by this console: start it again, or "
-                                          f"/reconnect to start {Path(self.info.model).name} here with the "
+                                          f"/reconnect to start {model_id(self.info.model)} here with the "
                                           f"options it had", cause=why)
                     else:
                         self._set("lost", f"{why}; reconnecting…", cause=why)
@@ -239,7 +238,9 @@ class EngineLink:
             self.info = await self.client.info(timeout=5.0)
         except EngineUnavailable:
             return f"the engine at {self.address} did not answer"
-        connected = f"{Path(self.info.model).name} · pid {self.info.pid} · {self.address}"
+        weights = self.info.execution.get("weights")  # the format and memory of the weights: "Q4_1+Q8_0, 92.1 MiB"
+        connected = " · ".join([model_id(self.info.model), *([weights] if weights else []), f"pid {self.info.pid}",
+                                self.address])
         self._set("connected", connected)
         self._ready.set()
         while True:

@@ -143,8 +143,9 @@ def weight_footprint(model: nn.Module) -> tuple[dict[str, int], int]:
                 continue
             seen.add(id(value))
             if isinstance(value, BlockMatrix):
-                for seg in value.segments:
-                    formats[seg.qtype.name] = formats.get(seg.qtype.name, 0) + seg.rows * value.in_features
+                for seg in value.segments:  # float rows fused into a block weight count as float32, as tensors do
+                    name = "float32" if seg.qtype.name == "F32" else seg.qtype.name
+                    formats[name] = formats.get(name, 0) + seg.rows * value.in_features
                 total += value.nbytes
             else:
                 name = str(value.dtype).removeprefix("torch.")

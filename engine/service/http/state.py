@@ -89,7 +89,7 @@ class ApiState:
         """The served model as /v1/models lists it (with vLLM's `root` and `max_model_len`)."""
         info = await self.info()
         return {"id": await self.model_name(), "object": "model", "created": self.created, "owned_by": "minichat",
-                "root": info.model, "max_model_len": info.max_seq_len}
+                "root": info.model, "max_model_len": info.max_seq_len, "weights": info.execution.get("weights")}
 
 
 async def engine_call(awaitable: Awaitable[T]) -> T:
