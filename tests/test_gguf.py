@@ -19,8 +19,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import QUANTIZATIONS
-from engine.model.quantized import weight_footprint
 from engine.model.loader import resolve_checkpoint
+from engine.model.quantized import weight_footprint
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 
