@@ -31,6 +31,7 @@ from engine.model.parallel import (
 )
 from engine.model.quantized import finish_block_weights
 from kernels.attention.base import AttentionBackend
+from kernels.quant import BlockMatrix
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
     from transformers import PretrainedConfig
@@ -202,13 +203,34 @@ class DecoderLayer(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.residual_in_gemm = False  # both residual adds as oneDNN post-ops (see fuse_residual_adds)
         self.mlp_kernels: CpuKernels | None = None  # C activation between float32 GEMMs (CausalLM.use_cpu_kernels)
+        self.block_kernels: CpuKernels | None = None  # every projection in block formats (CausalLM.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor, rope: Rope, layer: int, kv: KVPool, backend: AttentionBackend,
                 meta: object) -> torch.Tensor:
-        spec, tokens = self.spec, x.shape[0]
-        residual = x
-        h = self.input_layernorm(x)
-        qkv = self.qkv_proj(h)
+        eps, blocks = self.spec.rms_norm_eps, self.block_kernels
+        if blocks is not None:  # block formats, one rank: the norms, SiLU and residual adds inside the products
+            qkv = blocks.q_linear(x, self._block(self.qkv_proj), self.qkv_proj.bias,
+                                  norm=(self.input_layernorm.weight, eps))
+            x = blocks.q_linear(self._attend(qkv, rope, layer, kv, backend, meta), self._block(self.o_proj),
+                                self.o_proj.bias, add=x)
+            gate_up = blocks.q_linear(x, self._block(self.gate_up_proj), self.gate_up_proj.bias,
+                                      norm=(self.post_attention_layernorm.weight, eps))
+            return blocks.q_linear(gate_up, self._block(self.down_proj), self.down_proj.bias, add=x, silu_mul=True)
+        attn = self._attend(self.qkv_proj(self.input_layernorm(x)), rope, layer, kv, backend, meta)
+        x = self._add_projection(x, self.o_proj, attn)
+        h = self.post_attention_layernorm(x)
+        if self.mlp_kernels is not None:  # SiLU and product (with a bf16 model's roundings) in one C pass
+            act = self.mlp_kernels.silu_mul(linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, torch.float32),
+                                            x.dtype)
+        else:
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self._add_projection(x, self.down_proj, act)
+
+    def _attend(self, qkv: torch.Tensor, rope: Rope, layer: int, kv: KVPool, backend: AttentionBackend,
+                meta: object) -> torch.Tensor:
+        """Attention from the fused q/k/v projection's output: per-head norms (Qwen3), RoPE, the backend."""
+        spec, tokens = self.spec, qkv.shape[0]
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, spec.head_dim)
         if self.q_norm is None or self.k_norm is None:  # no per-head norms: one RoPE pass over q and k heads
@@ -218,16 +240,11 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, spec.head_dim))
             k = self.k_norm(qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, spec.head_dim))
             q, k = rope(q), rope(k)
-        attn = backend.forward(q, k, v, kv.k(layer), kv.v(layer), meta, self.scale).reshape(tokens, self.q_size)
-        x = self._add_projection(residual, self.o_proj, attn)
-        h = self.post_attention_layernorm(x)
-        if self.mlp_kernels is not None:  # SiLU and product (with a bf16 model's roundings) in one C pass
-            act = self.mlp_kernels.silu_mul(linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, torch.float32),
-                                            x.dtype)
-        else:
-            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        return self._add_projection(x, self.down_proj, act)
+        return backend.forward(q, k, v, kv.k(layer), kv.v(layer), meta, self.scale).reshape(tokens, self.q_size)
+
+    @staticmethod
+    def _block(proj: nn.Module) -> BlockMatrix:
+        return cast(BlockMatrix, proj.weight)
 
     def forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None, triton: TritonPath,
                        positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -354,7 +371,10 @@ class CausalLM(nn.Module):
         and four eager ops, rounding where transformers rounds, so greedy output stays token-identical.
         A model whose GEMMs run in float32 (on one rank: a row-parallel down projection is summed across
         ranks before rounding) also gets the MLP activation in C: for float32 one pass that beat oneDNN's
-        SiLU and multiply post-ops, for bf16 one pass that rounds where transformers' four ops round."""
+        SiLU and multiply post-ops, for bf16 one pass that rounds where transformers' four ops round.
+        A layer whose projections are all in block formats (one rank, float32) runs its norms, the activation
+        and the residual adds inside the quantized products: four C calls a layer besides RoPE and attention
+        (its output is approximate anyway: the products quantize their input)."""
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
@@ -362,6 +382,10 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             if gemm_dtype(layer.gate_up_proj.weight) == torch.float32 and layer.down_proj.tp.size == 1:
                 layer.mlp_kernels = kernels
+            projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            if all(isinstance(p.weight, BlockMatrix) for p in projections) and layer.down_proj.tp.size == 1 and \
+                    layer.input_layernorm.weight.dtype == torch.float32:
+                layer.block_kernels = kernels
 
     def use_attention_backend(self, backend: AttentionBackend) -> None:
         """Choose the layers' path for `backend`, once: on the Triton backend (the GPU path) the fused Triton

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.base import AttentionMetadata, AttentionShape, store_kv
+from kernels.attention.base import AttentionMetadata, AttentionShape
 from kernels.attention.torch_ref import ReferenceLayout, TorchRefMeta
 from kernels.cpu import CpuKernels, load_cpu_kernels, require_supported
 
@@ -67,8 +67,8 @@ class CpuBackend(ReferenceLayout[PagedStep | TorchRefMeta[PagedMeta], PagedMeta]
                 v_cache: torch.Tensor, meta: PagedStep | TorchRefMeta[PagedMeta], scale: float) -> torch.Tensor:
         if isinstance(meta, TorchRefMeta):
             return self._forward_layout(q, k, v, k_cache, v_cache, meta, scale)
-        store_kv(k, v, k_cache, v_cache, meta.out_slots)
-        return self._decode(q, k_cache, v_cache, meta, scale)
+        return self.kernels.paged_attention(q, k_cache, v_cache, meta.table, meta.rows, meta.kv_lens, scale,
+                                            new=(k, v, meta.out_slots))
 
     def _prepare_decode(self, kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> PagedMeta:
         return PagedMeta(table, rows.contiguous(), torch.tensor(kv_lens, dtype=torch.int64))

@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F],
+    "paged_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P, _I, _P, _I, _P],
     "rms_norm": [_P, _P, _I, _P, _I, _I, _F],
     "rope": [_P, _I, _I, _I, _P, _P, _P, _I],
     "silu_mul": [_P, _P, _I, _I],  # by the model dtype whose roundings it keeps; always float32 data
@@ -29,11 +29,14 @@ _SIGNATURES = {
 
 
 _QUANT_SIGNATURES = {
-    "q_linear": [_P, _I, _P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
+    "q_linear": [_P, _I, _P, _I, _I, _I, ctypes.c_int32, _P, _F, _P, _I, _P, _P, _I],
     "q_dequantize": [_P, _P, _I, _P, _I, ctypes.c_int32],
     "q_repack": [_P, _P, _I, _I, _I, ctypes.c_int32],
     "q_quantize_act": [_P, _P, _I, _I],
 }
+
+
+INPUT_RMS_NORM, INPUT_SILU_MUL = 1, 2  # quant.c's transforms of the product's input
 
 
 class _Segment(ctypes.Structure):
@@ -73,8 +76,9 @@ class CpuKernels:
         self._quant: dict[str, Callable[..., object]] = {}
         for name, argtypes in _QUANT_SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int32 if name == "q_linear" else None
             self._quant[name] = fn
+        self._q_linear = self._quant["q_linear"]
         lib.q_act_block_bytes.restype = lib.q_isa.restype = ctypes.c_int32
         lib.q_panel_bytes.argtypes, lib.q_panel_bytes.restype = [ctypes.c_int32, _I], _I
         self._panel_bytes = lib.q_panel_bytes
@@ -124,10 +128,12 @@ class CpuKernels:
         return out
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                        rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        rows: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                        new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """softmax(q K^T * scale) V for each query token b over keys 0..kv_lens[b]-1 of the request whose
         positions sit in slots table[rows[b]] (a causal mask is a token's kv_lens). q: [B, Hq, D];
-        caches: [slots, Hkv, D]."""
+        caches: [slots, Hkv, D]. `new` = (k, v, out_slots): this step's keys and values ([B, Hkv, D], heads
+        contiguous), written to their slots first."""
         batch, num_heads, dim = q.shape
         num_kv_heads = k_cache.shape[1]
         if q.stride(2) != 1 or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -138,12 +144,25 @@ class CpuKernels:
             _check(t, q.dtype, what)
         for t, what in ((table, "request table"), (rows, "rows"), (kv_lens, "kv_lens")):
             _check(t, torch.int64, what)
+        k_new = v_new = slots = None
+        k_stride = v_stride = 0
+        if new is not None:
+            k, v, out_slots = new
+            if k.shape != (batch, num_kv_heads, dim) or v.shape != k.shape or k.stride()[1:] != (dim, 1) or \
+                    v.stride()[1:] != (dim, 1) or out_slots.numel() != batch:
+                raise ValueError("paged_attention's new keys and values must be [tokens, kv heads, head dim] with "
+                                 "heads contiguous, and a slot per token")
+            _check(k, q.dtype, "new keys")
+            _check(v, q.dtype, "new values")
+            _check(out_slots, torch.int64, "out slots")
+            k_new, v_new, slots = k.data_ptr(), v.data_ptr(), out_slots.contiguous().data_ptr()
+            k_stride, v_stride = k.stride(0), v.stride(0)
         out = torch.empty((batch, num_heads, dim), dtype=q.dtype)
         self._fn("paged_attention", q)(
             out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
-            table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), batch, num_heads, num_kv_heads, dim, scale)
+            table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), batch, num_heads, num_kv_heads, dim, scale,
+            k_new, k_stride, v_new, v_stride, slots)
         return out
-
 
     def _segments(self, w: BlockMatrix) -> ctypes.Array[_Segment]:
         """The C view of `w`'s segments, built once per matrix (it points into the segments' tensors)."""
@@ -170,27 +189,37 @@ class CpuKernels:
         return Segment(qtype, out, rows.shape[0])
 
     def q_linear(self, x: torch.Tensor, w: BlockMatrix, bias: torch.Tensor | None = None,
-                 add: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ bias) (+ add) in float32 for a float32 x [rows, in] (unit-stride rows), W in block formats;
-        x is quantized to 8 bits per 32 values on the way (see quant.c)."""
-        _check(x, torch.float32, "q_linear input")
-        rows, k = x.shape
-        if x.stride(1) != 1 or k != w.in_features or k % 32:
-            raise ValueError(f"q_linear needs unit-stride rows of {w.in_features} values (a multiple of 32); "
-                             f"got {tuple(x.shape)}")
+                 add: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
+        """f(x) W^T (+ bias) (+ add) in float32, W in block formats, for a float32 x [rows, in] (unit-stride rows);
+        f(x) is x, RMSNorm(x) with `norm` = (weight, eps), or with `silu_mul` SiLU(gate) * up of x = [gate | up]
+        ([rows, 2 in]). f(x) is quantized to ~15 bits per value on the way (see quant.c). The decode step calls
+        this some hundred times a token, so the checks are few and cheap."""
+        rows, width = x.shape
+        k = w.in_features
+        if x.dtype != torch.float32 or not x.is_cpu or x.stride(1) != 1 or width != (2 * k if silu_mul else k) or \
+                (norm is not None and silu_mul):
+            raise ValueError(f"q_linear needs float32 unit-stride rows of {2 * k if silu_mul else k} values (and "
+                             f"one of norm, silu_mul); got {tuple(x.shape)} {x.dtype}")
         n = w.out_features
-        for t, what in ((bias, "bias"), (add, "added tensor")):
-            if t is not None:
-                _check(t, torch.float32, f"q_linear {what}")
-        if bias is not None and not bias.is_contiguous():
-            raise ValueError("q_linear needs a contiguous bias")
-        if add is not None and (add.shape != (rows, n) or add.stride(1) != 1):
-            raise ValueError(f"q_linear adds a [{rows}, {n}] tensor with unit-stride rows; got {tuple(add.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != n):
+            raise ValueError(f"q_linear needs a contiguous float32 bias of {n}")
+        if add is not None and (add.dtype != torch.float32 or add.shape != (rows, n) or add.stride(1) != 1):
+            raise ValueError(f"q_linear adds a float32 [{rows}, {n}] tensor with unit-stride rows; got "
+                             f"{tuple(add.shape)} {add.dtype}")
+        weight = None
+        if norm is not None:
+            weight = norm[0]
+            if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() != k:
+                raise ValueError(f"q_linear needs a contiguous float32 norm weight of {k}")
         out = torch.empty((rows, n), dtype=torch.float32)
-        scratch = torch.empty(rows * (k // 32) * self.act_block_bytes, dtype=torch.uint8)
-        self._quant["q_linear"](out.data_ptr(), n, x.data_ptr(), x.stride(0), rows, k, scratch.data_ptr(),
+        status = self._q_linear(out.data_ptr(), n, x.data_ptr(), x.stride(0), rows, k,
+                                INPUT_RMS_NORM if norm else (INPUT_SILU_MUL if silu_mul else 0),
+                                None if weight is None else weight.data_ptr(), norm[1] if norm else 0.0,
                                 self._segments(w), len(w.segments), None if bias is None else bias.data_ptr(),
                                 None if add is None else add.data_ptr(), 0 if add is None else add.stride(0))
+        if status:
+            raise MemoryError(f"q_linear: no memory for the quantized input of {rows} rows")
         return out
 
     def dequantize(self, seg: Segment, columns: int, ids: torch.Tensor | None = None) -> torch.Tensor:

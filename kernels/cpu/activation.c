@@ -7,7 +7,7 @@
  * On this project's AVX2 CPU the float32 pass also beat oneDNN's SiLU and multiply post-ops on two
  * GEMMs for the gate and the up half (see docs/architecture.md).
  *
- * expf is our own (exp_f32 below) rather than libmvec's: -ffast-math's vector expf is up to 4 ulp off on
+ * expf is our own (exp_f32, exp.h) rather than libmvec's: -ffast-math's vector expf is up to 4 ulp off on
  * AVX2, which moved ~0.1% of bf16 SiLU results by a bf16 ulp; exp_f32 stays within 2 ulp of torch's
  * float32 SiLU (no bf16 result moved over 400k draws) and still vectorises (no -ffast-math needed).
  */
@@ -15,29 +15,9 @@
 #include <stdint.h>
 
 #include "dtype.h"
+#include "exp.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
-
-/* exp(x) = 2^n * exp(r), r = x - n*ln2 with ln2 in two parts (Cody-Waite), |r| <= ln2/2, exp(r) by its
- * degree-7 Taylor polynomial (truncation under 0.1 ulp). Branch-free selects, so the loop vectorises.
- * Below -87 it returns 0 (a denormal at most: SiLU's 1 + exp(-g) does not see it). */
-static inline float exp_f32(float x) {
-    const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = rintf(clamped * 1.44269504088896341f);
-    float r = clamped - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.98412698e-4f;
-    p = p * r + 1.38888889e-3f;
-    p = p * r + 8.33333333e-3f;
-    p = p * r + 4.16666667e-2f;
-    p = p * r + 1.66666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    const float y = p * scale.f;
-    return x < -87.0f ? 0.0f : (x > 88.72283935546875f ? INFINITY : y);
-}
 
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 static inline float keep_f32(float x) { return x; }

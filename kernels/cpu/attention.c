@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "dtype.h"
 
@@ -141,13 +142,26 @@ static inline const float *row_bf16(const uint16_t *src, float *buf, int64_t hea
 }
 
 /* Items are dealt to threads round robin: a prompt's items grow longer token by token, so contiguous
- * ranges would give one thread the short half; the two KV heads of a decode request split evenly. */
+ * ranges would give one thread the short half; the two KV heads of a decode request split evenly.
+ * With `k_new` the step's own keys and values (token t's at k_new + t * k_stride and v_new + t * v_stride, heads
+ * contiguous)
+ * are first written to pool slots out_slots[t], in the same parallel region (no torch scatter per layer). */
 #define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, ROW)                                                        \
-void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool, const int64_t *table, \
+void NAME(T *out, const T *q, int64_t q_stride, T *k_pool, T *v_pool, const int64_t *table,             \
           int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t batch,                \
-          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {                        \
-    const int64_t group = num_heads / num_kv_heads;                                                       \
-    _Pragma("omp parallel for schedule(static, 1)")                                                       \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, const T *k_new,          \
+          int64_t k_stride, const T *v_new, int64_t v_stride, const int64_t *out_slots) {                  \
+    const int64_t group = num_heads / num_kv_heads, width = num_kv_heads * head_dim;                      \
+    _Pragma("omp parallel")                                                                               \
+    {                                                                                                     \
+    if (k_new) {                                                                                          \
+        _Pragma("omp for schedule(static)")                                                               \
+        for (int64_t t = 0; t < batch; t++) {                                                             \
+            memcpy(k_pool + out_slots[t] * width, k_new + t * k_stride, (size_t)width * sizeof(T));      \
+            memcpy(v_pool + out_slots[t] * width, v_new + t * v_stride, (size_t)width * sizeof(T));      \
+        }                                                                                                 \
+    }                                                                                                     \
+    _Pragma("omp for schedule(static, 1)")                                                                \
     for (int64_t item = 0; item < batch * num_kv_heads; item++) {                                         \
         const int64_t b = item / num_kv_heads, h = item % num_kv_heads;                                  \
         const int64_t *slots = table + rows[b] * table_stride;                                           \
@@ -184,6 +198,7 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
             const float inv = 1.0f / sum[g];                                                             \
             for (int64_t d = 0; d < head_dim; d++) orow[d] = STORE(acc[g * head_dim + d] * inv);         \
         }                                                                                                \
+    }                                                                                                    \
     }                                                                                                    \
 }
 

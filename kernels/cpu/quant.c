@@ -26,20 +26,26 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
 #endif
 
+#include <omp.h>
+
 #include "dtype.h"
+#include "exp.h"
 
 enum { T_F32 = 0, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13,
        T_Q6_K = 14 };
 
 #define PANEL 8                  /* rows interleaved in a panel */
 #define ROWS_PER_PASS 4          /* rows of x that share one unpacked tile */
-#define PARALLEL_MIN_WORK 32768  /* below this many multiply-adds one thread does the whole product */
+#define PARALLEL_MIN_WORK 32768
+#define SERIAL_INPUT_VALUES 8192 /* up to this many input values are prepared before the team starts */
+#define PREFETCH_TILES 8         /* how far ahead of the product a panel's tiles are fetched */  /* below this many multiply-adds one thread does the whole product */
 
 /* 32 values of a row of x, to about 15 bits: x = d * (q + r / RESIDUAL) with d = max|x| / 127, q = round(x / d)
  * and r the rounding residual, itself rounded to 8 bits; s = d * sum(q + r / RESIDUAL), and per half of 16. */
@@ -433,6 +439,8 @@ static inline __attribute__((always_inline)) void panel_dots(int type, const uin
     __m256 d8 = _mm256_setzero_ps(), dmin8 = _mm256_setzero_ps();
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *header, *tile = tile_at(type, panel, c, &header);
+        for (int64_t ahead = 0; ahead < tile_bytes(type); ahead += 64) /* the stream a few tiles on, into L1 */
+            _mm_prefetch((const char *)tile + PREFETCH_TILES * tile_bytes(type) + ahead, _MM_HINT_T0);
         if (is_k(type) && c % 8 == 0) {
             d8 = f16x8(header);
             if (type != T_Q6_K) dmin8 = f16x8(header + 16);
@@ -581,29 +589,81 @@ static void panel_columns(const segment *s, int64_t panel, const act_block *a, c
     }
 }
 
-/* out[m, N] = x[m, k] W^T (+ bias) (+ add), W the row-wise concatenation of `nseg` segments. `scratch`
- * holds m * k / 32 act_blocks. `add` may be `out` (a residual added in place). */
-void q_linear(float *out, int64_t out_stride, const float *x, int64_t x_stride, int64_t m, int64_t k,
-              act_block *scratch, const segment *segs, int64_t nseg, const float *bias, const float *add,
-              int64_t add_stride) {
+/* What the product does to each row of x first: nothing; RMSNorm with a weight (the norm before q/k/v or
+ * gate/up, not written out); or SiLU(gate) * up of a [gate | up] row of 2k values (the MLP's activation). */
+enum { INPUT_AS_IS = 0, INPUT_RMS_NORM = 1, INPUT_SILU_MUL = 2 };
+
+/* Row r of the product's input, `k` values, into `dst`, as `input` says. RMSNorm rounds as transformers'
+ * float32 one does (the mean of squares, + eps, rsqrt, times x, times the weight). */
+static void input_row(int32_t input, const float *x, int64_t k, const float *norm_weight, float eps, float *dst) {
+    if (input == INPUT_RMS_NORM) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < k; i++) sum += x[i] * x[i];
+        const float inv = 1.0f / sqrtf(sum / (float)k + eps);
+        for (int64_t i = 0; i < k; i++) dst[i] = norm_weight[i] * (x[i] * inv);
+    } else if (input == INPUT_SILU_MUL) {
+        for (int64_t i = 0; i < k; i++) dst[i] = x[i] / (1.0f + exp_f32(-x[i])) * x[k + i];
+    } else {
+        memcpy(dst, x, (size_t)k * sizeof(float));
+    }
+}
+
+/* The quantized input of a few rows, in the calling thread. */
+static void prepare_input(int32_t input, const float *x, int64_t x_stride, int64_t m, int64_t k,
+                          const float *norm_weight, float eps, float *rows, const float *xs, int64_t xs_stride,
+                          act_block *scratch) {
+    for (int64_t r = 0; r < m; r++) {
+        if (rows) input_row(input, x + r * x_stride, k, norm_weight, eps, rows + r * k);
+        for (int64_t b = 0; b < k / 32; b++) quantize_act_block(xs + r * xs_stride + b * 32, scratch + r * (k / 32) + b);
+    }
+}
+
+/* out[m, N] = f(x)[m, k] W^T (+ bias) (+ add), f as `input` says (above), W the row-wise concatenation of `nseg`
+ * segments. `add` may be `out` (a residual added in place). Returns 0, or -1 where memory ran out. */
+int32_t q_linear(float *out, int64_t out_stride, const float *x, int64_t x_stride, int64_t m, int64_t k,
+                 int32_t input, const float *norm_weight, float eps, const segment *segs, int64_t nseg,
+                 const float *bias, const float *add, int64_t add_stride) {
     const int64_t blocks = k / 32;
     int64_t panels = 0, n_total = 0;
     for (int64_t s = 0; s < nseg; s++) {
         panels += (segs[s].rows + PANEL - 1) / PANEL;
         n_total += segs[s].rows;
     }
-#pragma omp parallel if (m * n_total * k >= PARALLEL_MIN_WORK)
+    act_block *scratch = malloc((size_t)(m * blocks) * sizeof(act_block));
+    float *rows = input == INPUT_AS_IS ? NULL : malloc((size_t)(m * k) * sizeof(float));
+    if (scratch == NULL || (input != INPUT_AS_IS && rows == NULL)) {
+        free(scratch);
+        free(rows);
+        return -1;
+    }
+    const float *xs = rows ? rows : x; /* the product's input, and its row stride */
+    const int64_t xs_stride = rows ? k : x_stride;
+    /* A few rows (a decode step) are prepared here, before the team starts: two barriers fewer. Each thread
+     * streams one contiguous range of panels (the prefetcher's best case). */
+    const int serial_input = m * k <= SERIAL_INPUT_VALUES;
+    if (serial_input) prepare_input(input, x, x_stride, m, k, norm_weight, eps, rows, xs, xs_stride, scratch);
+    const int threads = m * n_total * k >= PARALLEL_MIN_WORK ? omp_get_max_threads() : 1;
+#pragma omp parallel num_threads(threads)
     {
+        if (!serial_input) {
+            if (rows) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m * blocks; i++)
-            quantize_act_block(x + (i / blocks) * x_stride + (i % blocks) * 32, scratch + i);
+                for (int64_t r = 0; r < m; r++) input_row(input, x + r * x_stride, k, norm_weight, eps, rows + r * k);
+            }
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < m * blocks; i++)
+                quantize_act_block(xs + (i / blocks) * xs_stride + (i % blocks) * 32, scratch + i);
+        }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             int64_t s = 0, first = 0; /* the segment of global panel p, and that segment's first panel */
             while (p >= first + (segs[s].rows + PANEL - 1) / PANEL) first += (segs[s++].rows + PANEL - 1) / PANEL;
-            panel_columns(&segs[s], p - first, scratch, x, x_stride, m, k, out, out_stride, bias, add, add_stride);
+            panel_columns(&segs[s], p - first, scratch, xs, xs_stride, m, k, out, out_stride, bias, add, add_stride);
         }
     }
+    free(scratch);
+    free(rows);
+    return 0;
 }
 
 /* For the tests: x quantized as the product sees it (`rows` rows of k values). */
