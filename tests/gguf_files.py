@@ -96,12 +96,49 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, str] = "F32") -> Path:
-    """`checkpoint` (a tests/checkpoints.py directory) as a GGUF file: every 2-D weight in `qtype` (or
-    `qtype[name]` for a name's first match, by substring, with a "" default), 1-D tensors in F32."""
-    config = json.loads((checkpoint / "config.json").read_text())
+def _tokenizer_fields(writer: gguf.GGUFWriter, checkpoint: Path) -> None:
+    """The checkpoint's byte-level BPE tokenizer under tokenizer.ggml.*, as llama.cpp's converter writes it."""
     tok = json.loads((checkpoint / "tokenizer.json").read_text())
     tok_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    special = {t["content"] for t in tok["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    writer.add_eos_token_id(vocab[tok_config["eos_token"]])
+    writer.add_add_bos_token(False)
+    template = tok_config.get("chat_template")
+    if template is None and (checkpoint / "chat_template.jinja").is_file():
+        template = (checkpoint / "chat_template.jinja").read_text()
+    if template:
+        writer.add_chat_template(template)
+
+
+def _borrowed_tokenizer_fields(writer: gguf.GGUFWriter, source: Path, vocab_size: int) -> None:
+    """Another GGUF file's tokenizer, its vocabulary padded with control tokens to `vocab_size` (a random
+    model of a real model's shape, for benchmarks, gets a real tokenizer this way)."""
+    reader = gguf.GGUFReader(source)
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if field.name == "tokenizer.ggml.tokens":
+            value = value + [f"<|pad_{i}|>" for i in range(vocab_size - len(value))]
+        elif field.name == "tokenizer.ggml.token_type":
+            value = value + [int(gguf.TokenType.CONTROL)] * (vocab_size - len(value))
+        writer.add_key_value(field.name, value, field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+
+
+def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, str] = "F32",
+               tokenizer_from: Path | None = None) -> Path:
+    """`checkpoint` (a tests/checkpoints.py directory) as a GGUF file: every 2-D weight in `qtype` (or
+    `qtype[name]` for a name's first match, by substring, with a "" default), 1-D tensors in F32; the
+    tokenizer its own, or `tokenizer_from` another GGUF file's."""
+    config = json.loads((checkpoint / "config.json").read_text())
     arch = GGUF_ARCH[family]
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
@@ -122,21 +159,10 @@ def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, 
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    vocab = tok["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.__getitem__)
-    special = {t["content"] for t in tok["added_tokens"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    writer.add_eos_token_id(vocab[tok_config["eos_token"]])
-    writer.add_add_bos_token(False)
-    template = tok_config.get("chat_template")
-    if template is None and (checkpoint / "chat_template.jinja").is_file():
-        template = (checkpoint / "chat_template.jinja").read_text()
-    if template:
-        writer.add_chat_template(template)
+    if tokenizer_from is not None:
+        _borrowed_tokenizer_fields(writer, tokenizer_from, config["vocab_size"])
+    else:
+        _tokenizer_fields(writer, checkpoint)
     if rope.get("rope_type") == "llama3":  # llama.cpp's form of it: a divisor per frequency
         from transformers import AutoConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

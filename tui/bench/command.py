@@ -42,11 +42,13 @@ def prompt_vocab(model_path: str) -> tuple[list[int], Spell | None]:
     takes (it refuses token ids); each prompt is checked, and one that would not read back goes as ids.
     Otherwise the vocabulary minus special tokens (or every id, without a
     tokenizer). Both backends draw from the same ids, so one seed gives both the same workload."""
+    from engine.model.loader import resolve_checkpoint  # a GGUF file's tokenizer is converted from its metadata
     from engine.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(Path(model_path))
+    meta = resolve_checkpoint(model_path).meta
+    tok = load_tokenizer(meta)
     if tok is None:
-        config = json.loads((Path(model_path) / "config.json").read_text())
+        config = json.loads((meta / "config.json").read_text())
         return list(range(config["vocab_size"])), None
     special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
     ordinary = [i for i in range(len(tok)) if i not in special]

