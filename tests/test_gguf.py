@@ -237,3 +237,21 @@ def test_perplexity_of_quantized_equals_dequantized(mixed_files):
         out = LLM(str(path), dequantize=dequantize).generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=0))
         nll.append(-sum(p.logprob for p in out[0].prompt_logprobs[1:]) / (len(ids) - 1))
     assert abs(math.exp(nll[0]) / math.exp(nll[1]) - 1) < 0.005
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layers_in_one_call_compute_what_the_layer_by_layer_path_does(mixed_files, family):
+    """kernels/cpu/decode.c runs every layer of a block-format model in one C call, from the same functions as
+    the per-call path: the same log-probabilities bit for bit, prompt and decode alike (Qwen3's q/k norms
+    are torch's F.rms_norm layer by layer and the C row function in one call: equal to float32 rounding)."""
+    path = mixed_files[family]
+    results = []
+    for one_call in (True, False):
+        llm = LLM(str(path), max_prefill_tokens=64)
+        llm.model.one_call = one_call
+        ids = torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+        out = llm.generate([ids, ids[:7]], SamplingParams(max_tokens=8, prompt_logprobs=0, logprobs=0))
+        assert (llm.model._fused is not None) == one_call
+        results.append([(o.token_ids, [p.logprob for p in o.prompt_logprobs[1:]], [p.logprob for p in o.logprobs])
+                        for o in out])
+    assert results[0] == results[1]

@@ -31,6 +31,7 @@ from engine.model.parallel import (
 )
 from engine.model.quantized import finish_block_weights
 from kernels.attention.base import AttentionBackend
+from kernels.attention.cpu import PagedStep
 from kernels.quant import BlockMatrix
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # transformers is imported only where a config is read, not b
 
     from kernels.attention.triton import TritonBackend, TritonStep
     from kernels.cpu import CpuKernels
+    from kernels.cpu.decode import FusedLayers
 
 Rope = Callable[[torch.Tensor], torch.Tensor]
 """This step's rotary embedding, applied to [tokens, heads, head_dim] (possibly in place)."""
@@ -237,8 +239,10 @@ class DecoderLayer(nn.Module):
             qk = rope(qkv[:, :qk_size].view(tokens, -1, spec.head_dim))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:  # Qwen3 normalises q and k per head, with separate weights, before RoPE
-            q = self.q_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, spec.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, spec.head_dim))
+            # (a layer of block-format products norms the heads as rows, in C, as the one-call layers do)
+            rows = (-1, spec.head_dim) if self.block_kernels is not None else (tokens, -1, spec.head_dim)
+            q = self.q_norm(qkv[:, : self.q_size].reshape(rows)).view(tokens, self.num_heads, spec.head_dim)
+            k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(rows)).view(tokens, self.num_kv_heads, spec.head_dim)
             q, k = rope(q), rope(k)
         return backend.forward(q, k, v, kv.k(layer), kv.v(layer), meta, self.scale).reshape(tokens, self.q_size)
 
@@ -296,6 +300,8 @@ class CausalLM(nn.Module):
         self.kernels: CpuKernels | None = None
         self.backend: AttentionBackend | None = None  # the backend the layers' path was chosen for
         self.triton: TritonPath | None = None  # the fused Triton kernels, on the Triton backend
+        self._fused: tuple[KVPool, FusedLayers] | None = None  # the layers as one C call, for the pool it was built on
+        self.one_call = True  # run the layers as one C call where `_fused_layers` can (off: layer by layer, as tested)
 
     @property
     def num_kv_heads(self) -> int:
@@ -414,14 +420,43 @@ class CausalLM(nn.Module):
         if self.triton is not None:
             x = self._forward_triton(x, positions, logits_index, kv, self.triton, cast("TritonStep", meta))
         else:
-            rope = self._rope(positions)
-            for i, layer in enumerate(self.layers):
-                x = layer(x, rope, i, kv, backend, meta)
+            fused = self._fused_layers(kv) if isinstance(meta, PagedStep) else None
+            if fused is not None and isinstance(meta, PagedStep):  # every layer in one C call (decode.c), x in place
+                x = x.contiguous()
+                fused(x, positions, meta.table, meta.rows, meta.kv_lens, meta.out_slots)
+            else:
+                rope = self._rope(positions)
+                for i, layer in enumerate(self.layers):
+                    x = layer(x, rope, i, kv, backend, meta)
             if logits_index.numel() != x.shape[0]:  # as many sampled rows as tokens: every row, in order
                 x = x[logits_index]
             x = self.norm(x)
         logits = self.lm_head(x)
         return None if logits is None else logits.float()
+
+    def _fused_layers(self, kv: KVPool) -> FusedLayers | None:
+        """The layers as one C call, for a model whose every layer runs its products in block formats
+        (`DecoderLayer.block_kernels`) and steps the CPU attention kernel takes whole; built once per pool."""
+        kernels = self.layers[0].block_kernels
+        if not self.one_call or kernels is None or any(layer.block_kernels is None for layer in self.layers) or \
+                self.cos_sin is None:
+            return None
+        if self._fused is None or self._fused[0] is not kv:
+            from kernels.cpu.decode import FusedLayers, LayerWeights
+
+            def projection(p: nn.Module) -> tuple[BlockMatrix, torch.Tensor | None]:
+                return cast(BlockMatrix, p.weight), cast("torch.Tensor | None", p.bias)
+
+            layers = [LayerWeights(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                None if layer.q_norm is None else layer.q_norm.weight,
+                None if layer.k_norm is None else layer.k_norm.weight,
+                projection(layer.qkv_proj), projection(layer.o_proj), projection(layer.gate_up_proj),
+                projection(layer.down_proj), kv.k(i), kv.v(i)) for i, layer in enumerate(self.layers)]
+            s = self.spec
+            self._fused = (kv, FusedLayers(kernels, layers, self.layers[0].num_heads, self.num_kv_heads, s.head_dim,
+                                           s.rms_norm_eps, self.cos_sin[0].contiguous(), self.cos_sin[1].contiguous()))
+        return self._fused[1]
 
     def _forward_triton(self, x: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor, kv: KVPool,
                         triton: TritonPath, state: TritonStep) -> torch.Tensor:

@@ -67,6 +67,7 @@ class CpuKernels:
     """Typed entry points into the compiled library."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         self._fns: dict[tuple[str, torch.dtype], Callable[..., None]] = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in SUPPORTED_DTYPES.items():
@@ -164,7 +165,7 @@ class CpuKernels:
             k_new, k_stride, v_new, v_stride, slots)
         return out
 
-    def _segments(self, w: BlockMatrix) -> ctypes.Array[_Segment]:
+    def segments(self, w: BlockMatrix) -> ctypes.Array[_Segment]:
         """The C view of `w`'s segments, built once per matrix (it points into the segments' tensors)."""
         if w.handle is None:
             col, items = 0, []
@@ -216,7 +217,7 @@ class CpuKernels:
         status = self._q_linear(out.data_ptr(), n, x.data_ptr(), x.stride(0), rows, k,
                                 INPUT_RMS_NORM if norm else (INPUT_SILU_MUL if silu_mul else 0),
                                 None if weight is None else weight.data_ptr(), norm[1] if norm else 0.0,
-                                self._segments(w), len(w.segments), None if bias is None else bias.data_ptr(),
+                                self.segments(w), len(w.segments), None if bias is None else bias.data_ptr(),
                                 None if add is None else add.data_ptr(), 0 if add is None else add.stride(0))
         if status:
             raise MemoryError(f"q_linear: no memory for the quantized input of {rows} rows")

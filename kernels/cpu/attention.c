@@ -141,66 +141,76 @@ static inline const float *row_bf16(const uint16_t *src, float *buf, int64_t hea
     return buf;
 }
 
+/* One item: query token b's heads of KV head h's group, over keys 0..kv_lens[b]-1 of its request. */
+#define DEFINE_ATTEND_ITEM(NAME, T, LOAD, STORE, ROW)                                                     \
+void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool, const int64_t *table,  \
+          int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t b, int64_t h,        \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {                       \
+    const int64_t group = num_heads / num_kv_heads;                                                      \
+    const int64_t *slots = table + rows[b] * table_stride;                                               \
+    const int64_t len = kv_lens[b];                                                                      \
+    float qf[group * head_dim], acc[group * head_dim], max[group], sum[group], s[group * KEY_BLOCK];      \
+    float kbuf[KEY_BLOCK * head_dim], vbuf[KEY_BLOCK * head_dim], zeros[head_dim];                         \
+    const float *k[KEY_BLOCK], *v[KEY_BLOCK];                                                            \
+    for (int64_t d = 0; d < head_dim; d++) zeros[d] = 0.0f;                                              \
+    for (int64_t g = 0; g < group; g++) {                                                                \
+        const T *qrow = q + b * q_stride + (h * group + g) * head_dim;                                   \
+        for (int64_t d = 0; d < head_dim; d++) {                                                         \
+            qf[g * head_dim + d] = LOAD(qrow[d]) * scale;                                                \
+            acc[g * head_dim + d] = 0.0f;                                                                \
+        }                                                                                                \
+        max[g] = sum[g] = 0.0f;                                                                          \
+    }                                                                                                    \
+    for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {                                                    \
+        const int64_t n = len - j0 < KEY_BLOCK ? len - j0 : KEY_BLOCK;                                   \
+        const int64_t n_pad = (n + LANES - 1) / LANES * LANES;                                           \
+        for (int64_t j = 0; j < n; j++) {                                                                \
+            const int64_t row = (slots[j0 + j] * num_kv_heads + h) * head_dim;                           \
+            k[j] = ROW(k_pool + row, kbuf + j * head_dim, head_dim);                                     \
+            v[j] = ROW(v_pool + row, vbuf + j * head_dim, head_dim);                                     \
+        }                                                                                                \
+        for (int64_t j = n; j < n_pad; j++) k[j] = zeros;                                                \
+        for (int64_t g = 0; g < group; g++) {                                                            \
+            float *sg = s + g * KEY_BLOCK;                                                               \
+            attend_block(sg, qf + g * head_dim, acc + g * head_dim, k, v, n, n_pad, head_dim, &max[g],   \
+                         &sum[g], j0 == 0);                                                              \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int64_t g = 0; g < group; g++) {                                                                \
+        T *orow = out + (b * num_heads + h * group + g) * head_dim;                                      \
+        const float inv = 1.0f / sum[g];                                                                 \
+        for (int64_t d = 0; d < head_dim; d++) orow[d] = STORE(acc[g * head_dim + d] * inv);             \
+    }                                                                                                    \
+}
+
 /* Items are dealt to threads round robin: a prompt's items grow longer token by token, so contiguous
  * ranges would give one thread the short half; the two KV heads of a decode request split evenly.
  * With `k_new` the step's own keys and values (token t's at k_new + t * k_stride and v_new + t * v_stride, heads
- * contiguous)
- * are first written to pool slots out_slots[t], in the same parallel region (no torch scatter per layer). */
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, ROW)                                                        \
+ * contiguous) are first written to pool slots out_slots[t], in the same parallel region (no torch scatter per
+ * layer). */
+#define DEFINE_PAGED_ATTENTION(NAME, ITEM, T)                                                                   \
 void NAME(T *out, const T *q, int64_t q_stride, T *k_pool, T *v_pool, const int64_t *table,             \
           int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t batch,                \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, const T *k_new,          \
           int64_t k_stride, const T *v_new, int64_t v_stride, const int64_t *out_slots) {                  \
-    const int64_t group = num_heads / num_kv_heads, width = num_kv_heads * head_dim;                      \
+    const int64_t width = num_kv_heads * head_dim;                                                        \
     _Pragma("omp parallel")                                                                               \
     {                                                                                                     \
-    if (k_new) {                                                                                          \
-        _Pragma("omp for schedule(static)")                                                               \
-        for (int64_t t = 0; t < batch; t++) {                                                             \
-            memcpy(k_pool + out_slots[t] * width, k_new + t * k_stride, (size_t)width * sizeof(T));      \
-            memcpy(v_pool + out_slots[t] * width, v_new + t * v_stride, (size_t)width * sizeof(T));      \
+        if (k_new) {                                                                                      \
+            _Pragma("omp for schedule(static)")                                                           \
+            for (int64_t t = 0; t < batch; t++) {                                                         \
+                memcpy(k_pool + out_slots[t] * width, k_new + t * k_stride, (size_t)width * sizeof(T));  \
+                memcpy(v_pool + out_slots[t] * width, v_new + t * v_stride, (size_t)width * sizeof(T));  \
+            }                                                                                             \
         }                                                                                                 \
+        _Pragma("omp for schedule(static, 1)")                                                            \
+        for (int64_t item = 0; item < batch * num_kv_heads; item++)                                       \
+            ITEM(out, q, q_stride, k_pool, v_pool, table, table_stride, rows, kv_lens, item / num_kv_heads, \
+                 item % num_kv_heads, num_heads, num_kv_heads, head_dim, scale);                          \
     }                                                                                                     \
-    _Pragma("omp for schedule(static, 1)")                                                                \
-    for (int64_t item = 0; item < batch * num_kv_heads; item++) {                                         \
-        const int64_t b = item / num_kv_heads, h = item % num_kv_heads;                                  \
-        const int64_t *slots = table + rows[b] * table_stride;                                           \
-        const int64_t len = kv_lens[b];                                                                  \
-        float qf[group * head_dim], acc[group * head_dim], max[group], sum[group], s[group * KEY_BLOCK];  \
-        float kbuf[KEY_BLOCK * head_dim], vbuf[KEY_BLOCK * head_dim], zeros[head_dim];                     \
-        const float *k[KEY_BLOCK], *v[KEY_BLOCK];                                                        \
-        for (int64_t d = 0; d < head_dim; d++) zeros[d] = 0.0f;                                          \
-        for (int64_t g = 0; g < group; g++) {                                                            \
-            const T *qrow = q + b * q_stride + (h * group + g) * head_dim;                               \
-            for (int64_t d = 0; d < head_dim; d++) {                                                     \
-                qf[g * head_dim + d] = LOAD(qrow[d]) * scale;                                            \
-                acc[g * head_dim + d] = 0.0f;                                                            \
-            }                                                                                            \
-            max[g] = sum[g] = 0.0f;                                                                      \
-        }                                                                                                \
-        for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {                                                \
-            const int64_t n = len - j0 < KEY_BLOCK ? len - j0 : KEY_BLOCK;                               \
-            const int64_t n_pad = (n + LANES - 1) / LANES * LANES;                                       \
-            for (int64_t j = 0; j < n; j++) {                                                            \
-                const int64_t row = (slots[j0 + j] * num_kv_heads + h) * head_dim;                       \
-                k[j] = ROW(k_pool + row, kbuf + j * head_dim, head_dim);                                 \
-                v[j] = ROW(v_pool + row, vbuf + j * head_dim, head_dim);                                 \
-            }                                                                                            \
-            for (int64_t j = n; j < n_pad; j++) k[j] = zeros;                                            \
-            for (int64_t g = 0; g < group; g++) {                                                        \
-                float *sg = s + g * KEY_BLOCK;                                                           \
-                attend_block(sg, qf + g * head_dim, acc + g * head_dim, k, v, n, n_pad, head_dim,        \
-                             &max[g], &sum[g], j0 == 0);                                                 \
-            }                                                                                            \
-        }                                                                                                \
-        for (int64_t g = 0; g < group; g++) {                                                            \
-            T *orow = out + (b * num_heads + h * group + g) * head_dim;                                  \
-            const float inv = 1.0f / sum[g];                                                             \
-            for (int64_t d = 0; d < head_dim; d++) orow[d] = STORE(acc[g * head_dim + d] * inv);         \
-        }                                                                                                \
-    }                                                                                                    \
-    }                                                                                                    \
 }
 
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, F32_LOAD, F32_STORE, row_f32)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, BF16_LOAD, BF16_STORE, row_bf16)
+DEFINE_ATTEND_ITEM(attention_item_f32, float, F32_LOAD, F32_STORE, row_f32)
+DEFINE_ATTEND_ITEM(attention_item_bf16, uint16_t, BF16_LOAD, BF16_STORE, row_bf16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, attention_item_f32, float)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, attention_item_bf16, uint16_t)

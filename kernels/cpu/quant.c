@@ -37,22 +37,15 @@
 
 #include "dtype.h"
 #include "exp.h"
+#include "quant.h"
 
 enum { T_F32 = 0, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13,
        T_Q6_K = 14 };
 
-#define PANEL 8                  /* rows interleaved in a panel */
 #define ROWS_PER_PASS 4          /* rows of x that share one unpacked tile */
 #define PARALLEL_MIN_WORK 32768
 #define SERIAL_INPUT_VALUES 8192 /* up to this many input values are prepared before the team starts */
 #define PREFETCH_TILES 8         /* how far ahead of the product a panel's tiles are fetched */  /* below this many multiply-adds one thread does the whole product */
-
-/* 32 values of a row of x, to about 15 bits: x = d * (q + r / RESIDUAL) with d = max|x| / 127, q = round(x / d)
- * and r the rounding residual, itself rounded to 8 bits; s = d * sum(q + r / RESIDUAL), and per half of 16. */
-typedef struct {
-    float d, s, s_lo, s_hi;
-    int8_t q[32], r[32];
-} act_block;
 
 #define RESIDUAL 254.0f /* |x / d - q| <= 1/2, so r = round(254 (x / d - q)) fits in [-127, 127] */
 
@@ -358,13 +351,6 @@ static void quantize_act_block(const float *x, act_block *a) {
 
 /* -- the product ------------------------------------------------------------------------------------ */
 
-typedef struct {
-    int32_t type;
-    const uint8_t *data;  /* panels (T_F32: plain float32 rows) */
-    int64_t rows;         /* real rows (the last panel may be part padding) */
-    int64_t col;          /* its first output column */
-} segment;
-
 #ifdef QUANT_AVX2
 /* Eight int32 sums, each += four adjacent products u[i] * s[i] (u unsigned, s signed). */
 static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
@@ -589,9 +575,6 @@ static void panel_columns(const segment *s, int64_t panel, const act_block *a, c
     }
 }
 
-/* What the product does to each row of x first: nothing; RMSNorm with a weight (the norm before q/k/v or
- * gate/up, not written out); or SiLU(gate) * up of a [gate | up] row of 2k values (the MLP's activation). */
-enum { INPUT_AS_IS = 0, INPUT_RMS_NORM = 1, INPUT_SILU_MUL = 2 };
 
 /* Row r of the product's input, `k` values, into `dst`, as `input` says. RMSNorm rounds as transformers'
  * float32 one does (the mean of squares, + eps, rsqrt, times x, times the weight). */
@@ -608,28 +591,41 @@ static void input_row(int32_t input, const float *x, int64_t k, const float *nor
     }
 }
 
-/* The quantized input of a few rows, in the calling thread. */
-static void prepare_input(int32_t input, const float *x, int64_t x_stride, int64_t m, int64_t k,
-                          const float *norm_weight, float eps, float *rows, const float *xs, int64_t xs_stride,
-                          act_block *scratch) {
-    for (int64_t r = 0; r < m; r++) {
-        if (rows) input_row(input, x + r * x_stride, k, norm_weight, eps, rows + r * k);
-        for (int64_t b = 0; b < k / 32; b++) quantize_act_block(xs + r * xs_stride + b * 32, scratch + r * (k / 32) + b);
+void q_prepare_rows(int32_t input, const float *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t k,
+                    const float *norm_weight, float eps, float *rows, act_block *scratch) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xs = x + r * x_stride;
+        if (rows) {
+            input_row(input, xs, k, norm_weight, eps, rows + r * k);
+            xs = rows + r * k;
+        }
+        for (int64_t b = 0; b < k / 32; b++) quantize_act_block(xs + b * 32, scratch + r * (k / 32) + b);
     }
 }
 
-/* out[m, N] = f(x)[m, k] W^T (+ bias) (+ add), f as `input` says (above), W the row-wise concatenation of `nseg`
- * segments. `add` may be `out` (a residual added in place). Returns 0, or -1 where memory ran out. */
+int64_t q_panels(const segment *segs, int64_t nseg) {
+    int64_t panels = 0;
+    for (int64_t s = 0; s < nseg; s++) panels += (segs[s].rows + PANEL - 1) / PANEL;
+    return panels;
+}
+
+void q_panel(const segment *segs, int64_t p, const act_block *scratch, const float *xs, int64_t xs_stride,
+             int64_t m, int64_t k, float *out, int64_t out_stride, const float *bias, const float *add,
+             int64_t add_stride) {
+    int64_t s = 0, first = 0; /* the segment of global panel p, and that segment's first panel */
+    while (p >= first + (segs[s].rows + PANEL - 1) / PANEL) first += (segs[s++].rows + PANEL - 1) / PANEL;
+    panel_columns(&segs[s], p - first, scratch, xs, xs_stride, m, k, out, out_stride, bias, add, add_stride);
+}
+
+/* out[m, N] = f(x)[m, k] W^T (+ bias) (+ add), f as `input` says (quant.h), W the row-wise concatenation of
+ * `nseg` segments. `add` may be `out` (a residual added in place). Returns 0, or -1 where memory ran out. */
 int32_t q_linear(float *out, int64_t out_stride, const float *x, int64_t x_stride, int64_t m, int64_t k,
                  int32_t input, const float *norm_weight, float eps, const segment *segs, int64_t nseg,
                  const float *bias, const float *add, int64_t add_stride) {
-    const int64_t blocks = k / 32;
-    int64_t panels = 0, n_total = 0;
-    for (int64_t s = 0; s < nseg; s++) {
-        panels += (segs[s].rows + PANEL - 1) / PANEL;
-        n_total += segs[s].rows;
-    }
-    act_block *scratch = malloc((size_t)(m * blocks) * sizeof(act_block));
+    int64_t n_total = 0;
+    for (int64_t s = 0; s < nseg; s++) n_total += segs[s].rows;
+    const int64_t panels = q_panels(segs, nseg);
+    act_block *scratch = malloc((size_t)(m * (k / 32)) * sizeof(act_block));
     float *rows = input == INPUT_AS_IS ? NULL : malloc((size_t)(m * k) * sizeof(float));
     if (scratch == NULL || (input != INPUT_AS_IS && rows == NULL)) {
         free(scratch);
@@ -638,28 +634,20 @@ int32_t q_linear(float *out, int64_t out_stride, const float *x, int64_t x_strid
     }
     const float *xs = rows ? rows : x; /* the product's input, and its row stride */
     const int64_t xs_stride = rows ? k : x_stride;
-    /* A few rows (a decode step) are prepared here, before the team starts: two barriers fewer. Each thread
+    /* A few rows (a decode step) are prepared here, before the team starts: a barrier fewer. Each thread then
      * streams one contiguous range of panels (the prefetcher's best case). */
     const int serial_input = m * k <= SERIAL_INPUT_VALUES;
-    if (serial_input) prepare_input(input, x, x_stride, m, k, norm_weight, eps, rows, xs, xs_stride, scratch);
+    if (serial_input) q_prepare_rows(input, x, x_stride, 0, m, k, norm_weight, eps, rows, scratch);
     const int threads = m * n_total * k >= PARALLEL_MIN_WORK ? omp_get_max_threads() : 1;
 #pragma omp parallel num_threads(threads)
     {
         if (!serial_input) {
-            if (rows) {
 #pragma omp for schedule(static)
-                for (int64_t r = 0; r < m; r++) input_row(input, x + r * x_stride, k, norm_weight, eps, rows + r * k);
-            }
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < m * blocks; i++)
-                quantize_act_block(xs + (i / blocks) * xs_stride + (i % blocks) * 32, scratch + i);
+            for (int64_t r = 0; r < m; r++) q_prepare_rows(input, x, x_stride, r, r + 1, k, norm_weight, eps, rows, scratch);
         }
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            int64_t s = 0, first = 0; /* the segment of global panel p, and that segment's first panel */
-            while (p >= first + (segs[s].rows + PANEL - 1) / PANEL) first += (segs[s++].rows + PANEL - 1) / PANEL;
-            panel_columns(&segs[s], p - first, scratch, xs, xs_stride, m, k, out, out_stride, bias, add, add_stride);
-        }
+        for (int64_t p = 0; p < panels; p++)
+            q_panel(segs, p, scratch, xs, xs_stride, m, k, out, out_stride, bias, add, add_stride);
     }
     free(scratch);
     free(rows);

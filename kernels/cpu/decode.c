@@ -1,0 +1,123 @@
+/* A model's layers in one call and one parallel region, for a model whose projections are all in block
+ * formats (quant.c), on steps whose attention runs all through the C kernel (attention.c).
+ *
+ * Called layer by layer from Python, a decode step of a small model is mostly not arithmetic: each of a
+ * layer's six C calls pays the interpreter, ctypes and an OpenMP team's start and join, some 10-15 us, about
+ * as long as the work of a 576-wide projection. Here the team starts once per step and the stages of every
+ * layer are worksharing loops inside it, separated by their barriers:
+ *   1. RMSNorm of x and its quantization, per row        2. the q/k/v product, per panel (+ bias)
+ *   3. Qwen3's per-head q/k norms, then RoPE, per head    4. the step's K and V into the pool, per token
+ *   5. attention, per (token, KV head)                    6. quantization of the attention's output, per row
+ *   7. x += the o product, per panel                      8. RMSNorm of x and its quantization, per row
+ *   9. the gate/up product, per panel                    10. SiLU(gate) * up and its quantization, per row
+ *  11. x += the down product, per panel
+ * Every stage is the function the per-call path runs (RMSNorm and RoPE of elementwise.c, attention.c's
+ * item, quant.c's input preparation and panels), so both paths compute the same numbers, bit for bit.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant.h"
+
+void rms_norm_row_f32(float *out, const float *x, const float *weight, int64_t dim, float eps);
+void rope_token_f32(float *x, int64_t heads, int64_t position, const float *cos, const float *signed_sin,
+                    int64_t head_dim);
+void attention_item_f32(float *out, const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
+                        const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *kv_lens,
+                        int64_t b, int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale);
+
+typedef struct { /* one product: its segments and its bias (NULL: none) */
+    const segment *segs;
+    int64_t nseg;
+    const float *bias;
+} product;
+
+typedef struct { /* one layer's weights and its share of the KV pool */
+    const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL but for Qwen3 */
+    product qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} layer_plan;
+
+typedef struct { /* the model's shape and what every layer shares */
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    const float *cos, *signed_sin; /* RoPE tables [positions, head_dim] */
+    const layer_plan *layers;
+} model_plan;
+
+/* One product over the prepared input (stages 2, 7, 9, 11): its panels shared out, output written once each. */
+static void run_product(const product *w, const act_block *scratch, const float *xs, int64_t xs_stride, int64_t m,
+                        int64_t k, float *out, int64_t out_stride, const float *add) {
+    const int64_t panels = q_panels(w->segs, w->nseg);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        q_panel(w->segs, p, scratch, xs, xs_stride, m, k, out, out_stride, w->bias, add, add ? out_stride : 0);
+}
+
+/* x ([tokens, hidden], the residual stream) through every layer. Token t is at `positions[t]` and writes its
+ * K/V to pool slot out_slots[t]; it attends to the first kv_lens[t] slots of request-table row rows[t].
+ * Returns 0, or -1 where memory ran out. */
+int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const int64_t *positions,
+                        const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *kv_lens,
+                        const int64_t *out_slots) {
+    const int64_t hidden = plan->hidden, head_dim = plan->head_dim, q_size = plan->heads * head_dim;
+    const int64_t kv_size = plan->kv_heads * head_dim, qkv_width = q_size + 2 * kv_size, inter = plan->inter;
+    const int64_t widest = inter > hidden ? (inter > q_size ? inter : q_size) : (hidden > q_size ? hidden : q_size);
+    float *qkv = malloc((size_t)(tokens * qkv_width) * sizeof(float));
+    float *attn = malloc((size_t)(tokens * q_size) * sizeof(float));
+    float *gate_up = malloc((size_t)(tokens * 2 * inter) * sizeof(float));
+    float *prepared = malloc((size_t)(tokens * widest) * sizeof(float));
+    act_block *scratch = malloc((size_t)(tokens * (widest / 32)) * sizeof(act_block));
+    int32_t status = 0;
+    if (!qkv || !attn || !gate_up || !prepared || !scratch) {
+        status = -1;
+        goto done;
+    }
+#pragma omp parallel
+    for (int64_t l = 0; l < plan->num_layers; l++) {
+        const layer_plan *L = plan->layers + l;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < tokens; r++)
+            q_prepare_rows(INPUT_RMS_NORM, x, hidden, r, r + 1, hidden, L->input_norm, plan->eps, prepared, scratch);
+        run_product(&L->qkv, scratch, prepared, hidden, tokens, hidden, qkv, qkv_width, NULL);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < tokens * (plan->heads + plan->kv_heads); item++) {
+            const int64_t t = item / (plan->heads + plan->kv_heads), h = item % (plan->heads + plan->kv_heads);
+            float *row = qkv + t * qkv_width + h * head_dim;
+            const float *norm = h < plan->heads ? L->q_norm : L->k_norm;
+            if (norm) rms_norm_row_f32(row, row, norm, head_dim, plan->eps);
+            rope_token_f32(row, 1, positions[t], plan->cos, plan->signed_sin, head_dim);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            memcpy(L->k_cache + out_slots[t] * kv_size, qkv + t * qkv_width + q_size, (size_t)kv_size * sizeof(float));
+            memcpy(L->v_cache + out_slots[t] * kv_size, qkv + t * qkv_width + q_size + kv_size,
+                   (size_t)kv_size * sizeof(float));
+        }
+#pragma omp for schedule(static, 1)
+        for (int64_t item = 0; item < tokens * plan->kv_heads; item++)
+            attention_item_f32(attn, qkv, qkv_width, L->k_cache, L->v_cache, table, table_stride, rows, kv_lens,
+                               item / plan->kv_heads, item % plan->kv_heads, plan->heads, plan->kv_heads, head_dim,
+                               plan->scale);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < tokens; r++)
+            q_prepare_rows(INPUT_AS_IS, attn, q_size, r, r + 1, q_size, NULL, 0.0f, NULL, scratch);
+        run_product(&L->o, scratch, attn, q_size, tokens, q_size, x, hidden, x);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < tokens; r++)
+            q_prepare_rows(INPUT_RMS_NORM, x, hidden, r, r + 1, hidden, L->post_norm, plan->eps, prepared, scratch);
+        run_product(&L->gate_up, scratch, prepared, hidden, tokens, hidden, gate_up, 2 * inter, NULL);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < tokens; r++)
+            q_prepare_rows(INPUT_SILU_MUL, gate_up, 2 * inter, r, r + 1, inter, NULL, 0.0f, prepared, scratch);
+        run_product(&L->down, scratch, prepared, inter, tokens, inter, x, hidden, x);
+    }
+done:
+    free(qkv);
+    free(attn);
+    free(gate_up);
+    free(prepared);
+    free(scratch);
+    return status;
+}

@@ -1,0 +1,110 @@
+"""A model's layers in one C call (kernels/cpu/decode.c), for a model whose projections are all in block formats.
+
+`FusedLayers` holds the C view of every layer (the weights' segments, norms, biases, this layer's KV pool) once;
+a call runs the step's tokens through all of them in one OpenMP parallel region, with the same functions the
+per-call path uses, so the two compute the same numbers. What it takes is what the CPU attention backend's
+decode and prefill steps already carry (kernels/attention/cpu.py: `PagedStep`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu import CpuKernels
+from kernels.quant import BlockMatrix
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("segs", _P), ("nseg", _I), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Product),
+                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("inter", _I), ("eps", _F), ("scale", _F), ("cos", _P), ("signed_sin", _P), ("layers", _P)]
+
+
+Projection = tuple[BlockMatrix, torch.Tensor | None]
+"""A product's weight and its bias."""
+
+
+@dataclass
+class LayerWeights:
+    """What decode.c needs of one layer: float32 norms (Qwen3's q/k norms or None), the four products, the
+    layer's K and V pools ([slots, kv heads, head dim], float32)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+class FusedLayers:
+    """Every layer of a model in one C call; holds references to everything the C view points into."""
+
+    def __init__(self, kernels: CpuKernels, layers: list[LayerWeights], heads: int, kv_heads: int, head_dim: int,
+                 eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        self._keep: list[object] = [cos, signed_sin]
+        for t in (cos, signed_sin):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("the fused layers need contiguous float32 RoPE tables")
+        views = [self._layer(kernels, w) for w in layers]
+        self._layers = (_Layer * len(views))(*views)
+        hidden, inter = layers[0].qkv[0].in_features, layers[0].down[0].in_features
+        self._model = _Model(len(views), hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5,
+                             cos.data_ptr(), signed_sin.data_ptr(), ctypes.addressof(self._layers))
+        self.hidden = hidden
+        self._fn = kernels.lib.q_decode_layers
+        self._fn.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _P]
+        self._fn.restype = ctypes.c_int32
+
+    def _tensor(self, t: torch.Tensor | None, numel: int | None = None) -> int | None:
+        if t is None:
+            return None
+        if t.dtype != torch.float32 or not t.is_contiguous() or (numel is not None and t.numel() != numel):
+            raise ValueError("the fused layers need contiguous float32 norms, biases and pools of the model's shape")
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _product(self, kernels: CpuKernels, projection: Projection) -> _Product:
+        weight, bias = projection
+        segs = kernels.segments(weight)
+        self._keep.append(weight)
+        return _Product(ctypes.addressof(segs), len(weight.segments), self._tensor(bias, weight.out_features))
+
+    def _layer(self, kernels: CpuKernels, w: LayerWeights) -> _Layer:
+        return _Layer(self._tensor(w.input_norm), self._tensor(w.post_norm), self._tensor(w.q_norm),
+                      self._tensor(w.k_norm), self._product(kernels, w.qkv), self._product(kernels, w.o),
+                      self._product(kernels, w.gate_up), self._product(kernels, w.down), self._tensor(w.k_cache),
+                      self._tensor(w.v_cache))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                 kv_lens: torch.Tensor, out_slots: torch.Tensor) -> None:
+        """x ([tokens, hidden] float32, contiguous) through every layer, in place; token t at positions[t]
+        writes its K/V to out_slots[t] and attends to the first kv_lens[t] slots of table row rows[t]."""
+        tokens = x.shape[0]
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.hidden or table.stride(1) != 1:
+            raise ValueError(f"the fused layers take contiguous float32 [tokens, {self.hidden}] and a unit-stride "
+                             f"table")
+        index = [t.contiguous() for t in (positions, rows, kv_lens, out_slots)]
+        if any(t.dtype != torch.int64 or t.numel() != tokens for t in index) or table.dtype != torch.int64:
+            raise ValueError("the fused layers take int64 positions, rows, kv_lens and slots, one per token")
+        positions, rows, kv_lens, out_slots = index
+        if self._fn(x.data_ptr(), tokens, ctypes.byref(self._model), positions.data_ptr(), table.data_ptr(),
+                    table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), out_slots.data_ptr()):
+            raise MemoryError(f"fused layers: no memory for a step of {tokens} tokens")

@@ -1,0 +1,35 @@
+/* The quantized products' types and the pieces the fused decode step (decode.c) runs inside its own parallel
+ * region (quant.c explains the formats and the arithmetic). */
+#pragma once
+#include <stdint.h>
+
+#define PANEL 8 /* rows interleaved in a panel */
+
+/* 32 values of a row of x, to about 15 bits: x = d * (q + r / RESIDUAL) with d = max|x| / 127, q = round(x / d)
+ * and r the rounding residual, itself rounded to 8 bits; s = d * sum(q + r / RESIDUAL), and per half of 16. */
+typedef struct {
+    float d, s, s_lo, s_hi;
+    int8_t q[32], r[32];
+} act_block;
+
+typedef struct {
+    int32_t type;
+    const uint8_t *data;  /* panels (T_F32: plain float32 rows) */
+    int64_t rows;         /* real rows (the last panel may be part padding) */
+    int64_t col;          /* its first output column */
+} segment;
+
+/* What the product does to each row of x first: nothing; RMSNorm with a weight (the norm before q/k/v or
+ * gate/up, not written out); or SiLU(gate) * up of a [gate | up] row of 2k values (the MLP's activation). */
+enum { INPUT_AS_IS = 0, INPUT_RMS_NORM = 1, INPUT_SILU_MUL = 2 };
+
+/* Rows [r0, r1) of the product's input: transformed as `input` says (into `rows`, [m, k], unless AS_IS) and
+ * quantized into `scratch` ([m, k / 32] blocks). */
+void q_prepare_rows(int32_t input, const float *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t k,
+                    const float *norm_weight, float eps, float *rows, act_block *scratch);
+
+/* The panels of the segments, and global panel p's output columns for all m rows of the prepared input. */
+int64_t q_panels(const segment *segs, int64_t nseg);
+void q_panel(const segment *segs, int64_t p, const act_block *scratch, const float *xs, int64_t xs_stride,
+             int64_t m, int64_t k, float *out, int64_t out_stride, const float *bias, const float *add,
+             int64_t add_stride);
