@@ -22,9 +22,10 @@ What is counted per step:
 - kernels: on CUDA the kernels the device ran, memcpy/memset counted apart (CUPTI reports the kernels
   inside CUDA graph replays when it was not set up before the capture; a row where it reports none
   says n/a rather than 0). On a CPU the outermost aten ops and minichat's C kernels (RMSNorm, RoPE,
-  SiLU*up, paged attention), which the script marks with `record_function` because ctypes calls are
-  invisible to the profiler otherwise.
-- families: each kernel's (CUDA) or outermost op's (CPU) time, grouped by its name into gemm,
+  SiLU*up, paged attention, the block-format products and the one-call layers), which the script marks
+  with `record_function` because ctypes calls are invisible to the profiler otherwise.
+- families: each kernel's (CUDA) or outermost op's (CPU) time, grouped by its name into layers (a
+  block-format model's one-call layers: everything but the embedding, final norm and head), gemm,
   attention, norm, rope, activation, sampling, elementwise, copy/index (K/V cache writes included) and
   other. Names are all there is inside a CUDA graph, so generic elementwise kernels land in
   "elementwise" whatever they compute (residual adds; on CUDA the multiply after SiLU and RoPE's
@@ -66,25 +67,27 @@ from engine.batch import ForwardBatch
 from engine.config import DEMO_MODEL_DIR
 from engine.scheduler.budget import pages_for
 from kernels.cpu import CpuKernels
+from kernels.cpu.decode import FusedLayers
 
 STEP_RANGE = "minichat.step/"  # + a label: one engine step, schedule to process; splits a profile into steps
 UNCOUNTED = "other"  # the label of steps that are run but not reported (the rest of a chunked prefill, warm-up)
 FORWARD_RANGE = "minichat.forward"  # the runner's forward (for reading a trace; timed with perf_counter)
 CPU_KERNEL_PREFIX = "cpu_kernel::"  # minichat's C kernels, which the profiler cannot see by itself
-CPU_KERNEL_METHODS = ("rms_norm", "rope_", "silu_mul", "paged_attention")
+CPU_KERNEL_METHODS = ("rms_norm", "rope_", "silu_mul", "paged_attention", "q_linear", "dequantize")
 
 # Checked in order, on the lower-cased name; the first that matches names the family. Sampling comes
 # before gemm and copy (an argmax is a reduction kernel), attention before gemm (FlashInfer and
 # CUTLASS attention kernels mention "gemm"-like tiles), norm/rope/activation before elementwise.
 FAMILY_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("layers", r"fused_layers"),  # a block-format model's every layer in one C call (kernels/cpu/decode.c)
     ("sampling", r"argmax|argmin|multinomial|topk|top_k|top_p|sort|cumsum|exponential|sampl|penalt"),
     ("attention", r"attention|attn|flash|fmha|_decode_(grouped_)?stage|_extend_kernel|batchdecode|batchprefill|"
                   r"scaled_dot_product|sdpa|softmax"),
     ("norm", r"rms_?norm|layer_?norm|rsqrt|meanops|pow_tensor_scalar"),
     ("rope", r"rope|rotary|\broll"),  # aten::roll, roll_cuda_kernel; not unrolled_elementwise_kernel (copies)
     ("activation", r"silu|gelu|swiglu|act_and_mul"),
-    ("gemm", r"gemm|gemv|cutlass|cublas|nvjet|xmma|splitk|_linear_pointwise|aten::(addmm|mm|bmm|baddbmm|matmul|"
-             r"linear)$"),
+    ("gemm", r"gemm|gemv|cutlass|cublas|nvjet|xmma|splitk|_linear_pointwise|q_linear|aten::(addmm|mm|bmm|baddbmm|"
+             r"matmul|linear)$"),
     ("copy/index", r"copy|index|gather|scatter|embedding|memcpy|memset|aten::cat$|catarray|fill|aten::to$|clone|"
                    r"contiguous|arange|_store_kv|aten::tensor$|_local_scalar|aten::item$"),
     ("elementwise", r"elementwise|functor|aten::(add|add_|mul|mul_|sub|div|neg|where|masked_fill)$"),
@@ -154,14 +157,17 @@ def visible_cpu_kernels(llm: LLM) -> Iterator[int]:
                 return fn(*args, **kwargs)
         return call
 
+    one_call = FusedLayers.__call__
     try:
         for kernels in objects.values():
             for name in CPU_KERNEL_METHODS:
                 if hasattr(kernels, name) and name not in vars(kernels):
                     setattr(kernels, name, marked(name, getattr(kernels, name)))
                     wrapped.append((kernels, name))
+        FusedLayers.__call__ = marked("fused_layers", one_call)  # type: ignore[method-assign]
         yield len(objects)
     finally:
+        FusedLayers.__call__ = one_call  # type: ignore[method-assign]
         for kernels, name in wrapped:
             delattr(kernels, name)
 

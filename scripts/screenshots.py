@@ -35,6 +35,9 @@ from tui.link import EngineLink
 from tui.panels import RequestTable
 from tui.panels.detail import RequestDetailScreen
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.real_model import smollm2_gguf
+
 ENGINE_OPTIONS = {"max_running_requests": 8, "max_prefill_tokens": 256, "num_pages": 384}
 FAN_OUT = "/fanout 4 Once more unto the breach, dear friends | To be, or not to be | Shall I compare thee to a " \
           "summer's day? | Now is the winter of our discontent"
@@ -248,7 +251,24 @@ async def fleet(address: str, out: Path) -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-SHOTS = (chat_sessions, ops_under_load, small_terminal, context_gauge, session_list, request_detail, history, fleet)
+async def real_model(address: str, out: Path) -> None:
+    """The console's first screen on a real instruct model, straight from its GGUF file (SmolLM2-135M-Instruct
+    Q4_1, fetched once into the user cache): its name, weight format and size in the status line."""
+    here = address.removeprefix("ipc://").rsplit("/", 1)[0]
+    smol = f"ipc://{here}/smollm2.sock"
+    with start(smol, model=str(smollm2_gguf()), max_running_requests=4):
+        app = MinichatApp(EngineLink(address=smol, autostart=False))
+        async with app.run_test(size=(120, 30)) as pilot:
+            await connect(pilot)
+            await send(pilot, "/temperature 0")
+            for prompt in ("What is the capital of France?", "Name three things to see there, in one line each."):
+                await send(pilot, prompt)
+                await until(pilot, lambda: app.current.session.live is None)  # type: ignore[union-attr]
+            app.save_screenshot("real-model.svg", str(out))
+
+
+SHOTS = (chat_sessions, ops_under_load, small_terminal, context_gauge, session_list, request_detail, history, fleet,
+         real_model)
 
 
 def main() -> None:

@@ -99,7 +99,7 @@ def gemm_dtype(weight: Weight) -> torch.dtype:
 
 
 def fuses_add(weight: Weight) -> bool:
-    """Whether `linear_binary` can add inside the GEMM with this weight (oneDNN-packed or block formats)."""
+    """Whether `linear_add` can add inside the GEMM with this weight (oneDNN-packed or block formats)."""
     return isinstance(weight, BlockMatrix) or weight.is_mkldnn
 
 
