@@ -48,7 +48,7 @@ from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_to
 from engine.tools import ToolFormat, template_messages, tool_format
 from kernels.attention import make_backend
 from kernels.cpu import load_cpu_kernels
-from kernels.quant import BlockMatrix
+from kernels.quant import BlockMatrix, DeviceBlockWeight
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +300,8 @@ class LLM:
         weight = self.model.layers[0].qkv_proj.weight
         if isinstance(weight, BlockMatrix):
             gemm = f"{'+'.join(weight.formats)} blocks, minichat's {load_cpu_kernels().isa} kernels"
+        elif isinstance(weight, DeviceBlockWeight):
+            gemm = f"{'+'.join(weight.formats)} as int8 + scales, minichat's Triton weight-only kernel"
         else:
             gemm = str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
         formats, size = weight_footprint(self.model)

@@ -76,7 +76,8 @@ class ModelRunner:
                 shape = (batch.kind, batch.num_tokens.bit_length())
                 torch.set_num_threads(self.governor.threads(shape))
                 output = self._forward_and_sample(batch)
-                self.governor.record(shape, (time.perf_counter() - start) / batch.num_tokens)
+                seconds = time.perf_counter() - start
+                self.governor.record(shape, seconds / batch.num_tokens, seconds)
             output.run_time = time.perf_counter() - start
             return output
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the batch was built on the default stream

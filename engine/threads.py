@@ -27,6 +27,7 @@ TRIAL_STEPS = 3  # steps a trial of another team size runs when it is not clearl
 BETTER = 0.9  # a trial whose median time per token is below this fraction of the current one wins
 WORSE = 1.5  # a trial step this much slower than the current median ends the trial at once
 BACKOFF_S = (2.0, 16.0)  # the wait before retrying a team size that lost: doubling from the first to the second
+TRIAL_SPACING = 20  # and at least this many of the shape's steps' durations since the last trial ended
 
 Shape = tuple[str, int]  # a step's kind and its token count's order of magnitude (bit length)
 
@@ -40,9 +41,12 @@ class ThreadGovernor:
     bigger team costs one slow step. A trial that is 10% faster over TRIAL_STEPS steps becomes current.
     A size that lost is retried after 2 s, doubling to 16 s, so a lasting competitor costs one slow step
     every 16 s and one that leaves is noticed within that; a team that turns 1.5x slower for
-    TRIAL_STEPS steps in a row (a competitor arrived) has its neighbour tried at once.
+    TRIAL_STEPS steps in a row (a competitor arrived) has its neighbour tried at once. Trials are also
+    TRIAL_SPACING steps of their shape apart at least: a 12 s prefill step tried on half the team every 16 s
+    (every other step) cost an idle machine 20-50% of its prefill; spaced so, a lost trial costs under 5%.
 
-    The runner asks `threads(shape)` before a step and reports `record(shape, seconds per token)` after.
+    The runner asks `threads(shape)` before a step and reports `record(shape, seconds per token, seconds)`
+    after.
     """
 
     def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -57,17 +61,26 @@ class ThreadGovernor:
         self._downward = True
         self._retry_at = clock() + BACKOFF_S[0]
         self._backoff = {n: BACKOFF_S[0] for n in range(1, limit + 1)}
+        self._durations: dict[Shape, deque[float]] = {}  # recent step seconds per shape, for the spacing
+        self._trial_ended = clock()
+        self._urgent = False  # the team turned slower: try the neighbour now, however long the steps
 
     def threads(self, shape: Shape) -> int:
         """The team size for a step of this shape."""
-        if self._trial is None and self.limit > 1 and self._clock() >= self._retry_at \
+        now = self._clock()
+        durations = self._durations.get(shape)
+        spaced = self._urgent or (durations is not None and
+                                  now - self._trial_ended >= TRIAL_SPACING * statistics.median(durations))
+        if self._trial is None and self.limit > 1 and now >= self._retry_at and spaced \
                 and len(self._recent.get(shape, ())) >= TRIAL_STEPS:
             self._trial = self._neighbour()
             self._trial_ratios = []
+            self._urgent = False
         return self._trial if self._trial is not None else self.current
 
-    def record(self, shape: Shape, per_token: float) -> None:
-        """How long a step took per token, at the team size `threads` gave it."""
+    def record(self, shape: Shape, per_token: float, seconds: float) -> None:
+        """How long a step took per token and in all, at the team size `threads` gave it."""
+        self._durations.setdefault(shape, deque(maxlen=SAMPLES)).append(seconds)
         if self._trial is None:
             recent = self._recent.setdefault(shape, deque(maxlen=SAMPLES))
             if len(recent) >= TRIAL_STEPS and per_token > WORSE * statistics.median(recent):
@@ -80,6 +93,7 @@ class ThreadGovernor:
                 recent.extend(self._slow)  # judge the neighbour against the team as it is now
                 self._slow.clear()
                 self._retry_at = self._clock()
+                self._urgent = True
                 self._backoff = dict.fromkeys(self._backoff, BACKOFF_S[0])
             return
         baseline = self._recent.get(shape)
@@ -99,6 +113,7 @@ class ThreadGovernor:
 
     def _end_trial(self, won: bool) -> None:
         tried, self._trial = self._trial, None
+        self._trial_ended = self._clock()
         assert tried is not None
         if won:
             self.current, self.switches = tried, self.switches + 1

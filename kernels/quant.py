@@ -124,3 +124,36 @@ def column_range(qtype: QType, columns: int, start: int, size: int) -> slice:
         raise ValueError(f"columns [{start}, {start + size}) of a {qtype.name} row do not fall on its blocks of "
                          f"{qtype.block} values")
     return slice(start // qtype.block * qtype.block_bytes, (start + size) // qtype.block * qtype.block_bytes)
+
+
+@dataclass
+class DeviceBlockWeight:
+    """A weight in block formats as the GPU kernels read it (kernels/triton/quant.py): each value's integer as
+    int8 [out, in] and, per 16 values, a float32 scale and offset [out, in / 16], so that w = scale * q + offset
+    for every format, exactly (8 bits a value plus 4 of scales, where the file had 4.5 to 8.5)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    formats: list[str]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
+    def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 values (rows `ids`), equal to gguf's dequantization of the file's rows."""
+        q, scale, offset = (t if ids is None else t[ids] for t in (self.q, self.scale, self.offset))
+        return scale.repeat_interleave(16, dim=1) * q.float() + offset.repeat_interleave(16, dim=1)

@@ -2,6 +2,7 @@
 
     python scripts/bench_llamacpp.py                       # build llama.cpp once (30-50 min on 2 cores), then all
     python scripts/bench_llamacpp.py --files smollm2-q4_1 --rounds 2 --skip-served
+    python scripts/bench_llamacpp.py --table ~/.cache/minichat/bench-llamacpp/report.json   # the table again
 
 llama.cpp is built from the source the `llama-cpp-python` sdist on PyPI vendors (`llama-server`, `llama-bench`,
 `llama-quantize`, Release, GGML_NATIVE) into the user cache, once; never in CI. The files:
@@ -207,6 +208,26 @@ def floors(path: Path, bandwidth: float, peaks: tuple[float, float]) -> dict[str
     return {"memory": bandwidth * 1e9 / weights, "compute": 1 / seconds, "bytes": weights, "vocab_rows": vocab_rows}
 
 
+def table(report: dict) -> str:
+    """The README's table, from a report (medians of the rounds)."""
+    lines = ["| file | weights in memory | decode c=1, tok/s: minichat / llama.cpp | memory / compute floor | "
+             "prefill 512, tok/s: minichat / llama.cpp | served c=1, output tok/s | served c=32, output tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for name, entry in report["files"].items():
+        med = {k: statistics.median(v) for k, v in entry["runs"].items()}
+        fl = entry["floors"]
+
+        def pair(key: str, med: dict[str, float] = med) -> str:
+            if f"minichat {key}" not in med or f"llama.cpp {key}" not in med:
+                return "-"
+            ours, theirs = med[f"minichat {key}"], med[f"llama.cpp {key}"]
+            return f"{ours:.1f} / {theirs:.1f} (**{ours / theirs:.2f}x**)"
+
+        lines.append(f"| {name} ({fl['bytes'] / 2**20:.0f} MiB) | {entry.get('weights', '-')} | {pair('decode')} | "
+                     f"{fl['memory']:.0f} / {fl['compute']:.0f} | {pair('prefill')} | {pair('c=1')} | {pair('c=32')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", default=",".join(FILES), help=f"comma-separated, of {', '.join(FILES)}")
@@ -214,54 +235,49 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--skip-served", action="store_true")
     parser.add_argument("--work", type=Path, default=cache_dir() / "bench-llamacpp")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="the report (default: WORK/report.json), rewritten after every "
+                                                 "measurement")
+    parser.add_argument("--table", type=Path, help="only print the table of an earlier report")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
     names = [n for n in args.files.split(",") if n]
     bin_dir = build_llama_cpp()
     args.work.mkdir(parents=True, exist_ok=True)
+    out = args.json or args.work / "report.json"
     files = make_files(names, bin_dir, args.work)
     bandwidth = read_bandwidth(args.threads)
     peaks = peak_macs(args.threads)
     log(f"read bandwidth {bandwidth:.1f} GB/s; peak {peaks[0] / 1e9:.0f} G int8 MAC/s, {peaks[1] / 1e9:.0f} G fp32")
-    results: dict[str, dict[str, list[float]]] = {n: {} for n in names}
-    extra: dict[str, dict] = {}
+    report: dict = {"threads": args.threads, "read_bandwidth_gbs": bandwidth, "started": time.strftime("%F %T %Z"),
+                    "files": {n: {"runs": {}, "floors": floors(files[n], bandwidth, peaks)} for n in names}}
+
+    def add(name: str, key: str, value: float) -> None:
+        report["files"][name]["runs"].setdefault(key, []).append(value)
+        out.write_text(json.dumps(report, indent=2))
+
     for round_ in range(args.rounds):
         for name in names:
-            path, r = files[name], results[name]
+            path = files[name]
             log(f"round {round_ + 1}: {name}")
             ours = minichat_in_process(path, args.threads)
+            report["files"][name].update(weights=ours["weights"], gemm=ours["gemm"])
             theirs = llama_bench(bin_dir, path, args.threads)
-            extra[name] = {"weights": ours["weights"], "gemm": ours["gemm"]}
             for key in ("decode", "prefill"):
-                r.setdefault(f"minichat {key}", []).append(ours[key])
-                r.setdefault(f"llama.cpp {key}", []).append(theirs[key])
+                add(name, f"minichat {key}", ours[key])
+                add(name, f"llama.cpp {key}", theirs[key])
             if args.skip_served:
                 continue
             for concurrency in (1, 32):
                 with llama_server(bin_dir, path, args.threads, 32) as url:
-                    r.setdefault(f"llama.cpp c={concurrency}", []).append(served(url, path, concurrency))
+                    add(name, f"llama.cpp c={concurrency}", served(url, path, concurrency))
                 with replica("--model", str(path), "--threads", str(args.threads)) as rep:
-                    r.setdefault(f"minichat c={concurrency}", []).append(served(rep.url, path, concurrency))
-    report = {"threads": args.threads, "read_bandwidth_gbs": bandwidth, "files": {}}
-    lines = ["| file | weights | decode c=1: minichat / llama.cpp (ratio) | memory / compute floor | "
-             "prefill 512: minichat / llama.cpp (ratio) | served c=1 | served c=32 |", "|---|---|---|---|---|---|---|"]
-    for name in names:
-        med = {k: statistics.median(v) for k, v in results[name].items()}
-        fl = floors(files[name], bandwidth, peaks)
-        report["files"][name] = {"median": med, "runs": results[name], "floors": fl, **extra[name]}
-
-        def pair(key: str, med: dict[str, float] = med) -> str:
-            if f"minichat {key}" not in med:
-                return "-"
-            ours, theirs = med[f"minichat {key}"], med[f"llama.cpp {key}"]
-            return f"{ours:.1f} / {theirs:.1f} ({ours / theirs:.2f}x)"
-
-        lines.append(f"| {name} ({fl['bytes'] / 2**20:.0f} MiB) | {extra[name]['weights']} | {pair('decode')} | "
-                     f"{fl['memory']:.0f} / {fl['compute']:.0f} tok/s | {pair('prefill')} | {pair('c=1')} | "
-                     f"{pair('c=32')} |")
-    print("\n".join(lines))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+                    add(name, f"minichat c={concurrency}", served(rep.url, path, concurrency))
+    report["finished"] = time.strftime("%F %T %Z")
+    out.write_text(json.dumps(report, indent=2))
+    print(table(report))
+    log(f"report in {out}")
 
 
 if __name__ == "__main__":

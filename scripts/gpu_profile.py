@@ -517,10 +517,14 @@ def build_llm(args: argparse.Namespace, output_budget: int) -> LLM:
     options: dict[str, Any] = {"attention_backend": args.attention_backend, "cuda_graph": args.cuda_graph}
     if args.threads:
         options["threads"] = args.threads
-    return LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-               num_pages=largest * (pages_for(length, args.page_size) + 1), max_running_requests=largest,
-               max_prefill_tokens=args.max_prefill_tokens or max(2048, largest * args.prompt_len),
-               max_model_len=length + args.page_size, overlap=False, **options)
+    if args.dequantize:
+        options["dequantize"] = True
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+              num_pages=largest * (pages_for(length, args.page_size) + 1), max_running_requests=largest,
+              max_prefill_tokens=args.max_prefill_tokens or max(2048, largest * args.prompt_len),
+              max_model_len=length + args.page_size, overlap=False, **options)
+    llm.model.one_call = args.one_call
+    return llm
 
 
 def profile_batches(args: argparse.Namespace) -> dict[str, Any]:
@@ -603,6 +607,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--threads", type=int, help="CPU compute threads (default: the engine's choice)")
+    parser.add_argument("--dequantize", action="store_true", help="a GGUF file's blocks expanded to --dtype")
+    parser.add_argument("--one-call", action=argparse.BooleanOptionalAction, default=True,
+                        help="a block-format model's layers in one C call where they can (off: layer by layer)")
     parser.add_argument("--top", type=int, default=6, help="kernels listed per row")
     parser.add_argument("--json", type=Path, help="also write the report here as JSON ('-': stdout, no table)")
     parser.add_argument("--trace", type=Path, help="also write the profile here as a Chrome trace (JSON)")

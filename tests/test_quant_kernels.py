@@ -21,7 +21,7 @@ from gguf import dequantize
 
 from kernels.cpu import CpuKernels, load_cpu_kernels
 from kernels.cpu.build import NATIVE, load_library
-from kernels.quant import BLOCK_TYPES, PANEL, QTYPES, BlockMatrix, Segment
+from kernels.quant import BLOCK_TYPES, PANEL, QTYPES, BlockMatrix, DeviceBlockWeight, Segment
 from tests.gguf_files import quantize_rows
 
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -133,3 +133,31 @@ def test_bad_shapes_are_refused() -> None:
         kernels.q_linear(torch.randn(2, 128), matrix)
     with pytest.raises(ValueError, match="ids must be in"):
         kernels.dequantize(matrix.segments[0], 256, torch.tensor([8]))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_the_gpu_form_is_the_files_values(qtype: str) -> None:
+    """The GPU kernels' int8 + scale/offset form (kernels/quant.py, DeviceBlockWeight) holds every format
+    exactly: scale * q + offset equals gguf's dequantization (as values: gguf's S * (q - 8) can be -0.0)."""
+    raw = file_rows(qtype, 11, 512, seed=5)
+    weight = DeviceBlockWeight(*load_cpu_kernels().expand(torch.from_numpy(raw), QTYPES[qtype], 512), [qtype])
+    assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, G[qtype])))
+    assert torch.equal(weight.dequantize(torch.tensor([3, 0])), weight.dequantize()[[3, 0]])
+
+
+@pytest.mark.parametrize("m,n", [(1, 45), (5, 64), (33, 70)])
+def test_triton_weight_only_product(m: int, n: int) -> None:
+    """The Triton kernel under the interpreter: the product of x with the dequantized weights, in float32
+    (ieee dots), within float32 accumulation of the exact product (k / 64 tiles of 64-term dots)."""
+    from kernels.triton.quant import weight_only_linear
+
+    k = 256
+    raws = [file_rows(qtype, n, k, seed=n) for qtype in ("Q4_K", "Q8_0")]
+    parts = [load_cpu_kernels().expand(torch.from_numpy(r), QTYPES[t], k) for r, t in zip(raws, ("Q4_K", "Q8_0"),
+                                                                                          strict=True)]
+    weight = DeviceBlockWeight(*(torch.cat([p[i] for p in parts]) for i in range(3)), ["Q4_K", "Q8_0"])
+    dense = weight.dequantize()
+    x, bias = torch.randn(m, k), torch.randn(2 * n)
+    y = weight_only_linear(x, weight, bias)
+    exact = x.double() @ dense.double().T + bias.double()
+    assert ((y.double() - exact).abs() <= 1e-5 * (x.abs().double() @ dense.abs().double().T + 1)).all()

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 from engine.service.launcher import start
-from engine.threads import BACKOFF_S, TRIAL_STEPS, ThreadGovernor, prepare_openmp, usable_cores, wait_policy
+from engine.threads import (
+    BACKOFF_S,
+    TRIAL_SPACING,
+    TRIAL_STEPS,
+    ThreadGovernor,
+    prepare_openmp,
+    usable_cores,
+    wait_policy,
+)
 
 DECODE = ("decode", 6)
 
@@ -33,7 +41,7 @@ def drive(gov: ThreadGovernor, clock: Clock, cost: dict[int, float], steps: int,
     for _ in range(steps):
         n = gov.threads(DECODE)
         used.append(n)
-        gov.record(DECODE, cost[n])
+        gov.record(DECODE, cost[n], dt)
         clock.now += dt
     return used
 
@@ -63,13 +71,23 @@ def test_governor_shrinks_beside_a_competitor_and_grows_back_when_it_leaves() ->
     assert gov.current == 2
 
 
+def test_governor_spaces_trials_of_long_steps() -> None:
+    """12 s prefill steps on an idle machine: trials of the smaller team (which loses) are TRIAL_SPACING steps
+    apart, not one every backoff (16 s: every other step), so they cost under 5%."""
+    clock = Clock()
+    gov = ThreadGovernor(2, clock)
+    used = drive(gov, clock, {2: 1.0, 1: 1.9}, steps=200, dt=12.0)
+    assert gov.current == 2
+    assert 1 <= used.count(1) <= 200 // TRIAL_SPACING + 1
+
+
 def test_governor_judges_only_shapes_it_has_timings_for() -> None:
     clock = Clock()
     gov = ThreadGovernor(2, clock)
     clock.now = 10.0
     prefill = ("prefill", 12)
     assert gov.threads(prefill) == 2  # no timings for this shape yet: no trial
-    gov.record(prefill, 0.1)
+    gov.record(prefill, 0.1, 0.1)
     assert gov.current == 2 and gov.switches == 0
 
 

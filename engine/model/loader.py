@@ -3,6 +3,7 @@ our model: as float tensors, or kept in block formats (engine/model/quantized.py
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -204,14 +205,17 @@ def build_model(spec: ModelSpec, checkpoint: Checkpoint, options: LoadOptions,
                                                                                       spec.num_layers)
     quantize_to = QTYPES[QUANTIZATIONS[options.quantization]] if options.quantization else None
     if block_names or quantize_to is not None:
-        if options.device != "cpu":
-            raise ValueError("weights in block formats (GGUF's quantized types, --quantization) run on the CPU "
-                             "for now; on a GPU load a GGUF file with --dequantize")
-        try:
+        try:  # the C kernels unpack the blocks at load on every device, and multiply by them on the CPU
             kernels = load_cpu_kernels()
         except KernelBuildError as e:
             raise ValueError(f"quantized weights need minichat's CPU kernels, which cannot be built here: {e}") from e
-        plan_block_weights(model, targets, block_names, quantize_to, QUANTIZABLE, kernels)
+        if options.device != "cpu":
+            try:
+                importlib.import_module("kernels.triton.quant")  # the GPU's weight-only products
+            except ImportError as e:
+                raise ValueError(f"weights in block formats on {options.device} need Triton ({e}); install the "
+                                 f"gpu extra, or load the GGUF file with --dequantize") from e
+        plan_block_weights(model, targets, block_names, quantize_to, QUANTIZABLE, kernels, torch.device(options.device))
     model = model.to_empty(device=options.device)
     try:
         model.load_weights(tensors)

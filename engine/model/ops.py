@@ -36,10 +36,11 @@ import torch.nn.functional as F
 from engine.config import LINEAR_DTYPES
 from kernels.cpu import load_cpu_kernels
 from kernels.gemm import has_native_half_gemm
-from kernels.quant import BlockMatrix
+from kernels.quant import BlockMatrix, DeviceBlockWeight
 
-Weight = torch.Tensor | BlockMatrix
-"""A projection's weight: a tensor (maybe oneDNN-packed), or rows in GGML block formats (kernels/quant.py)."""
+Weight = torch.Tensor | BlockMatrix | DeviceBlockWeight
+"""A projection's weight: a tensor (maybe oneDNN-packed), or GGML block formats as the CPU kernels (BlockMatrix)
+or the GPU kernels (DeviceBlockWeight) read them (kernels/quant.py)."""
 
 
 def resolve_linear_dtype(choice: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -95,15 +96,15 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 def gemm_dtype(weight: Weight) -> torch.dtype:
     """What the GEMM with `weight` computes in: its storage dtype, float32 for block formats."""
-    return torch.float32 if isinstance(weight, BlockMatrix) else weight.dtype
+    return weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
 
 
 def fuses_add(weight: Weight) -> bool:
-    """Whether `linear_add` can add inside the GEMM with this weight (oneDNN-packed or block formats)."""
-    return isinstance(weight, BlockMatrix) or weight.is_mkldnn
+    """Whether `linear_add` can add inside the GEMM with this weight (oneDNN-packed, or block formats on the CPU)."""
+    return isinstance(weight, BlockMatrix) or (isinstance(weight, torch.Tensor) and weight.is_mkldnn)
 
 
-def linear_add(x: torch.Tensor, other: torch.Tensor, weight: Weight) -> torch.Tensor:
+def linear_add(x: torch.Tensor, other: torch.Tensor, weight: torch.Tensor | BlockMatrix) -> torch.Tensor:
     """x W^T + other in one call: a binary post-op of oneDNN's GEMM on a packed weight, or added by the block
     kernels as they write (float32 activations); the residual adds use it."""
     if isinstance(weight, BlockMatrix):
@@ -113,6 +114,8 @@ def linear_add(x: torch.Tensor, other: torch.Tensor, weight: Weight) -> torch.Te
 
 def embedding(ids: torch.Tensor, weight: Weight) -> torch.Tensor:
     """Rows `ids` of an embedding table (block formats: dequantized, as float32)."""
+    if isinstance(weight, DeviceBlockWeight):
+        return weight.dequantize(ids)
     if isinstance(weight, BlockMatrix):
         if len(weight.segments) != 1:
             raise ValueError("an embedding table in block formats must be one segment")
@@ -129,6 +132,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
         b = None if bias is None else bias.float()
         out = load_cpu_kernels().q_linear(x.float().contiguous(), weight, b)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
+    if isinstance(weight, DeviceBlockWeight):
+        from kernels.triton.quant import weight_only_linear  # Triton: only where a GPU runs block formats
+
+        return weight_only_linear(x.contiguous(), weight, bias).to(out_dtype)
     if weight.is_mkldnn:
         out = _bucketed(torch.ops.mkldnn._linear_pointwise, x.to(weight.dtype), weight, bias, "none", [], "")
         return out.to(out_dtype)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS
-from kernels.quant import QTYPES, BlockMatrix, QType, Segment, column_range
+from kernels.quant import QTYPES, BlockMatrix, DeviceBlockWeight, QType, Segment, column_range
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuKernels
@@ -59,38 +59,57 @@ class BlockSource:
 
 
 class BlockWeightBuilder:
-    """Collects this rank's parts of one weight as the checkpoint's tensors arrive; `finish` joins them."""
+    """Collects this rank's parts of one weight as the checkpoint's tensors arrive; `finish` joins them into the
+    form the device's kernels read: on the CPU a `BlockMatrix` (panels), on a GPU a `DeviceBlockWeight`."""
 
-    def __init__(self, out_features: int, in_features: int, quantize_to: QType | None, kernels: CpuKernels) -> None:
+    def __init__(self, out_features: int, in_features: int, quantize_to: QType | None, kernels: CpuKernels,
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.shape = (out_features, in_features)
         self.quantize_to = quantize_to
         self.kernels = kernels
-        self.parts: dict[int, Segment] = {}
+        self.device, self.dtype = device, dtype  # where the weight goes, and the dtype of a dense fallback
+        self.parts: dict[int, BlockSource | torch.Tensor] = {}
 
     def put(self, row: int, name: str, source: torch.Tensor | BlockSource) -> None:
-        """Place `source` (already cut to this rank's share) at rows [row, ...)."""
+        """Place `source` (already cut to this rank's share) at rows [row, ...): block rows as they are, float
+        ones quantized to `quantize_to`, or kept float (a float part of a weight whose others are blocks)."""
         rows, columns = source.shape
         if columns != self.shape[1] or row + rows > self.shape[0]:
             raise ValueError(f"weight {name} has shape {tuple(source.shape)}, which does not fit the config")
         if isinstance(source, torch.Tensor):
-            if self.quantize_to is None:  # a float part of a weight whose other parts are quantized
-                dense = source.float().contiguous()
-                self.parts[row] = Segment(QTYPES["F32"], dense.view(torch.uint8), rows)
-                return
-            source = quantize(source, self.quantize_to)
-        self.parts[row] = self.kernels.repack(torch.from_numpy(np.ascontiguousarray(source.rows)), source.qtype,
-                                              columns)
+            self.parts[row] = source.float().contiguous() if self.quantize_to is None else \
+                quantize(source, self.quantize_to)
+        else:
+            self.parts[row] = source
 
-    def finish(self, what: str) -> BlockMatrix:
+    def finish(self, what: str) -> BlockMatrix | DeviceBlockWeight | torch.Tensor:
         parts, row = [], 0
         for start in sorted(self.parts):
             if start != row:
                 raise ValueError(f"{what}: rows [{row}, {start}) missing from the checkpoint")
             parts.append(self.parts[start])
-            row += self.parts[start].rows
+            row += self.parts[start].shape[0]
         if row != self.shape[0]:
             raise ValueError(f"{what}: rows [{row}, {self.shape[0]}) missing from the checkpoint")
-        return BlockMatrix.join(self.shape[1], parts)
+        blocks = [p for p in parts if isinstance(p, BlockSource)]
+        if self.device.type == "cpu":
+            return BlockMatrix.join(self.shape[1], [
+                self.kernels.repack(_rows(p), p.qtype, p.columns) if isinstance(p, BlockSource)
+                else Segment(QTYPES["F32"], p.view(torch.uint8), p.shape[0]) for p in parts])
+        expanded = [self.kernels.expand(_rows(p), p.qtype, p.columns) if isinstance(p, BlockSource) else p
+                    for p in parts]
+        if len(blocks) < len(parts):  # float parts too: the GPU kernels take one form, so the weight goes dense
+            dense = [e if isinstance(e, torch.Tensor) else
+                     e[1].repeat_interleave(16, dim=1) * e[0].float() + e[2].repeat_interleave(16, dim=1)
+                     for e in expanded]
+            return torch.cat(dense).to(self.device, self.dtype)
+        q, scale, offset = (torch.cat([cast(tuple, e)[i] for e in expanded]).to(self.device) for i in range(3))
+        return DeviceBlockWeight(q, scale, offset, list(dict.fromkeys(p.qtype.name for p in blocks)))
+
+
+def _rows(source: BlockSource) -> torch.Tensor:
+    """A source's file rows as a contiguous uint8 tensor (a copy off the file's memory map)."""
+    return torch.from_numpy(np.ascontiguousarray(source.rows))
 
 
 def quantize(weight: torch.Tensor, qtype: QType) -> BlockSource:
@@ -107,7 +126,7 @@ def quantize(weight: torch.Tensor, qtype: QType) -> BlockSource:
 
 def plan_block_weights(model: nn.Module, targets: Mapping[str, object], block_names: set[str],
                        quantize_to: QType | None, quantizable: tuple[type[nn.Module], ...],
-                       kernels: CpuKernels) -> None:
+                       kernels: CpuKernels, device: torch.device) -> None:
     """Give every `quantizable` module one of whose checkpoint tensors is in `block_names` (or all of them,
     with `quantize_to`) a builder in place of its float weight parameter. `targets` maps checkpoint names to
     their WeightTargets (whose `param` tells the module)."""
@@ -126,9 +145,11 @@ def plan_block_weights(model: nn.Module, targets: Mapping[str, object], block_na
         for i in odd:
             del chosen[i]
     for module in chosen.values():
-        out_features, in_features = cast(torch.Tensor, module.weight).shape
+        weight = cast(torch.Tensor, module.weight)
+        out_features, in_features = weight.shape
         del module.weight  # the float parameter is never allocated
-        setattr(module, "weight", BlockWeightBuilder(out_features, in_features, quantize_to, kernels))  # noqa: B010
+        builder = BlockWeightBuilder(out_features, in_features, quantize_to, kernels, device, weight.dtype)
+        setattr(module, "weight", builder)  # noqa: B010
 
 
 def weight_footprint(model: nn.Module) -> tuple[dict[str, int], int]:
@@ -139,13 +160,17 @@ def weight_footprint(model: nn.Module) -> tuple[dict[str, int], int]:
     total = 0
     for module in model.modules():
         for value in [*module._parameters.values(), getattr(module, "weight", None)]:
-            if value is None or id(value) in seen or not isinstance(value, (torch.Tensor, BlockMatrix)):
+            if value is None or id(value) in seen or not isinstance(value, (torch.Tensor, BlockMatrix,
+                                                                            DeviceBlockWeight)):
                 continue
             seen.add(id(value))
             if isinstance(value, BlockMatrix):
                 for seg in value.segments:  # float rows fused into a block weight count as float32, as tensors do
                     name = "float32" if seg.qtype.name == "F32" else seg.qtype.name
                     formats[name] = formats.get(name, 0) + seg.rows * value.in_features
+                total += value.nbytes
+            elif isinstance(value, DeviceBlockWeight):  # counted under its first format (its mix is per row)
+                formats[value.formats[0]] = formats.get(value.formats[0], 0) + value.q.numel()
                 total += value.nbytes
             else:
                 name = str(value.dtype).removeprefix("torch.")
@@ -155,8 +180,9 @@ def weight_footprint(model: nn.Module) -> tuple[dict[str, int], int]:
 
 
 def finish_block_weights(model: nn.Module) -> None:
-    """Swap every builder for the weight it built."""
+    """Swap every builder for the weight it built (a dense one back as a parameter)."""
     for name, module in model.named_modules():
         builder = getattr(module, "weight", None)
         if isinstance(builder, BlockWeightBuilder):
-            module.weight = builder.finish(f"{name}.weight")
+            weight = builder.finish(f"{name}.weight")
+            module.weight = nn.Parameter(weight, requires_grad=False) if isinstance(weight, torch.Tensor) else weight

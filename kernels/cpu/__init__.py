@@ -33,6 +33,7 @@ _QUANT_SIGNATURES = {
     "q_dequantize": [_P, _P, _I, _P, _I, ctypes.c_int32],
     "q_repack": [_P, _P, _I, _I, _I, ctypes.c_int32],
     "q_quantize_act": [_P, _P, _I, _I],
+    "q_expand": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int32],
 }
 
 
@@ -188,6 +189,21 @@ class CpuKernels:
         self._quant["q_repack"](out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], columns,
                                 qtype.ggml_id)
         return Segment(qtype, out, rows.shape[0])
+
+    def expand(self, rows: torch.Tensor, qtype: QType, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """File rows of a block format (uint8 [rows, row_bytes]) as int8 integers [rows, columns] and float32 scales
+        and offsets per 16 values [rows, columns / 16]: the GPU kernels' form (kernels/quant.py,
+        DeviceBlockWeight)."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or \
+                rows.shape[1] != qtype.row_bytes(columns):
+            raise ValueError(f"expand needs uint8 rows of {qtype.row_bytes(columns)} bytes ({columns} {qtype.name} "
+                             f"values); got {tuple(rows.shape)} {rows.dtype}")
+        n = rows.shape[0]
+        q = torch.empty((n, columns), dtype=torch.int8)
+        scale, offset = (torch.empty((n, columns // 16), dtype=torch.float32) for _ in range(2))
+        self._quant["q_expand"](q.data_ptr(), scale.data_ptr(), offset.data_ptr(), rows.data_ptr(), rows.stride(0),
+                                n, columns, qtype.ggml_id)
+        return q, scale, offset
 
     def q_linear(self, x: torch.Tensor, w: BlockMatrix, bias: torch.Tensor | None = None,
                  add: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,

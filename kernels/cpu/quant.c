@@ -130,6 +130,56 @@ static void file_ints(int type, const uint8_t *b, int j, int32_t q[32]) {
     }
 }
 
+/* Scale and offset of each half of sub-block j of file block `b`, as floats: w = S q + M (Q4_0's M = -8 S). */
+static void file_scales(int type, const uint8_t *b, int j, float S[2], float M[2]) {
+    float s, m = 0.0f;
+    switch (type) {
+    case T_Q4_0: s = f16_to_f32(load_u16(b)); m = -8.0f * s; break;
+    case T_Q5_0: s = f16_to_f32(load_u16(b)); m = -16.0f * s; break;
+    case T_Q4_1:
+    case T_Q5_1: s = f16_to_f32(load_u16(b)); m = f16_to_f32(load_u16(b + 2)); break;
+    case T_Q8_0: s = f16_to_f32(load_u16(b)); break;
+    case T_Q4_K:
+    case T_Q5_K: {
+        uint8_t sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        s = f16_to_f32(load_u16(b)) * (float)sc;
+        m = -(f16_to_f32(load_u16(b + 2)) * (float)mn);
+        break;
+    }
+    default: /* T_Q6_K */
+        for (int h = 0; h < 2; h++) {
+            S[h] = f16_to_f32(load_u16(b + 208)) * (float)((const int8_t *)(b + 192))[2 * j + h];
+            M[h] = -32.0f * S[h];
+        }
+        return;
+    }
+    S[0] = S[1] = s;
+    M[0] = M[1] = m;
+}
+
+/* File rows as the GPU kernels read them (kernels/triton/quant.py): every value's integer (int8) and, per
+ * 16 values, its scale and offset as float32, so that w = scale * q + offset for every format, exactly. */
+void q_expand(int8_t *q, float *scale, float *offset, const uint8_t *w, int64_t row_bytes, int64_t rows,
+              int64_t k, int32_t type) {
+#pragma omp parallel for schedule(static) if (rows * k >= 8 * PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < k / 32; c++) {
+            const int64_t per = block_values(type) / 32;
+            const uint8_t *b = w + r * row_bytes + (c / per) * block_bytes(type);
+            int32_t ints[32];
+            float S[2], M[2];
+            file_ints(type, b, (int)(c % per), ints);
+            file_scales(type, b, (int)(c % per), S, M);
+            for (int i = 0; i < 32; i++) q[r * k + c * 32 + i] = (int8_t)ints[i];
+            for (int h = 0; h < 2; h++) {
+                scale[r * (k / 16) + 2 * c + h] = S[h];
+                offset[r * (k / 16) + 2 * c + h] = M[h];
+            }
+        }
+    }
+}
+
 /* -- the repacked layout ------------------------------------------------------------------------------- */
 
 static inline int64_t tile_q_bytes(int type) { return type == T_Q8_0 ? 256 : 128; }
