@@ -310,6 +310,7 @@ class LLM:
         execution = {"request_slots": str(self.config.request_slots), "attention_backend": self.runner.backend.name,
                      "weights": f"{'+'.join(main)}, {size / 2**20:.1f} MiB", "gemm": gemm,
                      "cpu_kernels": "on" if self.model.kernels is not None else "off",
+                     "layers": "one C call a step" if self.model.runs_one_call else "one call each",
                      "overlap": "on" if self.config.use_overlap else "off"}
         if self.device.type == "cuda":
             graphed = f"decode batches up to {self.config.graph_max_bs}"

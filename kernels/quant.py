@@ -153,6 +153,15 @@ class DeviceBlockWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
 
+    @staticmethod
+    def join(parts: list[DeviceBlockWeight]) -> DeviceBlockWeight:
+        """The parts' rows one after another (a fused projection's q, k and v)."""
+        q, scale, offset = (torch.cat([getattr(p, name) for p in parts]) for name in ("q", "scale", "offset"))
+        return DeviceBlockWeight(q, scale, offset, list(dict.fromkeys(f for p in parts for f in p.formats)))
+
+    def to(self, device: torch.device) -> DeviceBlockWeight:
+        return DeviceBlockWeight(self.q.to(device), self.scale.to(device), self.offset.to(device), self.formats)
+
     def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 values (rows `ids`), equal to gguf's dequantization of the file's rows."""
         q, scale, offset = (t if ids is None else t[ids] for t in (self.q, self.scale, self.offset))

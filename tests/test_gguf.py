@@ -249,6 +249,7 @@ def test_layers_in_one_call_compute_what_the_layer_by_layer_path_does(mixed_file
     for one_call in (True, False):
         llm = LLM(str(path), max_prefill_tokens=64)
         llm.model.one_call = one_call
+        assert llm.execution["layers"] == ("one C call a step" if one_call else "one call each")
         ids = torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(3)).tolist()
         out = llm.generate([ids, ids[:7]], SamplingParams(max_tokens=8, prompt_logprobs=0, logprobs=0))
         assert (llm.model._fused is not None) == one_call

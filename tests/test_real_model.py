@@ -32,6 +32,7 @@ def llm(gguf_file: Path) -> LLM:
 def test_it_answers_the_question(llm: LLM) -> None:
     assert llm.checkpoint.name == "SmolLM2-135M-Instruct.Q4_1"
     assert "Q4_1" in llm.execution["gemm"] and llm.execution["weights"].startswith("Q4_1+Q8_0, ")
+    assert llm.execution["layers"] == "one C call a step"
     out = llm.generate([[{"role": "user", "content": "What is the capital of France?"}]],
                        SamplingParams(max_tokens=24, temperature=0))[0]
     assert "Paris" in out.text, out.text

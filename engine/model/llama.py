@@ -434,12 +434,16 @@ class CausalLM(nn.Module):
         logits = self.lm_head(x)
         return None if logits is None else logits.float()
 
+    @property
+    def runs_one_call(self) -> bool:
+        """Whether steps the CPU attention kernel takes whole run every layer in one C call (`_fused_layers`)."""
+        return self.one_call and all(layer.block_kernels is not None for layer in self.layers)
+
     def _fused_layers(self, kv: KVPool) -> FusedLayers | None:
         """The layers as one C call, for a model whose every layer runs its products in block formats
         (`DecoderLayer.block_kernels`) and steps the CPU attention kernel takes whole; built once per pool."""
         kernels = self.layers[0].block_kernels
-        if not self.one_call or kernels is None or any(layer.block_kernels is None for layer in self.layers) or \
-                self.cos_sin is None:
+        if not self.runs_one_call or kernels is None or self.cos_sin is None:
             return None
         if self._fused is None or self._fused[0] is not kv:
             from kernels.cpu.decode import FusedLayers, LayerWeights

@@ -96,15 +96,12 @@ class BlockWeightBuilder:
             return BlockMatrix.join(self.shape[1], [
                 self.kernels.repack(_rows(p), p.qtype, p.columns) if isinstance(p, BlockSource)
                 else Segment(QTYPES["F32"], p.view(torch.uint8), p.shape[0]) for p in parts])
-        expanded = [self.kernels.expand(_rows(p), p.qtype, p.columns) if isinstance(p, BlockSource) else p
-                    for p in parts]
+        pieces = [DeviceBlockWeight(*self.kernels.expand(_rows(p), p.qtype, p.columns), [p.qtype.name])
+                  if isinstance(p, BlockSource) else p for p in parts]
         if len(blocks) < len(parts):  # float parts too: the GPU kernels take one form, so the weight goes dense
-            dense = [e if isinstance(e, torch.Tensor) else
-                     e[1].repeat_interleave(16, dim=1) * e[0].float() + e[2].repeat_interleave(16, dim=1)
-                     for e in expanded]
+            dense = [p.dequantize() if isinstance(p, DeviceBlockWeight) else p for p in pieces]
             return torch.cat(dense).to(self.device, self.dtype)
-        q, scale, offset = (torch.cat([cast(tuple, e)[i] for e in expanded]).to(self.device) for i in range(3))
-        return DeviceBlockWeight(q, scale, offset, list(dict.fromkeys(p.qtype.name for p in blocks)))
+        return DeviceBlockWeight.join(cast(list[DeviceBlockWeight], pieces)).to(self.device)
 
 
 def _rows(source: BlockSource) -> torch.Tensor:
