@@ -32,6 +32,7 @@ from engine.model.parallel import (
 from engine.model.quantized import finish_block_weights
 from kernels.attention.base import AttentionBackend
 from kernels.attention.cpu import PagedStep
+from kernels.cpu import DENSE_ROWS
 from kernels.quant import BlockMatrix
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
@@ -45,6 +46,9 @@ Rope = Callable[[torch.Tensor], torch.Tensor]
 """This step's rotary embedding, applied to [tokens, heads, head_dim] (possibly in place)."""
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DENSE_BUFFER = 4 * 2**20
+"""Float32 values a block-format model expands its weights into, a chunk of rows at a time, for steps of
+DENSE_ROWS tokens or more (16 MiB: 1,024 rows of a 4,096-wide projection)."""
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
 """A config's model_type -> the architecture minichat runs for it."""
@@ -206,18 +210,21 @@ class DecoderLayer(nn.Module):
         self.residual_in_gemm = False  # both residual adds as oneDNN post-ops (see fuse_residual_adds)
         self.mlp_kernels: CpuKernels | None = None  # C activation between float32 GEMMs (CausalLM.use_cpu_kernels)
         self.block_kernels: CpuKernels | None = None  # every projection in block formats (CausalLM.use_cpu_kernels)
+        self.dense_buffer: torch.Tensor | None = None  # where block weights expand for steps of many rows (shared)
 
     def forward(self, x: torch.Tensor, rope: Rope, layer: int, kv: KVPool, backend: AttentionBackend,
                 meta: object) -> torch.Tensor:
         eps, blocks = self.spec.rms_norm_eps, self.block_kernels
         if blocks is not None:  # block formats, one rank: the norms, SiLU and residual adds inside the products
+            dense = self.dense_buffer
             qkv = blocks.q_linear(x, self._block(self.qkv_proj), self.qkv_proj.bias,
-                                  norm=(self.input_layernorm.weight, eps))
+                                  norm=(self.input_layernorm.weight, eps), dense=dense)
             x = blocks.q_linear(self._attend(qkv, rope, layer, kv, backend, meta), self._block(self.o_proj),
-                                self.o_proj.bias, add=x)
+                                self.o_proj.bias, add=x, dense=dense)
             gate_up = blocks.q_linear(x, self._block(self.gate_up_proj), self.gate_up_proj.bias,
-                                      norm=(self.post_attention_layernorm.weight, eps))
-            return blocks.q_linear(gate_up, self._block(self.down_proj), self.down_proj.bias, add=x, silu_mul=True)
+                                      norm=(self.post_attention_layernorm.weight, eps), dense=dense)
+            return blocks.q_linear(gate_up, self._block(self.down_proj), self.down_proj.bias, add=x, silu_mul=True,
+                                   dense=dense)
         attn = self._attend(self.qkv_proj(self.input_layernorm(x)), rope, layer, kv, backend, meta)
         x = self._add_projection(x, self.o_proj, attn)
         h = self.post_attention_layernorm(x)
@@ -382,6 +389,7 @@ class CausalLM(nn.Module):
         and the residual adds inside the quantized products: four C calls a layer besides RoPE and attention
         (its output is approximate anyway: the products quantize their input)."""
         self.kernels = kernels
+        dense: torch.Tensor | None = None
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernels = kernels
@@ -392,6 +400,9 @@ class CausalLM(nn.Module):
             if all(isinstance(p.weight, BlockMatrix) for p in projections) and layer.down_proj.tp.size == 1 and \
                     layer.input_layernorm.weight.dtype == torch.float32:
                 layer.block_kernels = kernels
+                if dense is None:
+                    dense = torch.empty(DENSE_BUFFER, dtype=torch.float32, device=self.norm.weight.device)
+                layer.dense_buffer = dense
 
     def use_attention_backend(self, backend: AttentionBackend) -> None:
         """Choose the layers' path for `backend`, once: on the Triton backend (the GPU path) the fused Triton
@@ -420,7 +431,8 @@ class CausalLM(nn.Module):
         if self.triton is not None:
             x = self._forward_triton(x, positions, logits_index, kv, self.triton, cast("TritonStep", meta))
         else:
-            fused = self._fused_layers(kv) if isinstance(meta, PagedStep) else None
+            few_rows = isinstance(meta, PagedStep) and x.shape[0] < DENSE_ROWS  # many rows: torch's GEMM, per layer
+            fused = self._fused_layers(kv) if few_rows else None
             if fused is not None and isinstance(meta, PagedStep):  # every layer in one C call (decode.c), x in place
                 x = x.contiguous()
                 fused(x, positions, meta.table, meta.rows, meta.kv_lens, meta.out_slots)

@@ -34,10 +34,14 @@ _QUANT_SIGNATURES = {
     "q_repack": [_P, _P, _I, _I, _I, ctypes.c_int32],
     "q_quantize_act": [_P, _P, _I, _I],
     "q_expand": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int32],
+    "q_dequantize_dense": [_P, _P, _I, _I, _I, _I],
 }
 
 
 INPUT_RMS_NORM, INPUT_SILU_MUL = 1, 2  # quant.c's transforms of the product's input
+DENSE_ROWS = 64
+"""From this many rows a product with a block-format weight expands the weight and runs torch's float32 GEMM
+(measured faster from here on; the integer kernel wins below, where reading the weights is the cost)."""
 
 
 class _Segment(ctypes.Structure):
@@ -207,11 +211,13 @@ class CpuKernels:
 
     def q_linear(self, x: torch.Tensor, w: BlockMatrix, bias: torch.Tensor | None = None,
                  add: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-                 silu_mul: bool = False) -> torch.Tensor:
+                 silu_mul: bool = False, dense: torch.Tensor | None = None) -> torch.Tensor:
         """f(x) W^T (+ bias) (+ add) in float32, W in block formats, for a float32 x [rows, in] (unit-stride rows);
         f(x) is x, RMSNorm(x) with `norm` = (weight, eps), or with `silu_mul` SiLU(gate) * up of x = [gate | up]
-        ([rows, 2 in]). f(x) is quantized to ~15 bits per value on the way (see quant.c). The decode step calls
-        this some hundred times a token, so the checks are few and cheap."""
+        ([rows, 2 in]). Up to DENSE_ROWS rows f(x) is quantized to ~15 bits per value on the way (quant.c); from
+        there, given a float32 buffer `dense` of at least out * in values, W is expanded into it and torch's GEMM
+        multiplies (faster there, and exact). The decode step calls this some hundred times a token, so the
+        checks are few and cheap."""
         rows, width = x.shape
         k = w.in_features
         if x.dtype != torch.float32 or not x.is_cpu or x.stride(1) != 1 or width != (2 * k if silu_mul else k) or \
@@ -229,6 +235,8 @@ class CpuKernels:
             weight = norm[0]
             if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() != k:
                 raise ValueError(f"q_linear needs a contiguous float32 norm weight of {k}")
+        if dense is not None and rows >= DENSE_ROWS:
+            return self._dense_linear(x, w, bias, add, norm, silu_mul, dense)
         out = torch.empty((rows, n), dtype=torch.float32)
         status = self._q_linear(out.data_ptr(), n, x.data_ptr(), x.stride(0), rows, k,
                                 INPUT_RMS_NORM if norm else (INPUT_SILU_MUL if silu_mul else 0),
@@ -238,6 +246,40 @@ class CpuKernels:
         if status:
             raise MemoryError(f"q_linear: no memory for the quantized input of {rows} rows")
         return out
+
+    def _dense_linear(self, x: torch.Tensor, w: BlockMatrix, bias: torch.Tensor | None, add: torch.Tensor | None,
+                      norm: tuple[torch.Tensor, float] | None, silu_mul: bool, dense: torch.Tensor) -> torch.Tensor:
+        """q_linear for many rows: f(x) in float32 by the C kernels, then W expanded into `dense` a chunk of rows at
+        a time (whole panels), each chunk's columns of the output by torch's GEMM."""
+        if norm is not None:
+            x = self.rms_norm(x, norm[0], norm[1])
+        elif silu_mul:
+            x = self.silu_mul(x.contiguous(), torch.float32)
+        n, k = w.shape
+        chunk = max(PANEL, dense.numel() // k // PANEL * PANEL)
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        for r0 in range(0, n, chunk):
+            r1 = min(n, r0 + chunk)
+            rows = self.dequantize_dense(w, dense, r0, r1)
+            part = x @ rows.T if bias is None else torch.addmm(bias[r0:r1], x, rows.T)
+            if r1 - r0 == n:  # one chunk: the product is the output
+                out = part
+            else:
+                out[:, r0:r1] = part
+        return out if add is None else out.add_(add)
+
+    def dequantize_dense(self, w: BlockMatrix, buffer: torch.Tensor, start: int = 0, stop: int | None = None
+                         ) -> torch.Tensor:
+        """Rows [start, stop) of `w` (whole panels) as float32 [stop - start, in], written into the start of `buffer`
+        (a contiguous float32 tensor, reused: a fresh allocation this size would cost page faults every call)."""
+        n, k = w.shape
+        stop = n if stop is None else stop
+        if buffer.dtype != torch.float32 or not buffer.is_contiguous() or buffer.numel() < (stop - start) * k or \
+                start % PANEL or (stop % PANEL and stop != n):
+            raise ValueError(f"dequantize_dense needs a contiguous float32 buffer of {(stop - start) * k} values and "
+                             f"rows on panel boundaries")
+        self._quant["q_dequantize_dense"](buffer.data_ptr(), self.segments(w), len(w.segments), k, start, stop)
+        return buffer.view(-1)[: (stop - start) * k].view(stop - start, k)
 
     def dequantize(self, seg: Segment, columns: int, ids: torch.Tensor | None = None) -> torch.Tensor:
         """A repacked segment's rows (`ids`: only those) as float32 [.., columns], equal bit for bit to gguf's

@@ -530,6 +530,50 @@ static inline __attribute__((always_inline)) void panel_dots(int type, const uin
     }
 }
 
+/* One panel's `width` rows as float32 rows of `out` (k values each), tile by tile: the integers widened, times
+ * their row's scale, plus its offset. The dense form a product over many rows takes (q_dequantize_dense). */
+static inline __attribute__((always_inline)) void panel_dense(int type, const uint8_t *panel, int64_t k, int width,
+                                                              float *out) {
+    __m256 d8 = _mm256_setzero_ps(), dmin8 = _mm256_setzero_ps();
+    const __m256i pairs[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                              _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+    for (int64_t c = 0; c < k / 32; c++) {
+        const uint8_t *header, *tile = tile_at(type, panel, c, &header);
+        if (is_k(type) && c % 8 == 0) {
+            d8 = f16x8(header);
+            if (type != T_Q6_K) dmin8 = f16x8(header + 16);
+        }
+        const uint8_t *sc = tile + tile_q_bytes(type) + tile_plane_bytes(type);
+        __m256 S[2], M[2];
+        if (type == T_Q6_K) {
+            S[0] = _mm256_mul_ps(d8, i8x8(sc));
+            S[1] = _mm256_mul_ps(d8, i8x8(sc + PANEL));
+        } else if (is_k(type)) {
+            S[0] = S[1] = _mm256_mul_ps(d8, u8x8(sc));
+            M[0] = M[1] = _mm256_mul_ps(dmin8, _mm256_sub_ps(_mm256_setzero_ps(), u8x8(sc + PANEL)));
+        } else {
+            S[0] = S[1] = f16x8(sc);
+            M[0] = M[1] = has_min(type) ? f16x8(sc + 16) : _mm256_setzero_ps();
+        }
+        if (!has_min(type))
+            for (int h = 0; h < 2; h++) M[h] = _mm256_mul_ps(S[h], _mm256_set1_ps(-(float)zero_point(type)));
+        __m256i w[8];
+        tile_vectors(type, tile, w);
+        for (int g = 0; g < 8; g++) {
+            uint8_t bytes[32];
+            _mm256_storeu_si256((__m256i *)bytes, w[g]);
+            for (int p = 0; 2 * p < width; p++) { /* rows 2p and 2p + 1: four values each */
+                const __m128i raw = _mm_loadl_epi64((const __m128i *)(bytes + 8 * p));
+                const __m256i ints = type == T_Q8_0 ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+                const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_permutevar8x32_ps(S[g / 4], pairs[p]),
+                                                 _mm256_permutevar8x32_ps(M[g / 4], pairs[p]));
+                _mm_storeu_ps(out + (2 * p) * k + c * 32 + 4 * g, _mm256_castps256_ps128(v));
+                if (2 * p + 1 < width) _mm_storeu_ps(out + (2 * p + 1) * k + c * 32 + 4 * g, _mm256_extractf128_ps(v, 1));
+            }
+        }
+    }
+}
+
 /* Rows [r0, r0 + nr) of the output for one panel, nr a compile-time constant after inlining. */
 static inline __attribute__((always_inline)) void panel_pass(int type, const uint8_t *panel, const act_block *a,
                                                              int64_t blocks, int nr, float out[ROWS_PER_PASS][PANEL]) {
@@ -702,6 +746,53 @@ int32_t q_linear(float *out, int64_t out_stride, const float *x, int64_t x_strid
     free(scratch);
     free(rows);
     return 0;
+}
+
+/* Rows [r0, r1) of the segments (r0 and r1 on panel boundaries, or r1 the end) as float32 [r1 - r0, k]: a product
+ * over many rows runs on this through torch's GEMM, which beats the integer kernel there. Values equal gguf's
+ * dequantization (its -0.0s may come out +0.0). */
+void q_dequantize_dense(float *out, const segment *segs, int64_t nseg, int64_t k, int64_t r0, int64_t r1) {
+    const int64_t panels = q_panels(segs, nseg);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        int64_t s = 0, first = 0;
+        while (p >= first + (segs[s].rows + PANEL - 1) / PANEL) first += (segs[s++].rows + PANEL - 1) / PANEL;
+        const segment *seg = &segs[s];
+        const int64_t row = (p - first) * PANEL;
+        if (seg->col + row < r0 || seg->col + row >= r1) continue;
+        const int width = (int)(seg->rows - row < PANEL ? seg->rows - row : PANEL);
+        float *o = out + (seg->col + row - r0) * k;
+        if (seg->type == T_F32) {
+            memcpy(o, (const float *)seg->data + row * k, (size_t)(width * k) * sizeof(float));
+            continue;
+        }
+        const uint8_t *panel = seg->data + (p - first) * q_panel_bytes(seg->type, k);
+#ifdef QUANT_AVX2
+        switch (seg->type) {
+        case T_Q4_0: panel_dense(T_Q4_0, panel, k, width, o); break;
+        case T_Q4_1: panel_dense(T_Q4_1, panel, k, width, o); break;
+        case T_Q5_0: panel_dense(T_Q5_0, panel, k, width, o); break;
+        case T_Q5_1: panel_dense(T_Q5_1, panel, k, width, o); break;
+        case T_Q8_0: panel_dense(T_Q8_0, panel, k, width, o); break;
+        case T_Q4_K: panel_dense(T_Q4_K, panel, k, width, o); break;
+        case T_Q5_K: panel_dense(T_Q5_K, panel, k, width, o); break;
+        default: panel_dense(T_Q6_K, panel, k, width, o); break;
+        }
+#else
+        for (int lane = 0; lane < width; lane++) {
+            switch (seg->type) {
+            case T_Q4_0: dequantize_row(T_Q4_0, panel, lane, k, o + lane * k); break;
+            case T_Q4_1: dequantize_row(T_Q4_1, panel, lane, k, o + lane * k); break;
+            case T_Q5_0: dequantize_row(T_Q5_0, panel, lane, k, o + lane * k); break;
+            case T_Q5_1: dequantize_row(T_Q5_1, panel, lane, k, o + lane * k); break;
+            case T_Q8_0: dequantize_row(T_Q8_0, panel, lane, k, o + lane * k); break;
+            case T_Q4_K: dequantize_row(T_Q4_K, panel, lane, k, o + lane * k); break;
+            case T_Q5_K: dequantize_row(T_Q5_K, panel, lane, k, o + lane * k); break;
+            default: dequantize_row(T_Q6_K, panel, lane, k, o + lane * k); break;
+            }
+        }
+#endif
+    }
 }
 
 /* For the tests: x quantized as the product sees it (`rows` rows of k values). */
