@@ -42,8 +42,8 @@ class ThreadGovernor:
     A size that lost is retried after 2 s, doubling to 16 s, so a lasting competitor costs one slow step
     every 16 s and one that leaves is noticed within that; a team that turns 1.5x slower for
     TRIAL_STEPS steps in a row (a competitor arrived) has its neighbour tried at once. Trials are also
-    TRIAL_SPACING steps of their shape apart at least: a 12 s prefill step tried on half the team every 16 s
-    (every other step) cost an idle machine 20-50% of its prefill; spaced so, a lost trial costs under 5%.
+    TRIAL_SPACING steps of their shape apart at least: with the backoff alone, a 12 s prefill step was tried on
+    half the team every 16 s (every other step); spaced so, a lost trial costs under 5%.
 
     The runner asks `threads(shape)` before a step and reports `record(shape, seconds per token, seconds)`
     after.

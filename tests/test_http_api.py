@@ -81,9 +81,11 @@ def engine(server: Server) -> Iterator[EngineClient]:
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be, or not to be"}]
 
 
-def test_models_and_health(server):
+def test_models_and_health(server, engine):
     models = server.sdk().models.list().data
     assert [m.id for m in models] == ["tiny"]
+    # the weights' formats and their size in memory, as the engine reports them (float32 for this checkpoint)
+    assert models[0].weights == engine.info().execution["weights"] and models[0].weights.startswith("float32, ")
     assert server.get("/health").json()["status"] == "ok"
 
 
