@@ -62,7 +62,7 @@ def main() -> None:
                   f"{step_s * 1e3:6.2f} ms", flush=True)
             reference = reference if reference is not None else outputs
             assert outputs == reference, f"overlap={overlap} produced different tokens"
-    print(f"model {llm.model_path}, {args.dtype}, "
+    print(f"model {llm.checkpoint.path}, {args.dtype}, "
           f"{args.concurrency} x {args.input_len} in / {args.output_len} out, {args.repeats} runs each, "
           f"torch threads {torch.get_num_threads()}")
     for overlap in (False, True):

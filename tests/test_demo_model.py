@@ -27,7 +27,7 @@ def demo() -> LLM:
 
 
 def test_default_model_is_the_embedded_demo(demo):
-    assert demo.model_path == DEMO_MODEL_DIR
+    assert demo.checkpoint.path == DEMO_MODEL_DIR
     assert demo.model.spec.architecture == "LlamaForCausalLM"
     assert demo.model.spec.num_kv_heads < demo.model.spec.num_heads  # GQA
     assert sum(f.stat().st_size for f in DEMO_MODEL_DIR.iterdir()) <= 16 * 2**20
