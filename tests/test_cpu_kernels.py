@@ -91,6 +91,10 @@ def test_silu_mul_float32_within_an_ulp_of_torch(kernels):
     assert (ours == expected).float().mean() > 0.5
     with pytest.raises(ValueError, match="model dtype must be float32 or bfloat16"):
         kernels.silu_mul(gate_up, torch.float16)
+    reused = torch.full((300, 344), float("nan"))  # a buffer the model reuses gets exactly the same values
+    assert kernels.silu_mul(gate_up, torch.float32, out=reused) is reused and torch.equal(reused, ours)
+    with pytest.raises(ValueError, match=r"out must be contiguous float32 \(300, 344\)"):
+        kernels.silu_mul(gate_up, torch.float32, out=torch.empty(300, 343))
 
 
 def naive_paged(q, k_cache, v_cache, table, rows, kv_lens, scale):

@@ -119,17 +119,22 @@ class CpuKernels:
         self._fn("rope", x)(x.data_ptr(), tokens, heads, x.stride(0), positions.data_ptr(), cos.data_ptr(),
                                    signed_sin.data_ptr(), dim)
 
-    def silu_mul(self, gate_up: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, model_dtype: torch.dtype, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """silu(gate) * up of a float32 gate/up GEMM output [rows, 2 * inter] as float32 [rows, inter],
         rounded where transformers' MLP in `model_dtype` rounds (for bf16: the GEMM output, SiLU, the
-        product; for float32 nowhere extra)."""
+        product; for float32 nowhere extra). `out`, when given, receives it (a buffer the caller reuses)."""
         _check(gate_up, torch.float32, "silu_mul input")
         if not gate_up.is_contiguous():
             raise ValueError("silu_mul needs a contiguous [rows, 2 * inter] input")
         if model_dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"silu_mul: model dtype must be float32 or bfloat16, got {model_dtype}")
         rows, width = gate_up.shape
-        out = torch.empty((rows, width // 2), dtype=torch.float32)
+        if out is None:
+            out = torch.empty((rows, width // 2), dtype=torch.float32)
+        elif out.shape != (rows, width // 2) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"silu_mul: out must be contiguous float32 {(rows, width // 2)}, got "
+                             f"{tuple(out.shape)} {out.dtype}")
         self._fns["silu_mul", model_dtype](out.data_ptr(), gate_up.data_ptr(), rows, width // 2)
         return out
 
