@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -42,13 +43,16 @@ from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
 from engine.scheduler.snapshot import RequestDetail, SchedulerSnapshot
-from engine.structured import GrammarCompiler, GrammarMatcher, InvalidGrammar
+from engine.structured import GrammarCompiler, GrammarMatcher, GrammarSpec, InvalidGrammar
 from engine.threads import ThreadGovernor, usable_cores, wait_policy
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
 from engine.tools import ToolFormat, template_messages, tool_format
 from kernels.attention import make_backend
 from kernels.cpu import load_cpu_kernels
 from kernels.quant import BlockMatrix, DeviceBlockWeight
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,7 @@ class LLM:
         self.checkpoint = resolve_checkpoint(cfg.model_path)
         self.tp = TensorParallel()
         self.workers: WorkerPool | None = None
+        self._grammar_lock = threading.Lock()
         # CPU threads per rank: the ones asked for, or the usable cores; only a single rank adapts them to the load
         threads = max(1, (cfg.threads or usable_cores()) // per_node)
         self.governor = None
@@ -202,10 +207,12 @@ class LLM:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
-                    arrival_time: float | None = None, client: str = "") -> str:
+                    arrival_time: float | None = None, client: str = "", grammar: CompiledGrammar | None = None
+                    ) -> str:
         """Queue a request at the back of the waiting queue; returns its request id. `arrival_time`
         (time.monotonic()) is when it arrived, if earlier than now: its timings count from there.
-        `client` labels who sent it, for the stats and `describe`.
+        `client` labels who sent it, for the stats and `describe`. `grammar`: `params.structured` compiled
+        already (`compile_grammar`, off the caller's loop); else it is compiled here.
         With `params.n` > 1 the request is a Group of n choices (engine/request.py)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -217,7 +224,7 @@ class LLM:
         outside = sorted(t for t in params.token_ids() if t >= vocab)
         if outside:
             raise InvalidParams(f"logit_bias and stop_token_ids name token ids in [0, {vocab}); got {outside[:5]}")
-        grammars = self._grammar_matchers(params)
+        grammars = self._grammar_matchers(params, grammar)
         ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_seq_len:
             raise PromptTooLong(f"the prompt has {len(ids)} tokens, but at most {self.max_seq_len - 1} fit "
@@ -247,20 +254,28 @@ class LLM:
             self.scheduler.add_request(req)
         return rid
 
-    def _grammar_matchers(self, params: SamplingParams) -> list[GrammarMatcher]:
-        """One matcher per choice for `params.structured` (none without it), compiled once per grammar
-        (xgrammar caches them); InvalidParams for a grammar that cannot work, before anything queues."""
-        if params.structured is None:
-            return []
+    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """`spec` compiled against this model's vocabulary (xgrammar caches it by its text); InvalidParams for a
+        grammar that cannot work. Thread-safe: a grammar's cost is the client's to choose, so the server runs
+        this off its loop and hands the result to `add_request`."""
         if self.tokenizer is None:
             raise InvalidParams("structured output needs a tokenizer, and this checkpoint has none")
         try:
-            if self.scheduler.grammar is None:
-                self.scheduler.grammar = GrammarCompiler(self.tokenizer, self.model.spec.vocab_size, self.eos_ids)
-            compiler = self.scheduler.grammar
-            compiled = compiler.compile(params.structured)
+            with self._grammar_lock:  # built once, on whichever thread first needs it
+                if self.scheduler.grammar is None:
+                    self.scheduler.grammar = GrammarCompiler(self.tokenizer, self.model.spec.vocab_size, self.eos_ids)
+            return self.scheduler.grammar.compile(spec)
         except InvalidGrammar as e:
             raise InvalidParams(f"structured: {e}") from e
+
+    def _grammar_matchers(self, params: SamplingParams, compiled: CompiledGrammar | None) -> list[GrammarMatcher]:
+        """One matcher per choice for `params.structured` (none without it), from `compiled` when the caller
+        compiled it already; InvalidParams for a grammar that cannot work, before anything queues."""
+        if params.structured is None:
+            return []
+        compiled = compiled if compiled is not None else self.compile_grammar(params.structured)
+        compiler = self.scheduler.grammar
+        assert compiler is not None  # compile_grammar made it
         return [compiler.matcher(compiled) for _ in range(params.n)]
 
     # -- stepping ---------------------------------------------------------------------------------

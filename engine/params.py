@@ -92,7 +92,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 or any(not _is_int(t) or t < 0 or not _is_number(b) or not -100.0 <= b <= 100.0
                        for t, b in self.logit_bias.items())):
             raise InvalidParams(f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids (>= 0) to biases in "
-                                f"[-100, 100]; got {self.logit_bias!r}"[:300])
+                                f"[-100, 100]; got {_logit_bias_shown(self.logit_bias)}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidParams(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]; "
                                 f"got {self.min_tokens!r}")
@@ -150,3 +150,13 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _logit_bias_shown(bias: object) -> str:
+    """A refused logit_bias for its error: the count and the first entry out of bounds, never the whole map
+    (300 entries and more would fill the message)."""
+    if not isinstance(bias, dict):
+        return f"a {type(bias).__name__}"
+    bad = next(((t, b) for t, b in bias.items()
+                if not _is_int(t) or t < 0 or not _is_number(b) or not -100.0 <= b <= 100.0), None)
+    return f"{len(bias)} entries" + (f", among them {bad[0]!r}: {bad[1]!r}" if bad is not None else "")

@@ -44,9 +44,9 @@ def test_transformers_loads_the_same_directory():
 
 def test_greedy_chat_replies_equal_transformers(demo, hf):
     outs = demo.generate(CHATS, SamplingParams(max_tokens=40))
-    for chat, out in zip(CHATS, outs, strict=True):
-        expected = hf.greedy(Path(DEMO_MODEL_DIR), out.prompt_token_ids, 40, eos=sorted(demo.eos_ids))
-        assert out.token_ids == expected, chat
+    assert len(outs) == len(CHATS)
+    for out in outs:
+        hf.check_greedy(out.token_ids, Path(DEMO_MODEL_DIR), out.prompt_token_ids, 40, eos=sorted(demo.eos_ids))
     assert any(o.finish_reason == "stop" for o in outs)  # the model learned to end its turn
 
 

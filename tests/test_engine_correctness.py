@@ -29,9 +29,8 @@ def mixed_prompts(n: int, seed: int, max_len: int = 70) -> list[list[int]]:
 def assert_matches_hf(llm: LLM, path: Path, hf, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
     for prompt, out in zip(prompts, outs, strict=True):
-        expected = hf.greedy(path, prompt, max_tokens, eos=sorted(llm.eos_ids))
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        assert out.finish_reason == ("stop" if expected[-1] in llm.eos_ids else "length")
+        hf.check_greedy(out.token_ids, path, prompt, max_tokens, eos=sorted(llm.eos_ids))
+        assert out.finish_reason == ("stop" if out.token_ids[-1] in llm.eos_ids else "length")
     llm.check_integrity()
     pages = llm.stats().pages
     assert pages.used == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
@@ -114,7 +113,7 @@ def test_mixed_batches(checkpoints, hf, family, mixed, overlap):
             tokens[d.rid] += d.token_ids
     assert ("mixed" in kinds) == mixed and {"prefill", "decode"} <= kinds
     for rid, (prompt, n) in budgets.items():
-        assert tokens[rid] == hf.greedy(path, prompt, n, eos=sorted(llm.eos_ids)), f"{rid} diverged"
+        hf.check_greedy(tokens[rid], path, prompt, n, eos=sorted(llm.eos_ids))
     llm.check_integrity()
 
 

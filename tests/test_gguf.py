@@ -67,7 +67,7 @@ def test_dequantized_gguf_is_token_exact_vs_transformers_on_the_same_file(mixed_
     assert {"Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_1", "Q5_1", "Q5_K", "Q4_0", "F32"} <= set(formats)
     assert "float32" in llm.execution["weights"] and "Q" not in llm.execution["gemm"]
     for prompt, out in zip(ps := prompts(6, seed=1), llm.generate(ps, SamplingParams(max_tokens=12)), strict=True):
-        assert out.token_ids == hf.greedy(path, prompt, 12, eos=sorted(llm.eos_ids))
+        hf.check_greedy(out.token_ids, path, prompt, 12, eos=sorted(llm.eos_ids))
     llm.check_integrity()
 
 
@@ -118,7 +118,7 @@ def test_llama3_rope_from_rope_freqs(tmp_path, hf):
     path = write_gguf(src, tmp_path / "llama3.F32.gguf", "llama", "F32")
     llm = LLM(str(path))
     for prompt, out in zip(ps := prompts(4, seed=3), llm.generate(ps, SamplingParams(max_tokens=12)), strict=True):
-        assert out.token_ids == hf.greedy(src, prompt, 12, eos=sorted(llm.eos_ids))
+        hf.check_greedy(out.token_ids, src, prompt, 12, eos=sorted(llm.eos_ids))
 
 
 def test_text_chat_template_and_eos_come_from_the_file(mixed_files, checkpoints):

@@ -6,6 +6,7 @@ test closes the module."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -25,9 +26,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.outputs import Final
+from engine.params import SamplingParams
 from engine.service.client import AsyncEngineClient, EngineClient, EngineError, probe
 from engine.service.launcher import EngineHandle, start
 from engine.service.protocol import Stats
+from engine.structured import MAX_GRAMMAR_RULES, MAX_JSON_DEPTH, GrammarSpec
 from tests.checkpoints import with_context
 from tests.test_http_api import START_TIMEOUT, free_port, minichat, stop, wait_http
 from tests.wire import pack, raw_dealer, reply
@@ -436,6 +440,9 @@ def test_3_slow_and_hoarding_connections_are_cut(api: Api, engine: EngineClient,
     ("/v1/completions", {"logit_bias": {"0" * 5000 + "1": 1}}, None),  # leading zeros: token 1, accepted
     ("/v1/completions", {"priority": 2**64}, "priority"),
     ("/detokenize", {"tokens": [2**64]}, "tokens[0]"),
+    ("/v1/completions", {"logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),  # one over the cap
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
 ])
 def test_5_values_beyond_the_wire_are_400s_naming_the_field(api: Api, engine: EngineClient, path: str,
                                                             fields: dict, param: str | None) -> None:
@@ -450,6 +457,7 @@ def test_5_values_beyond_the_wire_are_400s_naming_the_field(api: Api, engine: En
             assert status == 200, content
         else:
             assert_openai_error(status, content, 400, param=param)
+            assert len(content) < 600, content  # the refusal names the value, never echoes a large one whole
         assert conn.kept()  # the connection stays open: the next request on it is served
         status, _, content = conn.request("POST", "/v1/completions",
                                           json.dumps({"prompt": PROBE, "max_tokens": 2}).encode(), auth)
@@ -627,6 +635,116 @@ def test_10_health_is_open_and_refusals_are_counted(api: Api, engine: EngineClie
     for key, value in before.items():
         assert metric(api, *key) == value + 1, key
     healthy(api, engine)
+
+
+# -- 11 (third round, finding 1): grammars compile off the engine's loop, bounded -----------------------------
+def nested_schema(levels: int) -> dict:
+    """A JSON schema of `levels` objects inside each other (its JSON document nests 2 * levels + 1 deep)."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def chain_grammar(rules: int) -> str:
+    """An EBNF grammar of `rules` rules after its root, each naming the next through character classes (which make every
+    state's token mask costly to compute over a real vocabulary: ~0.9 s for 1,024 rules over SmolLM2's 49k)."""
+    return "\n".join(["root ::= r0", *(f'r{i} ::= [a-zA-Z0-9 ]* "k{i}" r{i + 1} | [a-z]+ ","'
+                                       for i in range(rules - 1)), f'r{rules - 1} ::= "z"'])
+
+
+GAP_BOUND = 0.5  # seconds between two tokens of another stream while a grammar compiles
+
+
+def test_11_grammars_compile_off_the_loop_and_within_limits(tmp_path: Path) -> None:
+    """SmolLM2 (a real 49k vocabulary, so compiling costs what it costs for real models) behind `serve --http`
+    with a 0.3 s --grammar-time-limit. While one client streams, others send a schema nested past the limit
+    and a grammar with too many rules (refused at once, naming the limit), a grammar within the limits that
+    compiles for longer than the time limit (refused when it passes; its compile finishes on the grammar
+    worker) and a request whose grammar is aborted while it waits to compile. The stream's largest gap stays
+    under GAP_BOUND: a step of this model takes ~10 ms and the compile runs on a worker thread (xgrammar
+    releases the GIL), so what is left is the compile competing for the cores; compiled on the loop, the gap
+    would be the compile's whole time, which this test first checks is longer than GAP_BOUND. /health
+    answers 200 throughout."""
+    from transformers import AutoTokenizer
+    from xgrammar import GrammarCompiler, TokenizerInfo
+
+    from engine.model.loader import resolve_checkpoint
+    from tests.real_model import smollm2_gguf
+
+    model = smollm2_gguf()
+    slow_grammar = chain_grammar(MAX_GRAMMAR_RULES - 1)  # and the root rule: the most rules allowed
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(str(model)).meta)
+    compiler = GrammarCompiler(TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer)),
+                               cache_enabled=False)
+    began = time.monotonic()
+    compiler.compile_grammar(slow_grammar)
+    compile_s = time.monotonic() - began
+    assert compile_s > GAP_BOUND, f"the grammar compiles in {compile_s:.2f} s: too fast to test anything"
+    address = f"ipc://{tmp_path}/engine.sock"
+    front = serve_api(["serve", "--address", address, "--model", str(model), "--grammar-time-limit", "0.3"],
+                      NO_KEY, tmp_path / "api.log", None, address)
+    stop_watching = threading.Event()
+    watchers: list[threading.Thread] = []
+    try:
+        with EngineClient(address, timeout=60) as engine:
+            stream = Stream(front, 1500)
+            assert stream.next() is not None
+            arrivals: list[float] = []
+            health: list[int] = []
+
+            def watch_stream() -> None:
+                while not stop_watching.is_set() and stream.next() is not None:
+                    arrivals.append(time.monotonic())
+
+            def watch_health() -> None:
+                while not stop_watching.wait(0.1):  # a probe every 100 ms, as a load balancer would
+                    health.append(httpx.get(front.root + "/health", timeout=5).status_code)
+
+            watchers += [threading.Thread(target=watch_stream), threading.Thread(target=watch_health)]
+            for w in watchers:
+                w.start()
+            window = time.monotonic()
+            deep = front.post("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "deep",
+                                                                           "schema": nested_schema(70)}}})
+            assert_openai_error(deep.status_code, deep.content, 400, param="response_format", code="invalid_grammar",
+                                words=f"at most {MAX_JSON_DEPTH} levels")
+            many = front.post("/v1/completions", {"prompt": "hi", "max_tokens": 4,
+                                                  "guided_grammar": chain_grammar(MAX_GRAMMAR_RULES)})
+            assert_openai_error(many.status_code, many.content, 400, param="guided_grammar", code="invalid_grammar",
+                                words=f"at most {MAX_GRAMMAR_RULES} rules")
+            slow = front.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, "guided_grammar": slow_grammar})
+            assert_openai_error(slow.status_code, slow.content, 400, code="invalid_grammar",
+                                words="did not compile within 0.3 s")
+            # the slow grammar still compiles on the worker: the next one waits for it, and is aborted meanwhile
+            rid = engine.submit("hi", SamplingParams(max_tokens=4, structured=GrammarSpec(
+                kind="grammar", value=chain_grammar(MAX_GRAMMAR_RULES - 2))))
+            waiting = engine.wait_stats(lambda st: any(w.rid == rid and w.reason == "compiling grammar"
+                                                       for w in st.waiting))
+            assert waiting.waiting[0].rid == rid and engine.describe(rid).state == "compiling grammar"
+            engine.abort(rid)
+            final = list(engine.stream(rid))[-1]
+            assert isinstance(final, Final) and final.finish_reason == "abort"
+            # a small grammar compiles after the slow one (one worker): once it is served, the slow compile has
+            # run its course beside the stream
+            quick = engine.complete("hi", SamplingParams(max_tokens=2, structured=GrammarSpec(kind="regex",
+                                                                                              value="[a-z]+")))
+            assert quick.finish_reason in ("stop", "length") and time.monotonic() - window > compile_s * 0.5
+            stop_watching.set()
+            for w in watchers:
+                w.join()
+            stream.response.close()
+            gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+            assert len(gaps) > 10 and max(gaps) < GAP_BOUND, (len(gaps), sorted(gaps)[-5:])
+            assert health and set(health) == {200}, health
+            engine.wait_stats(idle, timeout=30)
+    finally:
+        stop_watching.set()
+        for w in watchers:
+            w.join()
+        stop(front.process)
 
 
 # -- smaller ---------------------------------------------------------------------------------------------

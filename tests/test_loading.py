@@ -24,7 +24,7 @@ def test_sharded_checkpoint_without_tokenizer(tmp_path, hf):
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.add_request("hello")
     prompt = [5, 6, 7, 8]
-    assert llm.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids == hf.greedy(path, prompt, 6)
+    hf.check_greedy(llm.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids, path, prompt, 6)
 
 
 def test_old_style_rope_theta_config(tmp_path, hf):
@@ -38,7 +38,7 @@ def test_old_style_rope_theta_config(tmp_path, hf):
     llm = LLM(str(path))
     assert llm.model.spec.inv_freq[1].item() == pytest.approx(1 / 500.0 ** (2 / 16))
     prompt = list(range(10, 40))
-    assert llm.generate([prompt], SamplingParams(max_tokens=5))[0].token_ids == hf.greedy(path, prompt, 5)
+    hf.check_greedy(llm.generate([prompt], SamplingParams(max_tokens=5))[0].token_ids, path, prompt, 5)
 
 
 def test_missing_weights_are_named(tmp_path, llama_ckpt):

@@ -38,7 +38,7 @@ def test_sampled_and_prompt_logprobs_equal_transformers(checkpoints, hf, family)
         first, *rest = out.prompt_logprobs
         assert first.token_id == prompt[0] and first.logprob is None and not first.top
         assert_logprobs(rest, expected[: len(prompt) - 1], prompt[1:], TOP)
-        assert out.token_ids == hf.greedy(path, prompt, 6)
+        hf.check_greedy(out.token_ids, path, prompt, 6)
     llm.check_integrity()
 
 
@@ -58,7 +58,7 @@ def test_prompt_logprobs_across_chunks_and_a_cached_prefix(checkpoints, hf):
     assert scored.prompt_logprobs is not None
     assert_logprobs(scored.prompt_logprobs[1:], hf.log_softmax(path, prompt)[:-1], prompt[1:], 2)
     for prompt_, out in zip(mixed_prompts(3, seed=23, max_len=20), outs[1:], strict=True):
-        assert out.token_ids == hf.greedy(path, prompt_, 5, eos=sorted(llm.eos_ids))
+        hf.check_greedy(out.token_ids, path, prompt_, 5, eos=sorted(llm.eos_ids))
     llm.check_integrity()
 
 

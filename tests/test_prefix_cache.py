@@ -23,7 +23,7 @@ def test_shared_prefix_is_reused_and_output_stays_exact(llama_ckpt, hf):
     follow = system + ids(9, 3)
     second = llm.generate([follow], greedy(6))[0]
     assert second.usage.cached_tokens == 32  # two full pages of 16 shared tokens
-    assert second.token_ids == hf.greedy(llama_ckpt, follow, 6)
+    hf.check_greedy(second.token_ids, llama_ckpt, follow, 6)
     llm.check_integrity()
 
 
@@ -34,7 +34,7 @@ def test_fully_cached_prompt_still_computes_its_last_token(llama_ckpt, hf):
         llm.generate([prompt], greedy(4))
         again = llm.generate([prompt], greedy(4))[0]
         assert again.usage.cached_tokens == cached
-        assert again.token_ids == hf.greedy(llama_ckpt, prompt, 4)
+        hf.check_greedy(again.token_ids, llama_ckpt, prompt, 4)
 
 
 def test_matched_pages_are_locked_while_the_request_runs(llama_ckpt):
@@ -58,7 +58,7 @@ def test_eviction_makes_room_lru_first(llama_ckpt, hf):
     prompts = [ids(40, 20 + i) for i in range(6)]
     for p in prompts:
         out = llm.generate([p], greedy(5))[0]
-        assert out.token_ids == hf.greedy(llama_ckpt, p, 5)
+        hf.check_greedy(out.token_ids, llama_ckpt, p, 5)
         llm.check_integrity()
     # Each finished request leaves 2 full pages; the last one needed a page that only the least
     # recently used leaf (the oldest prompt's second page) could give. Its first page stays.
@@ -77,7 +77,7 @@ def test_many_requests_sharing_a_prefix_at_once(checkpoints, hf):
     outs = llm.generate(prompts, greedy(6))
     for p, o in zip(prompts, outs, strict=True):
         assert o.usage.cached_tokens == 28
-        assert o.token_ids == hf.greedy(path, p, 6)
+        hf.check_greedy(o.token_ids, path, p, 6)
     llm.check_integrity()
 
 

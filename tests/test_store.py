@@ -176,3 +176,19 @@ def test_a_long_session_saves_only_what_changed(tmp_path: Path) -> None:
     store.save(long)  # streaming
     assert store.db.total_changes - before <= 3 * 2  # the session row and the one turn, each time
     assert len(Store(tmp_path / "conversations.sqlite3").load(long.uid).turns) == 3001
+
+
+def test_text_no_encoding_can_carry_is_replaced_visibly_and_later_saves_go_on(tmp_path: Path) -> None:
+    """A lone UTF-16 surrogate (which SQLite cannot store) used to fail this save and every later one of the
+    session: now it is U+FFFD where it stood, a pair of halves is joined, and the session keeps saving."""
+    path = tmp_path / "conversations.sqlite3"
+    store = Store(path)
+    session = conversation("odd \ud800 name", "lone \udc00 half, a pair \ud83d\ude00", "fine")
+    session.system_prompt = "sys \udfff"
+    store.save(session)
+    session.start_turn("and \ud800 again")
+    store.save(session)
+    back = Store(path).load(session.uid)
+    assert (back.name, back.system_prompt) == ("odd \ufffd name", "sys \ufffd")
+    assert [t.prompt for t in back.turns] == ["lone \ufffd half, a pair \U0001f600", "and \ufffd again"]
+    assert back.turns[0].reply.text == "fine"

@@ -26,6 +26,13 @@ def prompts(n: int, seed: int, max_len: int) -> list[list[int]]:
             for k in torch.randint(1, max_len, (n,), generator=g)]
 
 
+def check_all(hf, outputs: list[list[int]], path, batch: list[list[int]], n: int) -> None:
+    """Each output is transformers' greedy continuation of its prompt (near-ties either way: conftest.py)."""
+    assert len(outputs) == len(batch)
+    for out, prompt in zip(outputs, batch, strict=True):
+        hf.check_greedy(out, path, prompt, n)
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
@@ -49,7 +56,8 @@ def test_two_ranks_match_one_rank_and_transformers(checkpoints, hf, family):
     single = tokens(LLM(str(path), max_prefill_tokens=16), batch, 5)
     with LLM(str(path), tensor_parallel_size=2, max_prefill_tokens=16) as llm:  # chunked prefill
         assert llm.model.num_kv_heads == 1  # 2 KV heads split in two; mistral's single one replicated
-        assert tokens(llm, batch, 5) == single == [hf.greedy(path, p, 5) for p in batch]
+        assert tokens(llm, batch, 5) == single
+        check_all(hf, single, path, batch, 5)
         assert_idle_everywhere(llm)
 
 
@@ -60,12 +68,12 @@ def test_llama_chunks_prefix_cache_abort_and_a_killed_rank(llama_ckpt, hf):
     with LLM(str(llama_ckpt), tensor_parallel_size=2, page_size=4, max_prefill_tokens=12) as llm:
         assert llm.kv.buffer.shape[-2] == 1  # each rank's KV pool holds its own half of the 2 KV heads
         batch = prompts(3, seed=5, max_len=30) + [system]
-        assert tokens(llm, batch, 6) == [hf.greedy(llama_ckpt, p, 6) for p in batch]
+        check_all(hf, tokens(llm, batch, 6), llama_ckpt, batch, 6)
         assert_idle_everywhere(llm)
 
         outs = llm.generate(followups, greedy(4))
         assert [o.usage.cached_tokens for o in outs] == [48] * 3  # the system prompt's 12 pages, on both ranks
-        assert [o.token_ids for o in outs] == [hf.greedy(llama_ckpt, p, 4) for p in followups]
+        check_all(hf, [o.token_ids for o in outs], llama_ckpt, followups, 4)
 
         held = llm.add_request(prompts(1, seed=6, max_len=30)[0] + [1], greedy(100))
         while not llm.request(held).output_ids:
@@ -75,7 +83,7 @@ def test_llama_chunks_prefix_cache_abort_and_a_killed_rank(llama_ckpt, hf):
             llm.step()
         assert_idle_everywhere(llm)
         again = prompts(2, seed=7, max_len=30)  # the aborted request's pages, reused
-        assert tokens(llm, again, 4) == [hf.greedy(llama_ckpt, p, 4) for p in again]
+        check_all(hf, tokens(llm, again, 4), llama_ckpt, again, 4)
 
         os.kill(llm.workers.pids[0], signal.SIGKILL)
         start = time.monotonic()
@@ -117,7 +125,7 @@ def test_serve_tp2_serves_and_exits_naming_a_killed_rank(llama_ckpt, hf, tmp_pat
         with EngineClient(address) as client:
             assert client.info().config["tensor_parallel_size"] == 2
             prompt = prompts(1, seed=8, max_len=30)[0]
-            assert client.complete(prompt, max_tokens=5, ignore_eos=True).token_ids == hf.greedy(llama_ckpt, prompt, 5)
+            hf.check_greedy(client.complete(prompt, max_tokens=5, ignore_eos=True).token_ids, llama_ckpt, prompt, 5)
         (worker,) = children(engine.pid)
         os.kill(worker, signal.SIGKILL)
         assert engine.wait(10) == 1
@@ -132,7 +140,7 @@ def test_serve_tp2_serves_and_exits_naming_a_killed_rank(llama_ckpt, hf, tmp_pat
 def test_two_gpus_over_nccl_match_transformers(llama_ckpt, hf):
     batch = prompts(4, seed=12, max_len=40)
     with LLM(str(llama_ckpt), device="cuda", tensor_parallel_size=2, max_prefill_tokens=16) as llm:
-        assert tokens(llm, batch, 5) == [hf.greedy(llama_ckpt, p, 5) for p in batch]
+        check_all(hf, tokens(llm, batch, 5), llama_ckpt, batch, 5)
         assert_idle_everywhere(llm)
 
 

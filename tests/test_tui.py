@@ -39,6 +39,7 @@ from tui.panels import OpsPanels, RequestTable
 from tui.panels.throughput import HISTORY, ThroughputPanel
 from tui.session import Reply, Session, Turn
 from tui.sessions import SessionsScreen
+from tui.store import Store
 
 SIZE = (160, 48)  # wide enough that the ops panels open beside the chat
 ENGINE_OPTIONS = {"max_running_requests": 4, "max_prefill_tokens": 256}
@@ -631,6 +632,29 @@ def test_conversations_survive_a_restart_and_are_listed(engine: str, data_dir: P
     texts: dict[str, str] = {}
     run(first_run)
     run(second_run)
+
+
+def test_a_lone_surrogate_typed_in_the_console_is_shown_replaced_and_saved(engine: str, data_dir: Path) -> None:
+    """Text no encoding carries (a lone UTF-16 surrogate half) becomes U+FFFD where it enters the console: the
+    engine gets a prompt it can encode, the store saves it, and later turns save too."""
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await type_and_send(pilot, "/rename odd \ud800 one")
+            await type_and_send(pilot, "/max_tokens 3")
+            for prompt in ("lone \udc00 half", "then plain"):
+                await type_and_send(pilot, prompt)
+                await wait_for(pilot, lambda: last_reply(app).state == "done", "the reply")
+            session = app.current.session  # type: ignore[union-attr]
+            assert session.name == "odd \ufffd one" and session.turns[0].prompt == "lone \ufffd half"
+            await pilot.press("ctrl+q")
+            await wait_for(pilot, lambda: not app.is_running, "the app to quit")
+        saved = Store(data_dir / "conversations.sqlite3").load(session.uid)
+        assert saved.name == "odd \ufffd one" and [t.prompt for t in saved.turns] == ["lone \ufffd half", "then plain"]
+        assert all(t.reply.state == "done" for t in saved.turns)
+
+    run(scenario)
 
 
 def test_a_damaged_database_is_reported_and_the_console_runs_on(tmp_path: Path, data_dir: Path) -> None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -21,8 +24,9 @@ from engine.service.client import AsyncEngineClient
 from tests.test_tui import SIZE, box, run, shown, table_rids, type_and_send, wait_for
 from tests.test_tui_ops import started
 from tui.app import MinichatApp, tab_id
-from tui.bench.fleet import replica
-from tui.fleet import STALE_AFTER, Fleet, HttpReplica, Reading, imbalance, parse_engines
+from tui.bench.fleet import free_port, replica
+from tui.fleet import POLL_TIMEOUT, STALE_AFTER, Fleet, HttpReplica, Reading, imbalance, parse_engines
+from tui.link import EngineLink
 from tui.panels.fleet import MISSING, FleetScreen, MetricsScreen
 from tui.scrape import gained, parse, quantile
 
@@ -81,7 +85,7 @@ def test_an_http_replica_reads_rates_and_p95s_from_what_changed_between_reads() 
     assert rep.reading(12.0 + STALE_AFTER + 1).state == "stale"
     rep.scrapes.append(parse(exposition(3000, (100, 110, 120), up=0), at=13.0))
     assert rep.reading(13.0).note == "its engine publishes no stats"
-    rep.error, rep.unreachable = "unreachable: connection refused", True
+    rep.error, rep.down = "unreachable: connection refused", True
     assert rep.reading(13.0).state == "down"
 
 
@@ -189,3 +193,56 @@ def test_the_fleet_view_with_two_replicas_and_one_stopped(engine: str, tmp_path:
         run(scenario)
     finally:
         stack.close()
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_hostile_replica_cannot_bloat_or_freeze_the_console(tmp_path: Path) -> None:
+    """A fake replica on loopback (tests/hostile_replica.py) serving an endless, a 50 MB (declared and not), a
+    trickling and a garbage /metrics, beside a fine one: each row goes down saying why, the console's memory
+    stays within 64 MiB of where it began, and its event loop is never late by more than 100 ms."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tests.hostile_replica", str(port)], stdout=subprocess.PIPE,
+                              cwd=Path(__file__).resolve().parent.parent)
+    kinds = ["endless", "huge", "huge-chunked", "trickle", "garbage", "fine"]
+    reasons = ["too large", "too large", "too large", "too slow", "not Prometheus text", ""]
+    try:
+        assert server.stdout is not None and server.stdout.readline() == b"ready\n"
+
+        async def scenario() -> None:
+            fleet = Fleet([f"http://127.0.0.1:{port}/{kind}" for kind in kinds])
+            app = MinichatApp(EngineLink(address=f"ipc://{tmp_path}/none.sock", autostart=False), fleet=fleet)
+            lateness: list[float] = []
+
+            async def ticker() -> None:  # how late the loop runs a 10 ms timer
+                while True:
+                    began = time.monotonic()
+                    await asyncio.sleep(0.01)
+                    lateness.append(time.monotonic() - began - 0.01)
+
+            async with app.run_test(size=SIZE) as pilot:
+                await wait_for(pilot, lambda: isinstance(app.screen, FleetScreen), "the fleet view")
+                view = app.screen
+                assert isinstance(view, FleetScreen)
+                before = rss_mib()
+                tick = asyncio.create_task(ticker())
+                rows = range(1, len(kinds) + 1)
+                await wait_for(pilot, lambda: [cell(view, n, "state") for n in rows] == ["down"] * 5 + ["up"],
+                               "every hostile row down, the fine one up")
+                for n, reason in zip(rows, reasons, strict=True):
+                    assert reason in cell(view, n, "note"), (kinds[n - 1], cell(view, n, "note"))
+                # a window of several more polls of every hostile body: what is measured is what does not grow
+                window_ends = time.monotonic() + 3 * POLL_TIMEOUT
+                await wait_for(pilot, lambda: time.monotonic() > window_ends, "the measuring window", timeout=30)
+                tick.cancel()
+                assert cell(view, 6, "running") == "1"
+                assert rss_mib() - before < 64, (before, rss_mib())
+                assert max(lateness) < 0.1, sorted(lateness)[-5:]
+
+        run(scenario)
+    finally:
+        server.kill()
+        server.wait()

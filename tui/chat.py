@@ -29,7 +29,7 @@ from engine.service.client import AsyncEngineClient, EngineError, EngineUnavaila
 from tui.keys import InOrderKeys
 from tui.names import printable
 from tui.panels.base import pack, update_text
-from tui.session import Reply, Session, Turn
+from tui.session import Reply, Session, Turn, encodable
 
 if TYPE_CHECKING:
     from tui.link import EngineLink
@@ -95,7 +95,7 @@ class PromptInput(InOrderKeys, TextArea):
 
     def action_send(self) -> None:
         if self.text.strip():
-            self.post_message(self.Submitted(self, self.text))
+            self.post_message(self.Submitted(self, encodable(self.text)))
             self.clear()
 
     def action_newline(self) -> None:

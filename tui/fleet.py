@@ -29,7 +29,8 @@ from tui.scrape import Scrape, gained, parse, quantile, rate
 
 STALE_AFTER = 3.0  # seconds without fresh numbers before a replica reads as stale
 POLL_EVERY = 1.0  # seconds between two reads of an HTTP replica's /metrics
-POLL_TIMEOUT = 2.0
+POLL_TIMEOUT = 2.0  # seconds for a whole answer, headers to last byte (httpx's own timeouts are per read)
+MAX_BODY = 4 * 2**20  # bytes of /metrics read at most: vLLM's is ~30 KB; a replica sending more is not trusted
 WATCH_EVERY = 1.0  # seconds between two snapshots taken from an engine the ops panels do not show
 RATE_WINDOW = 2.0  # seconds of counters behind an HTTP replica's rates (the engine's own window)
 LATENCY_WINDOW = 10.0  # seconds of observations behind a p95 (one second holds too few to rank)
@@ -110,6 +111,10 @@ class EngineReplica:
                        tpot_p95=sample_p95(step_gaps(stats, LATENCY_WINDOW)))
 
 
+class BodyTooLarge(Exception):
+    """A replica's /metrics went past MAX_BODY."""
+
+
 class HttpReplica:
     """An HTTP replica's /metrics, read once a second; the reads of the last few seconds are kept, since
     rates and quantiles come from what changed between two of them."""
@@ -119,7 +124,7 @@ class HttpReplica:
         self.metrics_url = url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
         self.scrapes: deque[Scrape] = deque()
         self.error = ""  # why the last read failed ("" when it did not)
-        self.unreachable = False  # the last read found nothing listening
+        self.down = False  # the last read found nothing listening, or nothing to trust (the row is down)
 
     async def run(self) -> None:
         key = os.environ.get(API_KEY_ENV)  # a minichat replica with a key wants it for /metrics too
@@ -131,23 +136,45 @@ class HttpReplica:
                 await asyncio.sleep(max(0.0, POLL_EVERY - (time.monotonic() - began)))
 
     async def poll(self, client: httpx.AsyncClient) -> None:
+        """One read, trusting nothing the replica sends: the whole answer within POLL_TIMEOUT and MAX_BODY,
+        parsed on a worker thread (a large valid body takes the parser seconds). A replica that is unreachable,
+        too slow, too large or not Prometheus is down, with the reason."""
         try:
-            response = await client.get(self.metrics_url)
-            response.raise_for_status()
-            scrape = parse(response.text, time.monotonic())
+            async with asyncio.timeout(POLL_TIMEOUT):
+                body = await self._read(client)
+            at = time.monotonic()
+            scrape = await asyncio.to_thread(parse, body.decode("utf-8", "replace"), at)
         except httpx.ConnectError as e:
-            self.error, self.unreachable = f"unreachable: {e}", True
+            self.error, self.down = f"unreachable: {e}", True
         except httpx.HTTPStatusError as e:
-            self.error, self.unreachable = f"HTTP {e.response.status_code} from {self.metrics_url}", False
+            self.error, self.down = f"HTTP {e.response.status_code} from {self.metrics_url}", False
+        except (httpx.TimeoutException, TimeoutError):
+            self.error, self.down = f"too slow: no whole answer within {POLL_TIMEOUT:g} s", True
         except httpx.HTTPError as e:
-            self.error, self.unreachable = f"{type(e).__name__} from {self.metrics_url}", False
+            self.error, self.down = f"{type(e).__name__} from {self.metrics_url}", False
+        except BodyTooLarge:
+            self.error, self.down = f"too large: /metrics over {MAX_BODY // 2**20} MiB", True
         except ValueError as e:
-            self.error, self.unreachable = f"not Prometheus text: {e}", False
+            self.error, self.down = f"not Prometheus text: {str(e)[:80]}", True
         else:
-            self.error, self.unreachable = "", False
+            self.error, self.down = "", False
             self.scrapes.append(scrape)
             while scrape.at - self.scrapes[0].at > LATENCY_WINDOW:
                 self.scrapes.popleft()
+
+    async def _read(self, client: httpx.AsyncClient) -> bytes:
+        """The body, read as it streams and given up on past MAX_BODY (BodyTooLarge)."""
+        async with client.stream("GET", self.metrics_url) as response:
+            response.raise_for_status()
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > MAX_BODY:
+                raise BodyTooLarge
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_BODY:
+                    raise BodyTooLarge
+            return bytes(body)
 
     def back(self, seconds: float) -> Scrape | None:
         """The read about `seconds` before the newest (the oldest kept if none is that old); None with one."""
@@ -165,7 +192,7 @@ class HttpReplica:
         return quantile(Q, gained(new.histograms[name], old.histograms.get(name, ())))
 
     def reading(self, now: float) -> Reading:
-        if self.unreachable or (not self.scrapes and self.error):
+        if self.down or (not self.scrapes and self.error):
             return Reading("down", self.error)
         if not self.scrapes:
             return Reading("connecting", f"reading {self.metrics_url}…")

@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 
 from engine.params import SamplingParams
-from tui.session import Reply, Session, Turn
+from tui.session import Reply, Session, Turn, encodable
 
 SCHEMA_VERSION = 3
 SCHEMA = """
@@ -167,6 +167,8 @@ class Store:
             yield
         except sqlite3.Error as e:
             raise _explain(self.path, e) from e
+        except UnicodeError as e:  # not expected (save cleans its text), but never anything but a StoreError
+            raise StoreError(f"conversations are not saved: {e}") from e
 
     def close(self) -> None:
         self.db.close()
@@ -178,7 +180,9 @@ class Store:
         open session is this console's to write; a session another live console holds is not written
         (StoreError: the console opened it as a copy, see `claim`)."""
         writer = self.writer if is_open else None
-        row = (session.uid, session.name, session.system_prompt, msgspec.json.encode(session.params).decode(),
+        # text that reached the session another way than the prompt box (which cleans it) is cleaned here too
+        row = (session.uid, encodable(session.name), encodable(session.system_prompt),
+               msgspec.json.encode(session.params).decode(),
                session.context_start, session.created, session.updated, int(is_open), int(session.titled), writer)
         stored = self._stored.get(session.uid, [])
         changed, kept = [], []
@@ -190,7 +194,7 @@ class Store:
             text = json.dumps({k: getattr(turn.reply, k) for k in REPLY_FIELDS})
             kept.append((id(turn.reply), "" if turn.reply.live else text))
             if before is None or before[1] != text:
-                changed.append((session.uid, i, turn.prompt, text))
+                changed.append((session.uid, i, encodable(turn.prompt), text))
         with self._errors(), self._transaction():
             self.db.execute("BEGIN IMMEDIATE")
             holder = self.db.execute("SELECT writer FROM sessions WHERE uid = ?", (session.uid,)).fetchone()

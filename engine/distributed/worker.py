@@ -14,15 +14,17 @@ import contextlib
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 
 import torch
 
 from engine.distributed.group import LOOPBACK, connect_store, interface_toward, join_group
+from engine.distributed.handshake import HANDSHAKE_LIMIT, HandshakeFailed, handshake
 from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.kv.pool import KVPool
@@ -90,17 +92,21 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
 
 def join(meeting: Meeting, rank: int, timeout: float) -> Connection:
     """Dial node 0's control listener as `rank` (retrying while node 0 starts), authenticated with the
-    nodes' shared token."""
+    nodes' shared token within HANDSHAKE_LIMIT: whatever answers there and does not complete it is not node 0."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            conn = Client(meeting.control, authkey=meeting.authkey())
+            sock = socket.create_connection(meeting.control, timeout=HANDSHAKE_LIMIT)
             break
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)  # node 0 is not listening yet: retry until it is, or the deadline
-    conn.send(("join", rank))
+    try:
+        conn, _ = handshake(sock, meeting.authkey(), limit=HANDSHAKE_LIMIT, rank=rank)
+    except HandshakeFailed as e:
+        raise ConnectionError(f"{meeting.host}:{meeting.port + 1} is not node 0 of this engine, or its token "
+                              f"differs: {e}") from None
     return conn
 
 

@@ -14,24 +14,27 @@ over an authenticated TCP connection instead of a pipe, and its end is how their
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import replace
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.distributed.group import LOOPBACK, TensorParallel, host_store, interface_toward, join_group
+from engine.distributed.handshake import HANDSHAKE_LIMIT, HandshakeFailed, handshake
 from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.distributed.worker import WorkerSpec
@@ -42,6 +45,10 @@ TIMEOUT = 120.0
 """Seconds for the rendezvous, for a worker's start-up stages, and for any one collective."""
 DEATH_GRACE = 2.0
 """After a collective fails, how long to wait for the worker whose death caused it to be reaped."""
+ACCEPT_POLL = 0.2  # seconds node 0's control listener waits for a dialer before it looks at the greeted ones
+MAX_GREETERS = 32  # handshakes under way at once; a connection beyond them is closed unread
+
+log = logging.getLogger(__name__)
 
 
 class WorkerFailed(RuntimeError):
@@ -89,35 +96,41 @@ class WorkerPool:
 
     def admit_remote(self, specs: list[WorkerSpec], meeting: Meeting, timeout: float) -> None:
         """Wait for the other nodes' ranks at `meeting.control`: each proves the token, says its rank, and
-        gets its spec; a dialer that fails the challenge or names no expected rank is turned away."""
+        gets its spec. Every dialer is greeted on a thread of its own within HANDSHAKE_LIMIT (handshake.py), so a
+        silent, slow or garbage one is dropped and logged without holding up the others; one that names no
+        expected rank (or a rank already joined) is turned away."""
         expected = {s.rank: s for s in specs}
         joined: dict[int, Connection] = {}
+        greeted: queue.Queue[tuple[Connection, int]] = queue.Queue()
+        greeters = threading.BoundedSemaphore(MAX_GREETERS)
         deadline = time.monotonic() + timeout
         with socket.create_server(meeting.control) as server:
-            while expected.keys() - joined.keys():
+            server.settimeout(ACCEPT_POLL)  # between accepts, collect what the greeters admitted
+            while True:
+                while not greeted.empty():
+                    conn, rank = greeted.get()
+                    if rank not in expected or rank in joined:
+                        log.warning("a node dialed as rank %d, which is not expected or has joined; turned away", rank)
+                        conn.close()
+                    else:
+                        joined[rank] = conn
+                if not expected.keys() - joined.keys():
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(expected.keys() - joined.keys())
                     raise self._fail(f"tensor-parallel rank(s) {missing} on other nodes did not join at "
                                      f"{meeting.host}:{meeting.port} within {timeout:.0f} s")
-                server.settimeout(left)
                 try:
-                    sock, _ = server.accept()
+                    sock, peer = server.accept()
                 except TimeoutError:
                     continue
-                sock.settimeout(None)
-                conn = Connection(sock.detach())
-                try:
-                    deliver_challenge(conn, meeting.authkey())
-                    answer_challenge(conn, meeting.authkey())
-                    tag, rank = conn.recv()
-                except (AuthenticationError, EOFError, OSError, ValueError, TypeError):
-                    conn.close()
+                if not greeters.acquire(blocking=False):
+                    log.warning("dropped a connection from %s: %d handshakes under way already", peer[0], MAX_GREETERS)
+                    sock.close()
                     continue
-                if tag != "join" or rank not in expected or rank in joined:
-                    conn.close()
-                    continue
-                joined[rank] = conn
+                threading.Thread(target=_greet, args=(sock, peer, meeting.authkey(), min(HANDSHAKE_LIMIT, left),
+                                                      greeted, greeters), daemon=True).start()
         for rank in sorted(joined):
             conn = joined[rank]
             conn.send_bytes(pickle.dumps(expected[rank]))
@@ -288,3 +301,15 @@ def launch(size: int, spec: ModelSpec, model_path: str, load: LoadOptions, page_
     except BaseException:
         pool.close()
         raise
+
+
+def _greet(sock: socket.socket, peer: tuple[str, int], authkey: bytes, limit: float,
+           greeted: queue.Queue[tuple[Connection, int]], greeters: threading.BoundedSemaphore) -> None:
+    """One dialer's handshake (on its own thread): an authenticated join goes to `greeted`, anything else is
+    logged and dropped."""
+    try:
+        greeted.put(handshake(sock, authkey, limit=limit))
+    except HandshakeFailed as e:
+        log.warning("dropped a connection from %s:%d to the tensor-parallel control port: %s", peer[0], peer[1], e)
+    finally:
+        greeters.release()

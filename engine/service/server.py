@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import zmq
@@ -43,13 +43,17 @@ from engine.service.parent import PARENT_ENV, parent_pidfd
 from engine.service.publisher import StatsPublisher
 from engine.service.sockets import Sockets
 from engine.service.stats import StatsRecorder
+from engine.structured import GrammarSpec, InvalidGrammar
 from engine.tokenizer import apply_chat_template, max_prompt_chars
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0  # clients with live requests hear from us at least this often
 MAX_DRAIN = 256  # messages handled between two steps, so a flood cannot starve generation
-MAX_ENCODING_PER_CLIENT = 64  # text prompts one connection may queue for the tokenizer (a console's widest fan-out)
+MAX_PREPARING_PER_CLIENT = 64  # requests one connection may have tokenizing or compiling (a console's widest fan-out)
 MAX_RID_LEN = 256
 MAX_ECHOED_RID = 1024  # an invalid rid longer than this is not echoed back in the Error
 REMEMBERED_CLIENTS = 4096  # connections whose number ("client 3") is kept once they have no request live
@@ -67,15 +71,45 @@ class Refused(Exception):
         self.code = code
 
 
+class _GrammarJob:
+    """A request's grammar on the grammar worker; `started` once the worker took it (a grammar's time limit
+    counts from there, not from the queue behind another one)."""
+
+    def __init__(self, llm: LLM, spec: GrammarSpec, worker: ThreadPoolExecutor) -> None:
+        self.started: float | None = None
+        self.compiled = worker.submit(self._compile, llm, spec)
+
+    def _compile(self, llm: LLM, spec: GrammarSpec) -> CompiledGrammar:
+        self.started = time.monotonic()
+        return llm.compile_grammar(spec)
+
+    def overdue(self, now: float, limit: float) -> bool:
+        return not self.compiled.done() and self.started is not None and now - self.started > limit
+
+
 @dataclass
-class _Encoding:
-    """A request whose text prompt the tokenizer worker is still turning into token ids."""
+class _Preparing:
+    """A request not queued yet: its text prompt on the tokenizer worker (token ids are done at once), its
+    grammar, if it has one, on the grammar worker. Neither runs on the loop: their cost is the client's."""
 
     identity: bytes
     ids: Future[list[int]]
+    grammar: _GrammarJob | None
     params: SamplingParams
     arrival: float
     client: str
+
+    @property
+    def stage(self) -> str:
+        return "tokenizing" if not self.ids.done() else "compiling grammar"
+
+    def ready(self) -> bool:
+        return self.ids.done() and (self.grammar is None or self.grammar.compiled.done())
+
+    def cancel(self) -> None:
+        self.ids.cancel()
+        if self.grammar is not None:
+            self.grammar.compiled.cancel()  # a compile under way runs to its end (xgrammar cannot stop it)
 
 
 @dataclass
@@ -95,12 +129,13 @@ class EngineServer:
         self.sockets = sockets
         self.router = sockets.router
         self.options = options
-        self.stats = StatsRecorder(llm)
+        self.stats = StatsRecorder(llm, preparing=self._preparing_rows)
         self.publisher = StatsPublisher(sockets.pub, self.stats.snapshot)
         self.owners: dict[str, bytes] = {}  # live request -> the identity of the client that submitted it
-        self.encoding: dict[str, _Encoding] = {}
+        self.preparing: dict[str, _Preparing] = {}  # in arrival order
         self.answering: deque[_Answer] = deque()  # in the order the one tokenizer worker finishes them
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._max_prompt_chars = max_prompt_chars(llm.tokenizer, llm.max_seq_len)
         self._last_sent: dict[bytes, float] = {}
         self._client_numbers: dict[bytes, int] = {}  # connection -> its number, least recently used first
@@ -131,7 +166,7 @@ class EngineServer:
                 self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
                 busy = self.llm.has_unfinished()
                 self._receive(0 if busy else self._idle_wait_ms())
-                self._admit_encoded()
+                self._admit_prepared()
                 self._answer()
                 if self.llm.has_unfinished():
                     self._deliver(self._step(self.llm.config.use_overlap))
@@ -150,7 +185,7 @@ class EngineServer:
     def _idle_wait_ms(self) -> int:
         """How long an idle loop may block on the sockets: until the next stats snapshot is due while
         someone subscribes, else a heartbeat interval (the health check still runs that often)."""
-        if self.encoding or self.answering:
+        if self.preparing or self.answering:
             return 5
         if self.publisher.listening:
             return self.publisher.wait_ms()
@@ -176,7 +211,7 @@ class EngineServer:
         return protocol.Pong(nonce=ping.nonce, version=engine.__version__, pid=os.getpid(), busy_for=busy_for)
 
     def _live_clients(self) -> set[bytes]:
-        return set(self.owners.values()) | {e.identity for e in self.encoding.values()}
+        return set(self.owners.values()) | {p.identity for p in self.preparing.values()}
 
     def _receive(self, timeout_ms: int) -> None:
         held = self._cover.held  # messages that arrived during the last long step come first, in order
@@ -219,7 +254,8 @@ class EngineServer:
         except protocol.DecodeError as e:
             rid, bad_params = protocol.salvage_rid(body[0]), invalid_params(e)
             if bad_params is not None:  # values that cannot work, rather than a malformed message
-                self._error(identity, "invalid_params", str(bad_params), rid)
+                code = "invalid_grammar" if isinstance(e.__cause__, InvalidGrammar) else "invalid_params"
+                self._error(identity, code, str(bad_params), rid)
             else:
                 self._error(identity, "bad_message", f"not a valid message: {e}", rid)
             return
@@ -254,9 +290,9 @@ class EngineServer:
 
     def _submit(self, identity: bytes, msg: protocol.Submit) -> None:
         rid = _checked_rid(msg.rid)
-        if rid in self.owners or rid in self.encoding or self.llm.request(rid) is not None:
+        if rid in self.owners or rid in self.preparing or self.llm.request(rid) is not None:
             raise Refused("duplicate_request", f"request id {rid!r} is already in use; choose another")
-        waiting = self.llm.num_waiting + len(self.encoding)
+        waiting = self.llm.num_waiting + len(self.preparing)
         if waiting >= self.options.max_waiting_requests:
             raise Refused("overloaded", f"the waiting queue is full ({waiting} requests); retry later")
         given = [p for p in (msg.prompt, msg.messages, msg.token_ids) if p is not None]
@@ -270,26 +306,40 @@ class EngineServer:
         if msg.client is not None and not 0 < len(msg.client) <= protocol.MAX_CLIENT_LABEL:
             raise Refused("invalid_request", f"client must be a label of 1 to {protocol.MAX_CLIENT_LABEL} characters")
         client = msg.client or self._client_label(identity)
-        if msg.token_ids is not None:
+        if msg.token_ids is not None and params.structured is None:
             self._add(identity, rid, msg.token_ids, params, time.monotonic(), client)
-        else:  # text: tokenized off the loop, after size checks that cost nothing
-            messages = msg.messages or []
-            if len(messages) > self.llm.max_seq_len // 2:  # a chat template spends two tokens on a turn at least
-                raise Refused("prompt_too_long", f"the chat has {len(messages)} messages; at most "
-                                                 f"{self.llm.max_seq_len // 2} fit the context")
-            queued = sum(e.identity == identity for e in self.encoding.values())
-            if queued >= MAX_ENCODING_PER_CLIENT:  # one client's prompts must not starve everyone else's
-                raise Refused("overloaded", f"this client already has {queued} prompts waiting to be tokenized "
-                                            f"(at most {MAX_ENCODING_PER_CLIENT}); retry when they are done")
-            chars = len(msg.prompt) if msg.prompt is not None else sum(len(m.content) for m in messages)
-            if chars > self._max_prompt_chars:
-                raise Refused("prompt_too_long", f"the prompt has {chars} characters, more than the "
-                                                 f"{self.llm.max_seq_len - 1} tokens that fit could spell")
-            prompt = msg.prompt if msg.prompt is not None else [msgspec.to_builtins(m) for m in msg.messages or ()]
-            self.encoding[rid] = _Encoding(identity, self._tokenizer.submit(self.llm.encode_prompt, prompt, msg.tools),
-                                           params, time.monotonic(), client)
+        else:  # a text prompt or a grammar: prepared off the loop, after size checks that cost nothing
+            queued = sum(p.identity == identity for p in self.preparing.values())
+            if queued >= MAX_PREPARING_PER_CLIENT:  # one client's prompts must not starve everyone else's
+                raise Refused("overloaded", f"this client already has {queued} requests being tokenized or "
+                                            f"compiled (at most {MAX_PREPARING_PER_CLIENT}); retry when they are done")
+            ids: Future[list[int]] = Future()
+            if msg.token_ids is not None:
+                ids.set_result(msg.token_ids)
+            else:
+                ids = self._tokenizer.submit(self.llm.encode_prompt, self._text_prompt(msg), msg.tools)
+            grammar = None if params.structured is None else _GrammarJob(self.llm, params.structured, self._grammars)
+            self.preparing[rid] = _Preparing(identity, ids, grammar, params, time.monotonic(), client)
         self.stats.submitted += 1
         self.publisher.changed()
+
+    def _preparing_rows(self) -> list[protocol.WaitingReq]:
+        now = time.monotonic()
+        return [protocol.WaitingReq(rid=rid, prompt_tokens=len(p.ids.result()) if p.ids.done() and not
+                                    p.ids.cancelled() else 0, waited=now - p.arrival, reason=p.stage, client=p.client,
+                                    priority=p.params.priority) for rid, p in self.preparing.items()]
+
+    def _text_prompt(self, msg: protocol.Submit) -> str | list[dict]:
+        """The prompt or chat of a Submit, once size checks that cost nothing let it through."""
+        messages = msg.messages or []
+        if len(messages) > self.llm.max_seq_len // 2:  # a chat template spends two tokens on a turn at least
+            raise Refused("prompt_too_long", f"the chat has {len(messages)} messages; at most "
+                                             f"{self.llm.max_seq_len // 2} fit the context")
+        chars = len(msg.prompt) if msg.prompt is not None else sum(len(m.content) for m in messages)
+        if chars > self._max_prompt_chars:
+            raise Refused("prompt_too_long", f"the prompt has {chars} characters, more than the "
+                                             f"{self.llm.max_seq_len - 1} tokens that fit could spell")
+        return msg.prompt if msg.prompt is not None else [msgspec.to_builtins(m) for m in messages]
 
     def _client_label(self, identity: bytes) -> str:
         """A label for a connection that sent none: "client N", numbered in order of first request (an
@@ -304,32 +354,49 @@ class EngineServer:
         return f"client {number}"
 
     def _add(self, identity: bytes, rid: str, ids: list[int], params: SamplingParams, arrival: float,
-             client: str) -> None:
+             client: str, grammar: CompiledGrammar | None = None) -> None:
         try:
-            # timings count the time spent tokenizing
-            self.llm.add_request(ids, params, rid, arrival_time=arrival, client=client)
+            # timings count the time spent tokenizing and compiling
+            self.llm.add_request(ids, params, rid, arrival_time=arrival, client=client, grammar=grammar)
         except PromptTooLong as e:
             raise Refused("prompt_too_long", str(e)) from e
         except ValueError as e:
             raise Refused("invalid_request", str(e)) from e
         self.owners[rid] = identity
 
-    def _admit_encoded(self) -> None:
-        """Queue the requests whose prompts are tokenized, in arrival order (one worker: FIFO)."""
-        while self.encoding:
-            rid, enc = next(iter(self.encoding.items()))
-            if not enc.ids.done():
-                return
-            del self.encoding[rid]
+    def _admit_prepared(self) -> None:
+        """Queue the requests whose prompt and grammar are ready, in arrival order among them (a grammar still
+        compiling holds back only its own request); refuse a grammar that has compiled for too long."""
+        now = time.monotonic()
+        for rid, prep in list(self.preparing.items()):
+            limit = self.options.grammar_time_limit
+            if prep.grammar is not None and prep.grammar.overdue(now, limit):
+                del self.preparing[rid]
+                self._error(prep.identity, "invalid_grammar", f"structured: the grammar did not compile within "
+                                                              f"{limit:g} s (this engine's --grammar-time-limit); "
+                                                              "simplify it", rid)
+                continue
+            if not prep.ready():
+                continue
+            del self.preparing[rid]
             try:
-                self._add(enc.identity, rid, enc.ids.result(), enc.params, enc.arrival, enc.client)
+                grammar = None if prep.grammar is None else prep.grammar.compiled.result()
+            except ValueError as e:  # InvalidParams: the grammar does not compile
+                self._error(prep.identity, "invalid_grammar", str(e), rid)
+                continue
+            except Exception as e:
+                log.exception("internal error compiling the grammar of request %s", rid)
+                self._error(prep.identity, "internal", f"{type(e).__name__}: {e}", rid)
+                continue
+            try:
+                self._add(prep.identity, rid, prep.ids.result(), prep.params, prep.arrival, prep.client, grammar)
             except ValueError as e:
-                self._error(enc.identity, "invalid_request", str(e), rid)
+                self._error(prep.identity, "invalid_request", str(e), rid)
             except Refused as e:
-                self._error(enc.identity, e.code, str(e), rid)
+                self._error(prep.identity, e.code, str(e), rid)
             except Exception as e:
                 log.exception("internal error tokenizing request %s", rid)
-                self._error(enc.identity, "internal", f"{type(e).__name__}: {e}", rid)
+                self._error(prep.identity, "internal", f"{type(e).__name__}: {e}", rid)
 
     def _tokenize(self, identity: bytes, msg: protocol.Tokenize) -> None:
         """Token ids as a Submit of the same prompt gets them (the same code on the same worker thread)."""
@@ -400,9 +467,9 @@ class EngineServer:
         """One request as an operator sees it; "gone" when it is not live (no error: it may have ended
         a moment ago)."""
         now = time.monotonic()
-        if (enc := self.encoding.get(msg.rid)) is not None:
-            return protocol.Description(rid=msg.rid, state="tokenizing", client=enc.client, params=enc.params,
-                                        age=now - enc.arrival)
+        if (prep := self.preparing.get(msg.rid)) is not None:
+            return protocol.Description(rid=msg.rid, state=prep.stage, client=prep.client, params=prep.params,
+                                        age=now - prep.arrival)
         d = self.llm.describe(msg.rid, msg.text_from)
         if d is None:
             return protocol.Description(rid=msg.rid[:MAX_ECHOED_RID], state="gone")
@@ -429,12 +496,12 @@ class EngineServer:
     def _abort_request(self, rid: str) -> None:
         """Abort now: the scheduler counts it at once and frees the slot and pages as soon as no step in
         flight uses them (at once, or after the step running now); the Final goes out after the next step.
-        A request still being tokenized holds nothing: its Final goes out at once."""
-        enc = self.encoding.pop(rid, None)
-        if enc is not None:
-            enc.ids.cancel()
+        A request still being tokenized or compiled holds nothing: its Final goes out at once."""
+        prep = self.preparing.pop(rid, None)
+        if prep is not None:
+            prep.cancel()
             self.stats.unscheduled_aborts += 1
-            self._send(enc.identity, protocol.Outputs(items=[_final_unstarted(rid, enc.arrival)]))
+            self._send(prep.identity, protocol.Outputs(items=[_final_unstarted(rid, prep.arrival)]))
         else:
             self.llm.abort(rid)
         self.publisher.changed()
@@ -477,8 +544,8 @@ class EngineServer:
         self._send(identity, protocol.Error(code=code, message=message, rid=rid))
 
     def _drop_client(self, identity: bytes, why: str) -> None:
-        for rid in [rid for rid, enc in self.encoding.items() if enc.identity == identity]:
-            self.encoding.pop(rid).ids.cancel()
+        for rid in [rid for rid, prep in self.preparing.items() if prep.identity == identity]:
+            self.preparing.pop(rid).cancel()
             self.stats.unscheduled_aborts += 1
         rids = [rid for rid, owner in self.owners.items() if owner == identity]
         for rid in rids:
@@ -518,11 +585,12 @@ class EngineServer:
     # -- shutdown ---------------------------------------------------------------------------------
     def _shutdown(self) -> None:
         """Abort everything in flight, tell each owner with a Final, publish a last snapshot."""
-        rids = [*self.owners, *self.encoding]
+        rids = [*self.owners, *self.preparing]
         for rid in rids:
             with contextlib.suppress(ValueError):
                 self._abort_request(rid)
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
+        self._grammars.shutdown(wait=False, cancel_futures=True)
         while self.llm.has_unfinished():
             self._deliver(self._step())
         self.publisher.publish(idle=True, force=True)

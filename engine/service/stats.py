@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.outputs import Final
@@ -35,8 +36,11 @@ class StatsRecorder:
     """Counts what the server did (submissions, refusals), remembers the last `history` steps, and turns
     the scheduler's read-only snapshot into a complete `Stats` message."""
 
-    def __init__(self, llm: LLM, history: int = 32) -> None:
+    def __init__(self, llm: LLM, history: int = 32, preparing: Callable[[], list[WaitingReq]] = list) -> None:
+        """`preparing`: the requests not queued yet (tokenizing, compiling their grammar), listed first among
+        the waiting, with that as their reason."""
         self.llm = llm
+        self.preparing = preparing
         self.start = time.monotonic()
         self.seq = 0
         self.submitted = self.errors = self.steps = 0
@@ -112,9 +116,11 @@ class StatsRecorder:
             self._full_seq, self._full_at, self._full_runs = self.seq, now, len(snap.pages.runs)
             self._full_wanted = False
         return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=self.llm.checkpoint.name,
-                     waiting=[WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens, waited=now - w.arrival_time,
-                                         reason=w.reason, priority=w.priority, retractions=w.retractions,
-                                         generated=w.generated, client=w.client) for w in snap.waiting],
+                     waiting=[*self.preparing(), *(WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens,
+                                                              waited=now - w.arrival_time, reason=w.reason,
+                                                              priority=w.priority, retractions=w.retractions,
+                                                              generated=w.generated, client=w.client)
+                                                   for w in snap.waiting)],
                      running=[RunningReq(rid=r.rid, slot=r.slot, state=r.state, prompt_tokens=r.prompt_tokens,
                                          prefilled=r.prefilled, generated=r.generated, max_tokens=r.max_tokens,
                                          pages=r.pages, priority=r.priority, retractions=r.retractions,

@@ -42,6 +42,7 @@ from engine.service.http.metrics import RequestTimer
 from engine.service.http.schemas import EngineRequest, GenerationRequest
 from engine.service.http.state import ApiState, api_error, engine_call
 from engine.service.protocol import MAX_CLIENT_LABEL
+from engine.structured import InvalidGrammar
 from engine.tools import ToolCallStreamParser, ToolFormat, parse_tool_calls
 
 log = logging.getLogger("minichat.http")
@@ -370,10 +371,10 @@ async def respond(state: ApiState, request: Request, body: GenerationRequest, sh
     info = await state.info()
     try:
         requests = body.engine_requests(info.max_seq_len, cast("ToolFormat | None", info.tool_format))
-    except InvalidParams as e:  # values pydantic let through that the engine cannot use, in its words
+    except (InvalidParams, InvalidGrammar) as e:  # values pydantic let through that the engine cannot use
         field = re.split(r"[ :]", str(e), maxsplit=1)[0]  # a sentence that starts with a field's name names it
         raise ApiError(400, str(e), param=field if field in type(body).model_fields else None,
-                       code="invalid_params") from e
+                       code="invalid_grammar" if isinstance(e, InvalidGrammar) else "invalid_params") from e
     count_prompt = body.stream and body.usage_in_every_chunk
     echo = await _echo_texts(state, body, requests)
     generations = await start_all(state, request, shape.endpoint, requests, count_prompt)

@@ -18,12 +18,22 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from engine.params import MAX_LOGPROBS, MAX_N, InvalidParams, SamplingParams
 from engine.prompt import ChatMessage, Prompt, Tools
-from engine.structured import GrammarSpec
+from engine.structured import GrammarSpec, InvalidGrammar
 from engine.tools import InvalidTools, ToolFormat, forced_tool_grammar, tool_functions
 
 T = TypeVar("T")
@@ -129,6 +139,13 @@ class GenerationRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):  # OpenAI and vLLM refuse it too
+            raise ValueError("stream_options is only allowed when 'stream' is true")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -141,12 +158,12 @@ class GenerationRequest(BaseModel):
         fmt, so = self.response_format, self.structured_outputs
         asked: list[tuple[str, GrammarSpec]] = []
         if fmt is not None and fmt.type == "json_object":
-            asked.append(("response_format", GrammarSpec(kind="json_object")))
+            asked.append(("response_format", _grammar("response_format", "json_object", "")))
         if fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise ValueError("response_format: json_schema needs its 'json_schema' object with a 'schema'")
             schema = json.dumps(fmt.json_schema.schema_)
-            asked.append(("response_format", GrammarSpec(kind="json_schema", value=schema)))
+            asked.append(("response_format", _grammar("response_format", "json_schema", schema)))
         for name, kind, value in (("guided_json", "json_schema", self.guided_json),
                                   ("guided_regex", "regex", self.guided_regex),
                                   ("guided_choice", "choice", self.guided_choice),
@@ -157,7 +174,7 @@ class GenerationRequest(BaseModel):
                                   ("structured_outputs", "grammar", so and so.grammar)):
             if value is not None:
                 text = value if isinstance(value, (str, list)) else json.dumps(value)
-                asked.append((name, GrammarSpec(kind=kind, value=text)))  # type: ignore[arg-type]
+                asked.append((name, _grammar(name, kind, text)))
         if len(asked) > 1:
             raise ValueError(f"ask for one output structure, not {len(asked)} ({', '.join(n for n, _ in asked)})")
         return asked[0][1] if asked else None
@@ -201,6 +218,8 @@ class GenerationRequest(BaseModel):
         logprobs, prompt_logprobs = self.logprob_counts()
         try:
             structured = self.structured()
+        except InvalidGrammar:
+            raise
         except ValueError as e:
             raise InvalidParams(str(e)) from e
         if forced is not None and structured is not None:
@@ -338,6 +357,14 @@ class ChatCompletionRequest(GenerationRequest):
 
     def prompts(self) -> list[Prompt]:
         return [_chat(self.messages)]
+
+
+def _grammar(field: str, kind: str, value: str | list[str]) -> GrammarSpec:
+    """The GrammarSpec a field asks for; InvalidGrammar naming the field when its shape or size is refused."""
+    try:
+        return GrammarSpec(kind=kind, value=value)  # type: ignore[arg-type]
+    except InvalidGrammar as e:
+        raise InvalidGrammar(f"{field}: {e}") from None
 
 
 def _prompt_shape(value: Any) -> str | None:

@@ -20,8 +20,8 @@ from engine.service.protocol import Info
 T = TypeVar("T")
 
 # engine error code -> HTTP status; anything else is our bug or the engine's (500)
-ENGINE_STATUS = {"invalid_request": 400, "invalid_params": 400, "prompt_too_long": 400, "bad_message": 400,
-                 "too_large": 413, "overloaded": 503}
+ENGINE_STATUS = {"invalid_request": 400, "invalid_params": 400, "invalid_grammar": 400, "prompt_too_long": 400,
+                 "bad_message": 400, "too_large": 413, "overloaded": 503}
 
 
 @dataclass
