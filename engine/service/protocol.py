@@ -194,10 +194,11 @@ class Text(_EngineMsg, tag="text"):
 
 class Description(_EngineMsg, tag="description"):
     """Answers `Describe`: one request as an operator wants to see it. `state` is "tokenizing" (its text
-    prompt is being tokenized), "compiling grammar" (its grammar is, off the engine's loop), "waiting", "prefilling", "running", or "gone" (finished, aborted, or
-    never known; every other field is then empty). Times are seconds since it arrived; the prompt
-    comes as the text of its first and last 48 tokens (`prompt_tail` empty when the head is all of
-    it); `output` is its text so far from the asker's `text_from` on, `output_chars` the whole length."""
+    prompt is being tokenized), "compiling grammar" (its grammar is, off the engine's loop), "waiting",
+    "prefilling", "running", or "gone" (finished, aborted, or never known; every other field is then empty).
+    Times are seconds since it arrived; the prompt comes as the text of its first and last 48 tokens
+    (`prompt_tail` empty when the head is all of it); `output` is its text so far from the asker's
+    `text_from` on, `output_chars` the whole length."""
 
     rid: str
     state: str

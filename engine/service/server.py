@@ -324,10 +324,11 @@ class EngineServer:
         self.publisher.changed()
 
     def _preparing_rows(self) -> list[protocol.WaitingReq]:
+        """The requests not queued yet, as the snapshot's first waiting rows (their reason: what they wait for)."""
         now = time.monotonic()
-        return [protocol.WaitingReq(rid=rid, prompt_tokens=len(p.ids.result()) if p.ids.done() and not
-                                    p.ids.cancelled() else 0, waited=now - p.arrival, reason=p.stage, client=p.client,
-                                    priority=p.params.priority) for rid, p in self.preparing.items()]
+        return [protocol.WaitingReq(rid=rid, prompt_tokens=_token_count(p.ids), waited=now - p.arrival,
+                                    reason=p.stage, client=p.client, priority=p.params.priority)
+                for rid, p in self.preparing.items()]
 
     def _text_prompt(self, msg: protocol.Submit) -> str | list[dict]:
         """The prompt or chat of a Submit, once size checks that cost nothing let it through."""
@@ -653,3 +654,8 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
 def _install(handler: Callable[[int, object], None]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
+
+
+def _token_count(ids: Future[list[int]]) -> int:
+    """How many tokens a prompt being prepared has: 0 while it is tokenized, or when tokenizing failed."""
+    return len(ids.result()) if ids.done() and not ids.cancelled() and ids.exception() is None else 0
