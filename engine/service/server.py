@@ -4,8 +4,9 @@ publisher.py), overlapped or not (see engine/loop.py).
 The loop blocks on the socket only when the scheduler has nothing to do; otherwise it drains
 whatever messages arrived and runs the next step. Every message is validated; a bad one (or any
 exception while handling one) gets an `Error` reply and the engine carries on. Text prompts are
-tokenized on a worker thread (tokenizers releases the GIL), so a huge prompt never stalls the loop,
-and so are `tokenize` / `detokenize` calls; ping / shutdown stay answered under any load. A client
+tokenized on a worker thread (tokenizers releases the GIL) and grammars compiled on another (xgrammar
+releases it too, within --grammar-time-limit), so neither a huge prompt nor a costly grammar stalls the
+loop, and so are `tokenize` / `detokenize` calls; ping / shutdown stay answered under any load. A client
 that disappears (a send to it fails: ROUTER is in mandatory mode, so a vanished peer is an error, not
 a silent drop) has its requests aborted, which frees their request slots and KV pages.
 """
