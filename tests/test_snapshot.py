@@ -214,3 +214,22 @@ def test_each_new_subscriber_is_sent_every_page(llama_ckpt, tmp_path):
         assert asked.count(True) == 2 and asked[0] is True  # one per subscriber
     finally:
         ctx.destroy(linger=0)
+
+
+def test_an_aborted_requests_final_in_an_idle_step_is_recorded(llama_ckpt):
+    """A request aborted after its first token ends in a Final that an idle step carries (nothing left to run);
+    the recorder sees it too, so it holds no request that has ended (it used to keep each such id for good)."""
+    llm = LLM(str(llama_ckpt))
+    recorder = StatsRecorder(llm)
+    rid = llm.add_request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    while not (result := llm.step()).outputs:
+        recorder.record_step(result)
+    recorder.record_step(result)  # its first token: the recorder now follows it
+    llm.abort(rid)
+    ended = []
+    while llm.has_unfinished() or not ended:
+        result = llm.step()
+        ended += [o for o in result.outputs if o.finished]
+        recorder.record_step(result)
+    assert [o.rid for o in ended] == [rid] and result.kind == "idle"
+    assert not recorder._started

@@ -56,15 +56,15 @@ class StatsRecorder:
         self._full_wanted = False  # a new subscriber asked for one that FULL_SPACING has held back
 
     def record_step(self, result: StepResult) -> None:
+        now = time.monotonic()
+        self._record_ttfts(result, now)  # an idle result still carries the Finals of aborted requests
         if result.kind == "idle":
             return
-        now = time.monotonic()
         self.steps += 1
         self.recent.append(StepRecord(index=self.steps, kind=result.kind, rids=result.rids,
                                       num_tokens=result.num_tokens, duration=result.duration,
                                       at=now - self.start))
         self._window.append((now, result.num_prefill_tokens, result.num_decode_tokens))
-        self._record_ttfts(result, now)
 
     def _record_ttfts(self, result: StepResult, now: float) -> None:
         """The TTFT of each request whose first token this step made: from its Final if it ended at once,
