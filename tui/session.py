@@ -147,9 +147,11 @@ def encodable(text: str) -> str:
     """`text` as any encoding can carry it: UTF-16 surrogate halves that pair (a paste from some terminals) are
     joined into their character, a lone half (which no encoding can write: SQLite refuses it) becomes U+FFFD,
     visibly, where the text enters rather than failing every later save of it."""
-    if all(c < "\ud800" or c > "\udfff" for c in text):
-        return text
-    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return text
 
 
 def title_from(prompt: str, width: int = TITLE_WIDTH) -> str:

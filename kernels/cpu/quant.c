@@ -322,6 +322,20 @@ static inline __attribute__((always_inline)) void dequantize_row(int type, const
     }
 }
 
+/* One lane of a panel as float32, through the row loop specialised for its format (a constant type each). */
+static void dequantize_lane(int type, const uint8_t *panel, int lane, int64_t k, float *out) {
+    switch (type) {
+    case T_Q4_0: dequantize_row(T_Q4_0, panel, lane, k, out); break;
+    case T_Q4_1: dequantize_row(T_Q4_1, panel, lane, k, out); break;
+    case T_Q5_0: dequantize_row(T_Q5_0, panel, lane, k, out); break;
+    case T_Q5_1: dequantize_row(T_Q5_1, panel, lane, k, out); break;
+    case T_Q8_0: dequantize_row(T_Q8_0, panel, lane, k, out); break;
+    case T_Q4_K: dequantize_row(T_Q4_K, panel, lane, k, out); break;
+    case T_Q5_K: dequantize_row(T_Q5_K, panel, lane, k, out); break;
+    default: dequantize_row(T_Q6_K, panel, lane, k, out); break;
+    }
+}
+
 /* out[r] = row ids[r] (ids NULL: row r) of repacked `w`, `rows` of them, as float32. */
 void q_dequantize(float *out, const uint8_t *w, int64_t k, const int64_t *ids, int64_t rows, int32_t type) {
     const int64_t pbytes = q_panel_bytes(type, k);
@@ -329,17 +343,7 @@ void q_dequantize(float *out, const uint8_t *w, int64_t k, const int64_t *ids, i
     for (int64_t r = 0; r < rows; r++) {
         const int64_t row = ids ? ids[r] : r;
         const uint8_t *panel = w + row / PANEL * pbytes;
-        const int lane = (int)(row % PANEL);
-        switch (type) { /* one specialised loop per format */
-        case T_Q4_0: dequantize_row(T_Q4_0, panel, lane, k, out + r * k); break;
-        case T_Q4_1: dequantize_row(T_Q4_1, panel, lane, k, out + r * k); break;
-        case T_Q5_0: dequantize_row(T_Q5_0, panel, lane, k, out + r * k); break;
-        case T_Q5_1: dequantize_row(T_Q5_1, panel, lane, k, out + r * k); break;
-        case T_Q8_0: dequantize_row(T_Q8_0, panel, lane, k, out + r * k); break;
-        case T_Q4_K: dequantize_row(T_Q4_K, panel, lane, k, out + r * k); break;
-        case T_Q5_K: dequantize_row(T_Q5_K, panel, lane, k, out + r * k); break;
-        default: dequantize_row(T_Q6_K, panel, lane, k, out + r * k); break;
-        }
+        dequantize_lane(type, panel, (int)(row % PANEL), k, out + r * k);
     }
 }
 
@@ -779,18 +783,7 @@ void q_dequantize_dense(float *out, const segment *segs, int64_t nseg, int64_t k
         default: panel_dense(T_Q6_K, panel, k, width, o); break;
         }
 #else
-        for (int lane = 0; lane < width; lane++) {
-            switch (seg->type) {
-            case T_Q4_0: dequantize_row(T_Q4_0, panel, lane, k, o + lane * k); break;
-            case T_Q4_1: dequantize_row(T_Q4_1, panel, lane, k, o + lane * k); break;
-            case T_Q5_0: dequantize_row(T_Q5_0, panel, lane, k, o + lane * k); break;
-            case T_Q5_1: dequantize_row(T_Q5_1, panel, lane, k, o + lane * k); break;
-            case T_Q8_0: dequantize_row(T_Q8_0, panel, lane, k, o + lane * k); break;
-            case T_Q4_K: dequantize_row(T_Q4_K, panel, lane, k, o + lane * k); break;
-            case T_Q5_K: dequantize_row(T_Q5_K, panel, lane, k, o + lane * k); break;
-            default: dequantize_row(T_Q6_K, panel, lane, k, o + lane * k); break;
-            }
-        }
+        for (int lane = 0; lane < width; lane++) dequantize_lane(seg->type, panel, lane, k, o + lane * k);
 #endif
     }
 }
