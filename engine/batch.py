@@ -1,6 +1,7 @@
 """What one step hands from the scheduler to the model runner, and back.
 
-`Scheduler.schedule()` builds a `ForwardBatch`; `ModelRunner.run(batch)` returns a `ForwardOutput`;
+`Scheduler.schedule()` decides a step and has `build_batch` (engine/scheduler/batch_builder.py) make
+its `ForwardBatch`; `ModelRunner.run(batch)` returns a `ForwardOutput`;
 `Scheduler.process(batch, output)` turns it into a `StepResult`. The batch is a plain dataclass of
 tensors and small host lists, so it can be built while the previous step still runs (overlap) and
 sent to other ranks (tensor parallelism): `run` reads only the tensors, the sampling lists and the
@@ -46,6 +47,11 @@ class ForwardBatch:
     # position order: `logits_select` lists the sampled rows' places, then the prompt rows'.
     logits_select: torch.Tensor | None = None
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (index in reqs, positions scored)
+
+    @property
+    def sampled_reqs(self) -> list[Req]:
+        """The requests that sample this step, in sampling-row order (host side)."""
+        return [self.reqs[i] for i in self.sample_rows]
 
 
 @dataclass

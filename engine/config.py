@@ -94,27 +94,38 @@ class EngineConfig:
     dequantize: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        if self.linear_dtype not in LINEAR_DTYPES:
-            raise ValueError(f"linear_dtype must be one of {', '.join(LINEAR_DTYPES)}; got {self.linear_dtype!r}")
+        self._check_choices()
+        self._check_counts()
+        self._check_nodes()
+        if self.quantization is not None and self.dequantize:
+            raise ValueError("quantization and dequantize contradict each other: choose one")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
+
+    def _check_choices(self) -> None:
+        """The fields that name one of a few choices."""
+        for name, allowed in (("dtype", DTYPES), ("linear_dtype", LINEAR_DTYPES), ("admission", ADMISSIONS),
+                              ("schedule_policy", SCHEDULE_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None); "
+                             f"got {self.quantization!r}")
+
+    def _check_counts(self) -> None:
+        """The sizes and limits, each at least 1 where given."""
         for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tensor_parallel_size",
-                     "cuda_graph_max_bs"):
+                     "cuda_graph_max_bs", "max_wait_steps", "max_consecutive_prefills"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1 (or None to size the pool automatically); "
                              f"got {self.num_pages}")
-        if self.admission not in ADMISSIONS:
-            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}; got {self.admission!r}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; "
-                             f"got {self.schedule_policy!r}")
-        for name in ("max_wait_steps", "max_consecutive_prefills"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1 (or None: as many as suit the machine); got {self.threads}")
+
+    def _check_nodes(self) -> None:
+        """How the tensor-parallel ranks spread over machines."""
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes) and nnodes at least 1; got node_rank "
                              f"{self.node_rank} of nnodes {self.nnodes}")
@@ -123,13 +134,6 @@ class EngineConfig:
                              f"{self.nnodes} (each node runs the same number of ranks)")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT: where node 0 meets the others")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None); "
-                             f"got {self.quantization!r}")
-        if self.quantization is not None and self.dequantize:
-            raise ValueError("quantization and dequantize contradict each other: choose one")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
 
     @property
     def request_slots(self) -> int:

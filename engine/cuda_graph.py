@@ -3,7 +3,7 @@
 A decode step launches a few kernels per layer, each tiny at small batch sizes, so on a GPU the
 launches cost more than the work; replaying a captured graph launches them all at once. The graphs
 read fixed (static) buffers: input ids, positions, and the attention metadata (`kv_indptr`,
-`kv_indices`, `out_slots`) sized for the largest bucket. Before a replay the step's values are copied
+`kv_indices`, `out_locs`) sized for the largest bucket. Before a replay the step's values are copied
 in, and the rows between the batch size and its bucket are padding: one key each, at a scratch KV
 slot that no request owns, which is also where their new K/V are written. Buckets are captured
 largest first into one shared memory pool, so the smaller graphs reuse the largest one's memory.
@@ -40,12 +40,12 @@ class DecodeGraphs:
     """Decode forward passes for every bucket up to `max_bs` requests of at most `max_seq_len` tokens."""
 
     def __init__(self, model: CausalLM, kv: KVPool, backend: AttentionBackend, max_bs: int, max_seq_len: int,
-                 scratch_slot: int, device: torch.device, capture: bool = True) -> None:
+                 scratch_loc: int, device: torch.device, capture: bool = True) -> None:
         if not backend.supports_cuda_graph:
             raise ValueError(f"{type(backend).__name__} does not support CUDA graphs")
         self.model, self.kv, self.backend = model, kv, backend
         self.buckets = graph_buckets(max_bs)
-        self.scratch_slot = scratch_slot
+        self.scratch_loc = scratch_loc
         n = self.buckets[-1]
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(n, dtype=i64, device=device)
@@ -54,8 +54,8 @@ class DecodeGraphs:
         self.steps = torch.arange(n + 1, dtype=i32, device=device)
         self.logits_index = torch.arange(n, dtype=i64, device=device)  # every row of a decode step is sampled
         self.kv_indptr = torch.arange(n + 1, dtype=i32, device=device)
-        self.kv_indices = torch.full((n * max_seq_len,), scratch_slot, dtype=i32, device=device)
-        self.out_slots = torch.full((n,), scratch_slot, dtype=i64, device=device)
+        self.kv_indices = torch.full((n * max_seq_len,), scratch_loc, dtype=i32, device=device)
+        self.out_locs = torch.full((n,), scratch_loc, dtype=i64, device=device)
         self.metas = {bs: self._static_meta(bs) for bs in self.buckets}
         self.states = {bs: backend.capture_state(self.metas[bs]) for bs in self.buckets}
         self.runs: dict[int, Callable[[], torch.Tensor]] = {}
@@ -68,7 +68,7 @@ class DecodeGraphs:
         empty = torch.empty(0, dtype=torch.int64, device=self.steps.device)
         indices = RaggedIndices(qo_indptr=self.steps[: bs + 1], kv_indptr=self.kv_indptr[: bs + 1],
                                 kv_indices=self.kv_indices, prefix_lens=self.steps[:bs])
-        return AttentionMetadata(q_lens=[1] * bs, kv_lens=[1] * bs, out_slots=self.out_slots[:bs], rows=empty,
+        return AttentionMetadata(q_lens=[1] * bs, kv_lens=[1] * bs, out_locs=self.out_locs[:bs], rows=empty,
                                  table=empty, indices=indices)
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -108,14 +108,14 @@ class DecodeGraphs:
         pad = bucket - bs
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
-        self.out_slots[:bs].copy_(meta.out_slots)
+        self.out_locs[:bs].copy_(meta.out_locs)
         self.kv_indptr[: bs + 1].copy_(meta.kv_indptr)
         self.kv_indices[:num_kv].copy_(meta.kv_indices)
         if pad:
             self.input_ids[bs:bucket].zero_()
             self.positions[bs:bucket].zero_()
-            self.out_slots[bs:bucket].fill_(self.scratch_slot)
+            self.out_locs[bs:bucket].fill_(self.scratch_loc)
             torch.add(self.steps[1 : pad + 1], num_kv, out=self.kv_indptr[bs + 1 : bucket + 1])
-            self.kv_indices[num_kv : num_kv + pad].fill_(self.scratch_slot)
+            self.kv_indices[num_kv : num_kv + pad].fill_(self.scratch_loc)
         self.backend.replay_prepare(self.states[bucket], self.metas[bucket])
         return self.runs[bucket]()[:bs]

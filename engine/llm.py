@@ -18,7 +18,6 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.distributed import TensorParallel
-from engine.distributed.node import Meeting
 from engine.distributed.workers import WorkerPool, launch
 from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
@@ -57,7 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 def _kv_budget_bytes(config: EngineConfig) -> int:
     """Memory for the KV pool when the user gave no page count."""
     if config.kv_memory_gb is not None:
@@ -70,30 +68,33 @@ def _kv_budget_bytes(config: EngineConfig) -> int:
     return min(2**30, available // 8)
 
 
+def _ranks_here(config: EngineConfig) -> int:
+    """The tensor-parallel ranks this machine runs; ValueError where it is not the engine's node or lacks the
+    devices."""
+    per_node = config.tensor_parallel_size // config.nnodes
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {config.device!r} requested but CUDA is not available; use device='cpu'")
+    if config.node_rank != 0:
+        raise ValueError("an engine runs on node 0; a node of rank > 0 only runs its ranks "
+                         "(engine/distributed/node.py: minichat serve --node-rank N)")
+    if config.device.startswith("cuda") and \
+            torch.cuda.device_count() < (torch.device(config.device).index or 0) + per_node:
+        raise ValueError(f"{per_node} tensor-parallel ranks on this node need that many GPUs from "
+                         f"{config.device}; this machine has {torch.cuda.device_count()}")
+    return per_node
+
+
 class LLM:
     """Load a checkpoint and serve requests through the continuous-batching scheduler, in process."""
 
-    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", page_size: int = 16,
-                 num_pages: int | None = None, max_running_requests: int | None = None, max_prefill_tokens: int = 2048,
-                 seed: int | None = None, **options: Any) -> None:
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = set(options) - known
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """`model`: a checkpoint directory, a GGUF file or a hub id (None: the embedded demo model); `options`:
+        EngineConfig's fields, whose defaults and limits are defined there alone."""
+        unknown = set(options) - {f.name for f in fields(EngineConfig)}
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        self.config = EngineConfig(model=model, device=device, dtype=dtype, page_size=page_size,
-                                   num_pages=num_pages, max_running_requests=max_running_requests,
-                                   max_prefill_tokens=max_prefill_tokens, seed=seed, **options)
-        cfg = self.config
-        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {cfg.device!r} requested but CUDA is not available; use device='cpu'")
-        per_node = cfg.tensor_parallel_size // cfg.nnodes  # the ranks this machine runs
-        if cfg.node_rank != 0:
-            raise ValueError("an engine runs on node 0; a node of rank > 0 only runs its ranks "
-                             "(engine/distributed/node.py: minichat serve --node-rank N)")
-        if cfg.device.startswith("cuda") and torch.cuda.device_count() < (torch.device(cfg.device).index or 0) + \
-                per_node:
-            raise ValueError(f"{per_node} tensor-parallel ranks on this node need that many GPUs from "
-                             f"{cfg.device}; this machine has {torch.cuda.device_count()}")
+        self.config = cfg = EngineConfig(model=model, **options)
+        per_node = _ranks_here(cfg)
         self.device = torch.device(cfg.device)
         self.checkpoint = resolve_checkpoint(cfg.model_path)
         self.tp = TensorParallel()
@@ -109,10 +110,7 @@ class LLM:
         if cfg.tensor_parallel_size > 1:
             spec = model_spec(self.checkpoint, load_hf_config(self.checkpoint))
             check_shardable(spec, cfg.tensor_parallel_size)
-            self.tp, self.workers = launch(cfg.tensor_parallel_size, spec, str(self.checkpoint.path),
-                                           LoadOptions.of(cfg), cfg.page_size, cfg.attention_backend, threads,
-                                           nnodes=cfg.nnodes,
-                                           meeting=Meeting.parse(cfg.dist_init_addr) if cfg.dist_init_addr else None)
+            self.tp, self.workers = launch(cfg, spec, str(self.checkpoint.path), threads)
         try:
             self._build()
         except BaseException:
@@ -158,11 +156,9 @@ class LLM:
             graphs = DecodeGraphs(self.model, self.kv, backend, cfg.graph_max_bs,
                                   self.max_seq_len, num_pages * cfg.page_size, self.device,
                                   capture=self.device.type == "cuda")
-        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, self.tp, self.workers,
-                                  graphs, self.governor)
-        self.scheduler = Scheduler(self.runner, self.cache, self.table, cfg.max_prefill_tokens, self.eos_ids,
-                                   cfg.mixed_batches, cfg.admission, cfg.schedule_policy, cfg.max_wait_steps,
-                                   cfg.max_consecutive_prefills, self._token_text)
+        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, tp=self.tp,
+                                  workers=self.workers, graphs=graphs, governor=self.governor)
+        self.scheduler = Scheduler(self.runner, self.cache, self.table, self.eos_ids, cfg, self._token_text)
         self.loop = StepLoop(self.scheduler, self.runner)
         # requests without a seed draw one from here: from `seed` (reproducible runs), else from the OS, so
         # replicas behind a gateway do not sample in lockstep
@@ -295,7 +291,7 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def describe(self, rid: str, text_from: int = 0) -> RequestDetail | None:
+    def describe(self, rid: str, text_from: int = 0) -> RequestDetail[tuple[int, ...]] | None:
         """One live request in detail (Scheduler.describe); None when it is not live."""
         return self.scheduler.describe(rid, text_from)
 

@@ -71,6 +71,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def validate(self) -> None:
         """Raise InvalidParams saying what to change; also called on submit (the fields are mutable)."""
+        self._check_sampling()
+        self._check_limits()
+        self._check_stop()
+
+    def _check_sampling(self) -> None:
+        """The output budget and how each token is picked."""
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             raise InvalidParams(f"max_tokens must be an integer >= 0; got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -93,6 +99,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                        for t, b in self.logit_bias.items())):
             raise InvalidParams(f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids (>= 0) to biases in "
                                 f"[-100, 100]; got {_logit_bias_shown(self.logit_bias)}")
+
+    def _check_limits(self) -> None:
+        """When EOS may end a request, how many choices and log-probabilities it asks for, its seed and priority."""
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidParams(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]; "
                                 f"got {self.min_tokens!r}")
@@ -112,6 +121,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise InvalidParams(f"seed must be an integer in [-2**63, 2**64); got {self.seed!r}")
         if not _is_int(self.priority) or not PRIORITY_RANGE[0] <= self.priority < PRIORITY_RANGE[1]:
             raise InvalidParams(f"priority must be an integer in [-2**31, 2**31); got {self.priority!r}")
+
+    def _check_stop(self) -> None:
+        """Stop strings, within the caps; one string given bare becomes a list of one."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:

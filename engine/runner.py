@@ -29,7 +29,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, kv: KVPool, table: RequestTable, backend: AttentionBackend,
-                 device: torch.device, tp: TensorParallel | None = None, workers: WorkerPool | None = None,
+                 device: torch.device, *, tp: TensorParallel | None = None, workers: WorkerPool | None = None,
                  graphs: DecodeGraphs | None = None, governor: ThreadGovernor | None = None) -> None:
         self.model = model
         self.governor = governor  # CPU: the thread team for each step (engine/threads.py)

@@ -139,14 +139,6 @@ def _depth(doc: Any) -> int:
     return deepest
 
 
-def xgrammar_available() -> bool:
-    """Whether structured output can work here (the engine may say so in its info, the API in a 400)."""
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 def _xgr() -> Any:
     try:

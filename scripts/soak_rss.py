@@ -13,6 +13,7 @@ engine is checked idle with every page free.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import statistics
@@ -24,7 +25,7 @@ from pathlib import Path
 from engine.params import SamplingParams
 from engine.service.client import EngineClient, EngineError
 from engine.service.launcher import start
-from engine.structured import GrammarSpec, xgrammar_available
+from engine.structured import GrammarSpec
 
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                      "n": {"type": "integer"}}, "required": ["name", "n"]})
@@ -69,7 +70,8 @@ def main() -> None:
     options = {"model": args.model} if args.model else {}
     handle = start(address, timeout=300, **options)
     stop, done = threading.Event(), [0]
-    threads = [threading.Thread(target=client_loop, args=(address, i, stop, done, xgrammar_available()), daemon=True)
+    structured = importlib.util.find_spec("xgrammar") is not None
+    threads = [threading.Thread(target=client_loop, args=(address, i, stop, done, structured), daemon=True)
                for i in range(args.clients)]
     series: list[tuple[float, float, int]] = []  # (minutes, RSS MiB, requests done)
     began = time.monotonic()

@@ -42,18 +42,18 @@ def test_backend_matches_naive(backend_name, q_lens, kv_lens, heads):
     rows = torch.tensor([2, 0, 3][: len(q_lens)])
     t = sum(q_lens)
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
-    out_slots = torch.cat([table[r, kl - ql : kl] for r, ql, kl in zip(rows.tolist(), q_lens, kv_lens, strict=True)])
+    out_locs = torch.cat([table[r, kl - ql : kl] for r, ql, kl in zip(rows.tolist(), q_lens, kv_lens, strict=True)])
     backend = make_backend(backend_name.removesuffix("_split"), "cpu")
     if backend_name == "cpu_split":  # long prompt chunks: the reference's layout, decode tokens in C
         backend.max_per_token_queries = 2
     backend.setup(AttentionShape(hq, hkv, d, torch.float32, d**-0.5), torch.device("cpu"))
     meta = build_metadata(q_lens, kv_lens, rows, table)
-    assert torch.equal(meta.out_slots, out_slots)
+    assert torch.equal(meta.out_locs, out_locs)
     assert torch.equal(meta.kv_indices.long(), torch.cat([table[r, :kl] for r, kl in zip(rows.tolist(), kv_lens,
                                                                                           strict=True)]))
     kc, vc = k_cache.clone(), v_cache.clone()
     got = backend.forward(q, k, v, kc, vc, backend.prepare(meta), d**-0.5)
-    assert torch.equal(kc[out_slots], k) and torch.equal(vc[out_slots], v)  # new K/V landed in their slots
+    assert torch.equal(kc[out_locs], k) and torch.equal(vc[out_locs], v)  # new K/V landed in their slots
     want = naive_attention(q, kc, vc, table, rows, q_lens, kv_lens, d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

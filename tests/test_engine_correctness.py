@@ -33,7 +33,7 @@ def assert_matches_hf(llm: LLM, path: Path, hf, prompts: list[list[int]], max_to
         assert out.finish_reason == ("stop" if out.token_ids[-1] in llm.eos_ids else "length")
     llm.check_integrity()
     pages = llm.stats().pages
-    assert pages.used == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
+    assert pages.held == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
     return outs
 
 

@@ -77,8 +77,8 @@ def check(got, want, dtype):
 def test_compiled_triton_kernels(case, heads, dtype):
     q_lens, kv_lens = CASES[case]
     meta, q, k, v, k_cache, v_cache = make_step(q_lens, kv_lens, HEADS[heads], dtype)
-    store_kv(k, v, k_cache, v_cache, meta.out_slots)
-    assert torch.equal(k_cache[meta.out_slots], k)
+    store_kv(k, v, k_cache, v_cache, meta.out_locs)
+    assert torch.equal(k_cache[meta.out_locs], k)
     want = reference(meta, q, k_cache, v_cache)
     scale = q.shape[-1] ** -0.5
     check(extend_attention(q, k, v, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
@@ -118,10 +118,10 @@ def test_compiled_fused_kernels(shape, dtype):
     assert torch.equal(total, residual + x)
     check(out, hf_rms_norm(total, weight))
     positions = torch.randint(0, max_pos, (tokens,), generator=g, device="cuda")
-    out_slots = torch.randperm(slots, generator=g, device="cuda")[:tokens]
+    out_locs = torch.randperm(slots, generator=g, device="cuda")[:tokens]
     for qk_norm in (None, (rand(d), rand(d))):
         check_rope_store_kv(rand(tokens, (hq + 2 * hkv) * d), (hq, hkv), positions, rand(slots, hkv, d),
-                            rand(slots, hkv, d), out_slots, qk_norm, max_pos)
+                            rand(slots, hkv, d), out_locs, qk_norm, max_pos)
     gate_up = rand(tokens, 2 * inter) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     check(silu_mul(gate_up), F.silu(gate) * up)

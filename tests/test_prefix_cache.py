@@ -65,7 +65,7 @@ def test_eviction_makes_room_lru_first(llama_ckpt, hf):
     cached = [len(llm.cache.match_prefix(p).pages) for p in prompts]
     assert cached == [1, 2, 2, 2, 2, 2]
     pages = llm.stats().pages
-    assert pages.free + pages.cached == 12 and pages.used == 0
+    assert pages.free + pages.cached == 12 and pages.held == 0
 
 
 def test_many_requests_sharing_a_prefix_at_once(checkpoints, hf):

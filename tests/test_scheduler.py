@@ -137,7 +137,7 @@ def test_abort_in_every_state_frees_slot_and_pages(llama_ckpt, state):
         llm.step()
     llm.check_integrity()
     pages = llm.stats().pages
-    assert pages.used == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
+    assert pages.held == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
     with pytest.raises(ValueError, match="unknown request id"):
         llm.abort(target)
 

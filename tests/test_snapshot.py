@@ -5,17 +5,21 @@ follows the requests rather than the pool, with a complete list for each new sub
 
 from __future__ import annotations
 
+import re
 import time
+import typing
+from pathlib import Path
 
 import pytest
 import zmq
 
 from engine import LLM, SamplingParams
 from engine.pages import FREE, HELD, LOCKED, paint
-from engine.scheduler.snapshot import PageSnapshot, SchedulerSnapshot
+from engine.scheduler.snapshot import WAIT_REASONS, PageSnapshot, SchedulerSnapshot, WaitingEntry
 from engine.service import protocol
 from engine.service.client.core import StatsFeed
 from engine.service.publisher import StatsPublisher
+from engine.service.registry import Stage
 from engine.service.stats import FULL_EVERY, StatsRecorder
 from tests.checkpoints import with_eos
 
@@ -30,8 +34,8 @@ def assert_consistent(snap: SchedulerSnapshot) -> None:
     admission they may exceed it: the scheduler retracts when a step cannot get its pages)."""
     p = snap.pages
     states, holders = painted(p)
-    assert p.free + p.used + p.cached == p.total
-    assert [states.count(s.encode()) for s in ".RcL"] == [p.free, p.used, p.cached - p.locked, p.locked]
+    assert p.free + p.held + p.cached == p.total
+    assert [states.count(s.encode()) for s in ".RcL"] == [p.free, p.held, p.cached - p.locked, p.locked]
     assert set(holders) - {""} <= {h for h in snap.slots if h is not None}
     assert {r.rid for r in snap.running} <= set(snap.slots)
     assert not {w.rid for w in snap.waiting} & set(snap.slots)
@@ -49,7 +53,7 @@ def painted(pages: PageSnapshot | protocol.Pages) -> tuple[bytearray, list[str]]
 def assert_idle(snap: SchedulerSnapshot) -> None:
     p = snap.pages
     assert snap.idle and all(h is None for h in snap.slots)
-    assert p.used == p.locked == p.claimed == 0 and p.free + p.cached == p.total
+    assert p.held == p.locked == p.claimed == 0 and p.free + p.cached == p.total
 
 
 def state_of(snap: SchedulerSnapshot, rid: str) -> str | None:
@@ -233,3 +237,38 @@ def test_an_aborted_requests_final_in_an_idle_step_is_recorded(llama_ckpt):
         recorder.record_step(result)
     assert [o.rid for o in ended] == [rid] and result.kind == "idle"
     assert not recorder._started
+
+
+def test_the_scheduler_gives_exactly_the_waiting_reasons_the_protocol_documents(llama_ckpt):
+    """Why a request waits has one definition (snapshot.py's WaitReason, which the scheduler's admission
+    returns): driven into each, the scheduler gives every one of them and no other; the wire's waiting rows
+    are the snapshot's; and docs/protocol.md lists exactly these, besides the server's preparing stages."""
+    seen: set[str] = set()
+
+    def steps(llm: LLM, n: int = 2) -> None:
+        for _ in range(n):
+            seen.update(w.reason for w in llm.stats().waiting)
+            llm.step()
+
+    slots = LLM(str(llama_ckpt), max_running_requests=1)  # "slot", and "queue" behind it
+    for prompt in ([1, 2, 3], [4, 5], [6]):
+        slots.add_request(prompt, greedy(4))
+    steps(slots)
+    budget = LLM(str(llama_ckpt), max_prefill_tokens=4)  # a long prompt's chunks spend the budget
+    budget.add_request(list(range(1, 20)), greedy(4))
+    budget.add_request([4, 5], greedy(4))
+    steps(budget)
+    pages = LLM(str(llama_ckpt), page_size=4, num_pages=8, admission="reserve")
+    pages.add_request([1] * 4, greedy(12))  # reserves 4 of 8 pages
+    pages.step()
+    pages.add_request([2] * 10, greedy(8))  # needs 5
+    steps(pages)
+    choices = LLM(str(llama_ckpt))  # n choices: the others wait for the first to cache the prompt
+    choices.add_request(list(range(1, 40)), SamplingParams(max_tokens=4, n=3))
+    steps(choices, 1)
+    assert seen == set(WAIT_REASONS)
+
+    assert typing.get_type_hints(protocol.Stats)["waiting"] == list[WaitingEntry]
+    doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `waiting` |"))
+    assert set(re.findall(r'`"([a-z_ ]+)"`', row)) == set(WAIT_REASONS) | set(typing.get_args(Stage))

@@ -46,7 +46,7 @@ def assert_idle_everywhere(llm: LLM) -> None:
     every worker rank ran exactly the steps rank 0 sent."""
     llm.check_integrity()
     pages = llm.stats().pages
-    assert pages.used == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
+    assert pages.held == pages.locked == 0 and pages.free + pages.cached == llm.num_pages
 
 
 @pytest.mark.parametrize("family", FAMILIES)

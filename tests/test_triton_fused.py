@@ -76,10 +76,10 @@ def rope_table(dtype: torch.dtype, head_dim: int, max_pos: int,
 
 
 def check_rope_store_kv(qkv: torch.Tensor, heads: tuple[int, int], positions: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, out_slots: torch.Tensor,
+                        v_cache: torch.Tensor, out_locs: torch.Tensor,
                         qk_norm: tuple[torch.Tensor, torch.Tensor] | None, max_pos: int) -> None:
     """`rope_store_kv` against transformers (Qwen3's q/k norm when `qk_norm`, then `apply_rotary_pos_emb`):
-    RoPE alone bit for bit; k and v in the pool at `out_slots` and nothing else there touched."""
+    RoPE alone bit for bit; k and v in the pool at `out_locs` and nothing else there touched."""
     (tokens, width), (hq, hkv) = qkv.shape, heads
     dim = width // (hq + 2 * hkv)
     cos, sin, table = rope_table(qkv.dtype, dim, max_pos, qkv.device)
@@ -93,7 +93,7 @@ def check_rope_store_kv(qkv: torch.Tensor, heads: tuple[int, int], positions: to
     q_ref, k_ref = q_ref[0].transpose(0, 1), k_ref[0].transpose(0, 1)
     kc, vc = k_cache.clone(), v_cache.clone()
 
-    q, k, v = rope_store_kv(qkv, hq, hkv, positions, table, kc, vc, out_slots, qk_norm, EPS)
+    q, k, v = rope_store_kv(qkv, hq, hkv, positions, table, kc, vc, out_locs, qk_norm, EPS)
     for view in (q, k, v):
         assert view.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # rotated in place
     if qk_norm is not None:  # RoPE sums two products of normalised values, each maybe an ulp or two off
@@ -102,9 +102,9 @@ def check_rope_store_kv(qkv: torch.Tensor, heads: tuple[int, int], positions: to
     else:
         assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
     assert torch.equal(v, v_ref)
-    assert torch.equal(kc[out_slots], k) and torch.equal(vc[out_slots], v)
+    assert torch.equal(kc[out_locs], k) and torch.equal(vc[out_locs], v)
     untouched = torch.ones(k_cache.shape[0], dtype=torch.bool, device=k_cache.device)
-    untouched[out_slots] = False
+    untouched[out_locs] = False
     assert torch.equal(kc[untouched], k_cache[untouched]) and torch.equal(vc[untouched], v_cache[untouched])
 
 
@@ -123,9 +123,9 @@ def test_rope_store_kv(qk_norm, heads, tokens, dtype):
 
     weights = (rand(HEAD_DIM), rand(HEAD_DIM)) if qk_norm else None
     positions = torch.randint(0, MAX_POS, (tokens,), generator=g)
-    out_slots = torch.randperm(slots, generator=g)[:tokens]
+    out_locs = torch.randperm(slots, generator=g)[:tokens]
     check_rope_store_kv(rand(tokens, (hq + 2 * hkv) * HEAD_DIM), heads, positions, rand(slots, hkv, HEAD_DIM),
-                        rand(slots, hkv, HEAD_DIM), out_slots, weights, MAX_POS)
+                        rand(slots, hkv, HEAD_DIM), out_locs, weights, MAX_POS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -166,7 +166,7 @@ def test_backend_attends_over_what_the_fused_kernel_stored(step, dtype):
     v_cache = torch.randn(64, hkv, HEAD_DIM, generator=g).to(dtype)
     positions = torch.cat([torch.arange(kv - q, kv) for q, kv in zip(q_lens, kv_lens, strict=True)])
     kc, vc = k_cache.clone(), v_cache.clone()
-    q, k, v = rope_store_kv(qkv, hq, hkv, positions, rope_table(dtype, HEAD_DIM, MAX_POS)[2], kc, vc, meta.out_slots)
+    q, k, v = rope_store_kv(qkv, hq, hkv, positions, rope_table(dtype, HEAD_DIM, MAX_POS)[2], kc, vc, meta.out_locs)
     scale = HEAD_DIM**-0.5
     shape = AttentionShape(hq, hkv, HEAD_DIM, dtype, scale)
     triton_backend, torch_backend = TritonBackend(), make_backend("torch", "cpu")

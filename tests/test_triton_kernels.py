@@ -57,10 +57,10 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
 def test_store_kv_writes_only_the_new_slots(dtype):
     meta, _, k, v, k_cache, v_cache = make_step([3, 1], [5, 9], (4, 2), dtype)
     kc, vc = k_cache.clone(), v_cache.clone()
-    store_kv(k, v, kc, vc, meta.out_slots)
-    assert torch.equal(kc[meta.out_slots], k) and torch.equal(vc[meta.out_slots], v)
+    store_kv(k, v, kc, vc, meta.out_locs)
+    assert torch.equal(kc[meta.out_locs], k) and torch.equal(vc[meta.out_locs], v)
     untouched = torch.ones(kc.shape[0], dtype=torch.bool)
-    untouched[meta.out_slots] = False
+    untouched[meta.out_locs] = False
     assert torch.equal(kc[untouched], k_cache[untouched]) and torch.equal(vc[untouched], v_cache[untouched])
 
 
@@ -90,7 +90,7 @@ def alternate_dtypes(*axes: list[str]) -> list:
 def test_extend_attention(case, group, dtype):
     q_lens, kv_lens = EXTEND_CASES[case]
     meta, q, k, v, k_cache, v_cache = make_step(q_lens, kv_lens, GROUPS[group], dtype)
-    store_kv(k, v, k_cache, v_cache, meta.out_slots)
+    store_kv(k, v, k_cache, v_cache, meta.out_locs)
     got = extend_attention(q, k, v, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                            max(q_lens), HEAD_DIM**-0.5)
     assert_close(got, reference(meta, q, k_cache, v_cache), dtype)
@@ -112,7 +112,7 @@ KERNELS = ["per_head-group1", "per_head-group2", *(f"grouped-{g}" for g in GROUP
 def test_decode_attention(split, kernel, dtype):
     grouped, group = kernel.startswith("grouped"), kernel.split("-")[1]
     meta, q, k, v, k_cache, v_cache = make_step([1, 1, 1], [37, 1, 12], GROUPS[group], dtype)
-    store_kv(k, v, k_cache, v_cache, meta.out_slots)
+    store_kv(k, v, k_cache, v_cache, meta.out_locs)
     got = decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, HEAD_DIM**-0.5, block_n=16,
                            grouped=grouped, **SPLITS[split])
     assert_close(got, reference(meta, q, k_cache, v_cache), dtype)
@@ -168,7 +168,7 @@ def test_engine_with_triton_backend_matches_transformers(llama_ckpt, hf):
     """Greedy output through the Triton kernels equals transformers; a small prefill budget makes
     chunks extend cached prefixes and mixes decode steps between them. On a CPU, decode steps take the
     CUDA-graph path without capture (`cuda_graph` is on by default): static buffers, batches padded to
-    a bucket (4 slots -> buckets 1, 2, 4: a step of 3 is padded) with dummy requests on the scratch slot.
+    a bucket (4 slots -> buckets 1, 2, 4: a step of 3 is padded) with dummy requests on the scratch KV location.
     (Eager Triton decode is covered by test_backend_matches_torch_backend.)"""
     llm = LLM(str(llama_ckpt), attention_backend="triton", max_prefill_tokens=12, page_size=4,
               max_running_requests=4)

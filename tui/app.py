@@ -1,34 +1,33 @@
 """The minichat app: chat sessions in tabs beside live ops panels, over one link to an engine.
 
-The app owns layout and keys, and runs the commands tui/commands.py lists; sessions stream their
-own replies (tui/chat.py), panels draw stats snapshots (tui/panels/), the link finds, watches and
-re-finds the engine (tui/link.py), and tui/conversations.py keeps conversations across restarts
-(tui/store.py). Nothing the engine or the database does or fails to do is allowed to end the app.
+The app owns layout and keys, and wires the commands tui/commands.py lists to what carries them
+out (`command_handlers`); sessions stream their own replies (tui/chat.py) in tabs (tui/tabs.py), panels
+draw stats snapshots (tui/panels/), the status line sums them up (tui/statusline.py), the link finds,
+watches and re-finds the engine (tui/link.py), and tui/conversations.py keeps conversations across
+restarts (tui/store.py). Nothing the engine or the database does or fails to do is allowed to end the app.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
-from rich.cells import cell_len
-from rich.text import Text
 from textual.app import App, ComposeResult, ScreenStackError, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
-from textual.content import Content
 from textual.css.query import NoMatches
 from textual.events import Resize
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.theme import ThemeProvider
 from textual.widget import Widget
-from textual.widgets import Footer, Static, TabbedContent, TabPane, Tabs
+from textual.widgets import Footer, TabbedContent, Tabs
 
 from engine.service.protocol import Stats
 from tui.chat import ChatPane, PromptInput
@@ -40,65 +39,17 @@ from tui.help import HelpScreen
 from tui.link import STATS_EVERY, EngineLink, LinkState
 from tui.palette import Palette
 from tui.panels import PANELS, OpsPanels, RequestTable
-from tui.panels.base import update_text
 from tui.panels.detail import RequestDetailScreen
 from tui.panels.fleet import FleetChoice, FleetScreen
-from tui.session import SETTINGS, Session, parse_setting
+from tui.session import SETTINGS, Session
 from tui.sessions import Choice, SessionsScreen
-from tui.store import data_dir
+from tui.statusline import StatusLine
 from tui.tablist import TabsScreen
+from tui.tabs import SessionTabs, tab_id
 
 WIDE = 120  # columns from which the ops panels open beside the chat (below, one side at a time)
 OPS_STEP = 10  # percent of the width that f7 / f8 move the split by
-STALE_AFTER = 1.5  # seconds without a stats snapshot after which the status line shows their age
 TEXTUAL_DUPLICATES = {"Keys"}  # Textual's palette entries that minichat's own replace (its help: f1)
-STATE_STYLES = {"connected": "bold green", "stalled": "bold yellow", "connecting": "bold yellow",
-                "starting": "bold yellow", "lost": "bold red", "failed": "bold red"}
-
-
-def tab_id(session: Session) -> str:
-    """The id of the tab that shows `session`."""
-    return f"session-{session.uid}"
-
-
-def tab_label(session: Session, replica: int | None = None) -> Content:
-    """The session's name, with a dot while its reply is generating, and the fleet's replica it talks to."""
-    return Content(("● " if session.live is not None else "") + session.name
-                   + (f" @{replica}" if replica is not None else ""))
-
-
-Piece = tuple[int, int, Text]
-"""Part of the status line: (group, priority, text); the highest priority is left out first."""
-
-
-def fit_status(head: Text, pieces: list[Piece], tail: Text, width: int) -> Text:
-    """`head`, the pieces (` · ` within a group, `  │  ` between groups) and `tail`, leaving out the least
-    important pieces (the highest priority first, then the next...) until what is left fits `width`
-    cells; the order is kept, priority 0 is never left out, and the tail is what a narrow line cuts."""
-    for most in sorted({priority for _, priority, _ in pieces}, reverse=True) or [0]:
-        groups: dict[int, list[Text]] = {}
-        for group, priority, text in pieces:
-            if priority <= most:
-                groups.setdefault(group, []).append(text)
-        body = [Text(" · ").join(texts) for texts in groups.values()]
-        if cell_len(head.plain) + 1 + sum(t.cell_len + 5 for t in body) <= width:
-            break
-    return Text.assemble(head, " ", Text("  │  ").join([*body, tail]))
-
-
-class SessionTabs(TabbedContent):
-    """The chat tabs. Only the app picks the front tab, never a focus change inside a hidden one.
-
-    Switching tabs hides the old pane at once, but the app's focus reaches the new pane's prompt box
-    a few messages later. If the old prompt box hears that it was hidden first, Textual moves its
-    focus to a sibling in the same, hidden, pane, and TabbedContent would bring that pane back to
-    the front: a fan-out or a new chat would now and then land on the tab it came from.
-    """
-
-    def _on_tab_pane_focused(self, event: TabPane.Focused) -> None:
-        if not event.tab_pane.display:
-            event.prevent_default()  # skip TabbedContent's handler, which activates the pane
-            event.stop()
 
 
 class MinichatApp(App[None]):
@@ -115,10 +66,10 @@ class MinichatApp(App[None]):
         Binding("ctrl+n", "new_session", "New chat"),
         Binding("ctrl+o", "list_sessions", "Conversations"),
         Binding("ctrl+w", "close_session", "Close chat", priority=True, show=False),
-        Binding("f2", "rename_session", "Rename chat", show=False),
-        Binding("ctrl+f", "fan_out", "Fan out", show=False),
+        Binding("f2", "command('rename')", "Rename chat", show=False),
+        Binding("ctrl+f", "command('fanout')", "Fan out", show=False),
         Binding("ctrl+g", "close_group", "Close this tab's fan-out group (all its tabs)", show=False),
-        Binding("ctrl+r", "regenerate", "Regenerate the last reply", show=False),
+        Binding("ctrl+r", "command('regen')", "Regenerate the last reply", show=False),
         Binding("ctrl+t", "list_tabs", "Open tabs; then 1…9 goes to that tab", show=False),
         Binding("escape", "abort", "Stop reply"),
         Binding("ctrl+pagedown", "switch_session(1)", "Next chat", show=False),
@@ -152,9 +103,9 @@ class MinichatApp(App[None]):
 
     # -- layout -----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield Static(id="status")
+        yield StatusLine(id="status")
         with Horizontal(id="main"):
-            yield SessionTabs(id="chats")
+            yield SessionTabs(self.replica_of, id="chats")
             yield OpsPanels(self.link, id="ops")
         yield Footer()
 
@@ -194,8 +145,7 @@ class MinichatApp(App[None]):
     @property
     def current(self) -> ChatPane | None:
         """The session in the active tab."""
-        pane = self.tabs.active_pane
-        return pane.query_one(ChatPane) if pane is not None else None
+        return self.tabs.front
 
     def watch_ops_width(self, width: int) -> None:
         self.ops.display = width > 0
@@ -220,34 +170,9 @@ class MinichatApp(App[None]):
             ops_target.focus()
 
     def show_status(self) -> None:
-        state = self.link.state
-        # The state, the engine's live counts (never left out), anything amiss, the rates, and the engine's
-        # name and address (or what went wrong) last: one line, of which a narrow terminal loses the rates
-        # and the retraction count first and then cuts the end (a problem state wraps instead).
-        pieces: list[Piece] = []
-        if (stats := self.last_stats) is not None and state.connected:
-            busy = sum(rid is not None for rid in stats.slots)
-            c = stats.counters
-            pieces.append((0, 0, Text(f"running {len(stats.running)} · waiting {len(stats.waiting)}", "dim")))
-            if c.retractions:
-                pieces.append((0, 2, Text(f"retracted {c.retractions}", "magenta")))
-            pieces += [(0, 0, Text(f"slots {busy}/{len(stats.slots)}", "dim")),
-                       (0, 4, Text(f"prefill {c.prefill_tokens_per_s:.0f}", "dim")),
-                       (0, 3, Text(f"decode {c.decode_tokens_per_s:.0f} tok/s", "dim"))]
-            if (age := time.monotonic() - self.stats_at) > STALE_AFTER:
-                pieces.append((1, 1, Text(f"stale: {age:.0f} s old", "bold yellow")))
-        if self.fleet is not None:
-            states = [r.state for r in self.fleet.readings()]
-            up = states.count("up")
-            pieces.append((1, 2, Text(f"fleet {up}/{len(states)} up", "dim" if up == len(states) else "yellow")))
-        if self.conversations.problem:
-            pieces.append((2, 1, Text("not saving", "bold red")))
-        head = Text(f" {state.kind} ", STATE_STYLES.get(state.kind, "bold"))
-        line = fit_status(head, pieces, Text(state.detail), self.size.width)
         # query_one, not query: a query walks every widget of every tab, a few times a second
-        if (status := self.query_one_optional("#status", Static)) is not None:  # none while the app is closing
-            update_text(status, line)
-            status.set_class(not state.connected, "-problem")
+        if (line := self.query_one_optional("#status", StatusLine)) is not None:  # none while the app is closing
+            line.show(self.link.state, self.last_stats, self.stats_at, self.fleet, self.conversations.problem)
 
     # -- engine -----------------------------------------------------------------------------------
     def on_engine_stats(self, stats: Stats) -> None:
@@ -319,31 +244,22 @@ class MinichatApp(App[None]):
 
     async def open_session(self, session: Session, activate: bool = True) -> ChatPane:
         """Show `session` in a tab (the one it has, if it is open already)."""
-        for pane in self.query(ChatPane):
-            if pane.session.uid == session.uid:
-                break
-        else:
+        pane = self.tabs.pane_of(session.uid)
+        if pane is None:
             pane = ChatPane(session, self.link)
-            await self.tabs.add_pane(TabPane(tab_label(session, self.replica_of(pane)), pane, id=tab_id(session)))
+            await self.tabs.add(pane)
         if activate:
-            self.tabs.active = tab_id(session)
-            pane.focus_input()
+            self.tabs.bring_to_front(pane)
         return pane
 
     def on_chat_pane_state_changed(self, event: ChatPane.StateChanged) -> None:
-        self.label_tab(event.pane)
+        self.tabs.label(event.pane)
         event.pane.session.updated = time.time()
         self.conversations.save(event.pane.session)
 
-    def label_tab(self, pane: ChatPane) -> None:
-        """The tab shows the session's name, with a dot while its reply is generating."""
-        tab_pane = pane.parent
-        if isinstance(tab_pane, TabPane) and tab_pane.id is not None:
-            self.tabs.get_tab(tab_pane.id).label = tab_label(pane.session, self.replica_of(pane))
-
-    def replica_of(self, pane: ChatPane) -> int | None:
+    def replica_of(self, link: EngineLink) -> int | None:
         """The fleet's number for the engine a chat talks to, when the fleet has engines to choose from."""
-        return self.fleet.number(pane.link) if self.fleet is not None and len(self.fleet.engines) > 1 else None
+        return self.fleet.number(link) if self.fleet is not None and len(self.fleet.engines) > 1 else None
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         if (pane := self.current) is not None and self.tabs.display:
@@ -373,191 +289,68 @@ class MinichatApp(App[None]):
         if pane.session.turns:
             await self.run_command(BY_NAME["edit"], "", pane)
 
+    # -- commands (tui/commands.py) ------------------------------------------------------------------
+    def command_handlers(self, pane: ChatPane) -> dict[str, Callable[[str], object]]:
+        """What each command does when typed in `pane`'s prompt box (or run on the front tab from the palette
+        or a key), given what was typed after its name (commands without an argument ignore it); a ValueError
+        is told to the person. Most change only the pane's session; the rest act on the tabs, the saved
+        conversations, the fleet or the engine."""
+        return {
+            "new": self.action_new_session,
+            "close": lambda _: self.action_close_session(),
+            "tab": self.go_to_tab,
+            "tabs": lambda _: self.action_list_tabs(),
+            "rename": pane.session.rename,
+            "sessions": self.action_list_sessions,
+            "export": partial(self.conversations.export, pane.session),
+            "regen": lambda _: pane.regenerate(),
+            "edit": pane.edit,
+            "copy": pane.copy_reply,
+            "clear": lambda _: pane.clear(),
+            "system": pane.set_system_prompt,
+            **{name: partial(pane.set_setting, name) for name in SETTINGS},
+            "fanout": lambda prompts: self.fan_out(parse_fanout(prompts), like=pane.session),
+            "keep": lambda _: pane.keep(),
+            "closegroup": lambda _: self.action_close_group(),
+            "abort": lambda _: self.action_abort(),
+            "engine": partial(self.pin_to, pane),
+            "reconnect": lambda _: self.notify(self.link.retry(), title="reconnect"),
+            "help": lambda _: self.action_help(),
+        }
+
     async def run_command(self, command: Command, arg: str, pane: ChatPane | None = None) -> None:
-        """Carry out a session command on `pane` (the current session by default) with the handler its
-        row in tui/commands.py names."""
+        """Carry out a command on `pane` (the current session by default); then the pane shows what it changed
+        (settings line, tab label) and the session is saved."""
         pane = pane or self.current
         if pane is None:
             return
         try:
-            await getattr(self, command.handler)(command, arg, pane)
+            done = self.command_handlers(pane)[command.name](arg)
+            if inspect.isawaitable(done):
+                await done
         except ValueError as e:
             self.notify(str(e), severity="error")
         pane.show_settings()
+        self.tabs.label(pane)
         pane.session.updated = time.time()
         self.conversations.save(pane.session)
 
-    # -- command handlers, named in tui/commands.py ---------------------------------------------------
-    async def do_new(self, command: Command, arg: str, pane: ChatPane) -> None:
-        await self.new_session(arg or None)
-
-    async def do_close(self, command: Command, arg: str, pane: ChatPane) -> None:
-        self.action_close_session()
-
-    async def do_rename(self, command: Command, arg: str, pane: ChatPane) -> None:
-        if arg:
-            pane.session.name, pane.session.titled = arg, True
-        self.label_tab(pane)
-
-    async def do_tab(self, command: Command, arg: str, pane: ChatPane) -> None:
-        if (n := parse_number(arg, "/tab")) is None:
-            raise ValueError("/tab takes the tab's number, e.g. /tab 3 (ctrl+t lists them)")
-        self.go_to_tab(n - 1)
-
-    async def do_tabs(self, command: Command, arg: str, pane: ChatPane) -> None:
-        self.action_list_tabs()
-
-    async def do_regen(self, command: Command, arg: str, pane: ChatPane) -> None:
-        await pane.regenerate()
-
-    async def do_edit(self, command: Command, arg: str, pane: ChatPane) -> None:
-        n = parse_number(arg, "/edit")
-        pane.edit((n or len(pane.session.turns)) - 1)
-
-    async def do_copy(self, command: Command, arg: str, pane: ChatPane) -> None:
-        """The reply's text through the terminal (OSC 52), which most terminals put on the clipboard."""
-        turns = pane.session.turns
-        n = parse_number(arg, "/copy") or len(turns)
-        if not 1 <= n <= len(turns):
-            raise ValueError(f"there is no reply {n} to copy: this conversation has {len(turns)}")
-        text = turns[n - 1].reply.text
-        self.copy_to_clipboard(text)
-        self.notify(f"copied reply {n} ({len(text)} characters) through the terminal (OSC 52; in tmux it needs "
-                    f"`set -g set-clipboard on`)", title="copy")
-
-    async def do_keep(self, command: Command, arg: str, pane: ChatPane) -> None:
-        if pane.session.group is None:
-            raise ValueError(f"{pane.session.name!r} is not a fan-out tab: it is saved already")
-        pane.session.group = None  # run_command saves it from now on
-        self.notify(f"kept {pane.session.name!r}: saved, and reopened at the next start")
-
-    async def do_close_group(self, command: Command, arg: str, pane: ChatPane) -> None:
-        await self.action_close_group()
-
-    async def do_system(self, command: Command, arg: str, pane: ChatPane) -> None:
-        pane.session.system_prompt = arg
-
-    async def do_setting(self, command: Command, arg: str, pane: ChatPane) -> None:
-        """Every sampling setting (tui/session.py's SETTINGS); max_tokens must also fit the model's context."""
-        if command.name == "max_tokens" and pane.context is not None \
-                and parse_setting("max_tokens", arg) >= pane.context:
-            raise ValueError(f"max_tokens must be below the model's context of {pane.context} tokens; got {arg}")
-        pane.session.set(command.name, arg)
-
-    async def do_clear(self, command: Command, arg: str, pane: ChatPane) -> None:
-        await pane.clear()
-
-    async def do_sessions(self, command: Command, arg: str, pane: ChatPane) -> None:
-        self.action_list_sessions(arg)
-
-    async def do_export(self, command: Command, arg: str, pane: ChatPane) -> None:
-        self.export(pane.session, arg)
-
-    async def do_fanout(self, command: Command, arg: str, pane: ChatPane) -> None:
-        await self.fan_out(parse_fanout(arg), like=pane.session)
-
-    async def do_abort(self, command: Command, arg: str, pane: ChatPane) -> None:
-        await self.action_abort()
-
-    async def do_engine(self, command: Command, arg: str, pane: ChatPane) -> None:
-        replicas = self.fleet.replicas if self.fleet is not None else []
-        if not any(isinstance(r, EngineReplica) for r in replicas):
-            raise ValueError("/engine pins a chat to one engine of a fleet: start the console with "
-                             "--engines ADDR1,ADDR2,... (ZeroMQ addresses)")
-        n = parse_number(arg, "/engine")
-        if n is None:
-            self.notify(f"{pane.session.name!r} talks to {pane.link.address}; /engine N moves it to replica N (f4 "
-                        f"lists them)")
-            return
-        if not 1 <= n <= len(replicas):
-            raise ValueError(f"there is no replica {n}: the fleet has {len(replicas)}")
-        replica = replicas[n - 1]
-        if not isinstance(replica, EngineReplica):
-            raise ValueError(f"replica {n} is an HTTP replica: chats talk to an engine over ZeroMQ; list its "
-                             f"engine's address (its `serve --http` --address) in --engines")
-        self.pin(pane, replica)
-
-    def pin(self, pane: ChatPane, replica: EngineReplica) -> None:
-        """Send this chat's next messages to `replica`'s engine (not while a reply streams from another)."""
-        if pane.link is replica.link:
-            return
-        if pane.session.live is not None:
-            raise ValueError(f"{pane.session.name!r} is streaming a reply from {pane.link.address}: stop it first "
-                             f"(escape)")
-        pane.link = replica.link
-        self.label_tab(pane)
-        pane.show_settings()  # the context gauge: this engine's model
-        self.notify(f"{pane.session.name!r} now talks to {replica.name}")
-
-    async def do_reconnect(self, command: Command, arg: str, pane: ChatPane) -> None:
-        self.notify(self.link.retry(), title="reconnect")
-
-    async def do_help(self, command: Command, arg: str, pane: ChatPane) -> None:
-        self.action_help()
-
-    def export(self, session: Session, path: str = "") -> None:
-        """Write the conversation as Markdown (to `path`, default a file named after it in the data directory)."""
-        slug = "".join(c if c.isalnum() else "-" for c in session.name.lower()).strip("-") or "chat"
-        target = Path(path).expanduser() if path else data_dir() / "exports" / f"{slug}.md"
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(session.to_markdown(), encoding="utf-8")
-        except OSError as e:
-            self.notify(f"could not export {session.name!r}: {e}", severity="error")
-            return
-        self.notify(f"exported {session.name!r} to {target}", title="export")
-
-    async def fan_out(self, prompts: list[str], like: Session) -> None:
-        """Open one tab per prompt (with `like`'s settings) to watch them batch in the ops panels.
-
-        Every request goes out before any tab is drawn: drawing a tab takes a while (dozens, seconds),
-        and requests sent as their tabs were drawn trickled in and never filled the waiting queue. The
-        tabs are a group of scratch sessions, closed together (ctrl+g) and never saved unless kept."""
-        self._fan_outs += 1
-        group = f"fan {self._fan_outs}"
-        panes = []
-        for i, prompt in enumerate(prompts, 1):
-            pane = ChatPane(Session(f"{group}.{i}", like.system_prompt, like.params, titled=True, group=group),
-                            self.link)
-            pane.start(prompt)
-            panes.append(pane)
-        await asyncio.gather(*[self.tabs.add_pane(TabPane(tab_label(pane.session, self.replica_of(pane)), pane,
-                                                          id=tab_id(pane.session))) for pane in panes])
-        self.tabs.active = tab_id(panes[0].session)
-        panes[0].focus_input()
-        if not self.ops_width and self.size.width >= WIDE:
-            self.ops_width = self._ops_restore if self._ops_restore < 100 else 50
-
-    def go_to_tab(self, index: int) -> None:
-        """Bring the tab at `index` (0-based, in the tab bar's order) to the front."""
-        panes = list(self.query(ChatPane))
-        if not 0 <= index < len(panes):
-            raise ValueError(f"there is no tab {index + 1}: {len(panes)} are open")
-        self.tabs.active = tab_id(panes[index].session)
-        panes[index].focus_input()
-
-    def current_value(self, name: str) -> str:
-        """What a command's dialog starts with: the setting's present value."""
-        pane = self.current
-        if pane is None:
-            return ""
-        if name in SETTINGS:
-            return str(getattr(pane.session.params, name))
-        return {"rename": pane.session.name, "system": pane.session.system_prompt,
-                "fanout": f"4 {pane.query_one(PromptInput).text.strip() or 'Tell me a story'}"}.get(name, "")
-
-    def ask_and_run(self, command: Command) -> None:
-        """Run a command from the palette or a key, asking for its argument first if it takes one."""
-        if command.arg is None or command.name in ("new", "sessions", "export", "edit", "copy"):
-            self.run_worker(self.run_command(command, ""))
+    async def action_command(self, name: str) -> None:
+        """A command from the palette or a key (f2, ctrl+f, ctrl+r), on the front tab: its argument is asked for
+        first in a dialog, where it takes one (`Command.asks`)."""
+        command = BY_NAME[name]
+        if not command.asks:
+            await self.run_command(command, "")
             return
 
         async def answered(arg: str | None) -> None:
             if arg is not None:
                 await self.run_command(command, arg)
 
+        pane = self.current
         question = f"{command.title} ({command.arg}): {command.help}"
-        self.push_screen(AskScreen(question, self.current_value(command.name), select=True), answered)
+        self.push_screen(AskScreen(question, pane.present_value(name) if pane is not None else "", select=True),
+                         answered)
 
     def action_command_palette(self) -> None:
         """Textual's palette, with a search box that applies keys in the order typed (tui/palette.py)."""
@@ -577,7 +370,7 @@ class MinichatApp(App[None]):
             elif entry.title not in TEXTUAL_DUPLICATES:
                 yield entry
         for command in COMMANDS:
-            yield SystemCommand(command.title, command.help, partial(self.ask_and_run, command))
+            yield SystemCommand(command.title, command.help, partial(self.action_command, command.name))
         yield SystemCommand("Layout: chat, split or ops panels", "the next of the three views (f5)",
                             self.action_cycle_layout)
         for i, (panel_id, title) in enumerate(PANELS, 1):
@@ -592,10 +385,11 @@ class MinichatApp(App[None]):
         self.push_screen(SessionsScreen(store, search), self.on_session_chosen)
 
     async def on_session_chosen(self, choice: Choice | None) -> None:
+        """Open, export, rename or delete the conversation chosen in the list, whether or not it is in a tab."""
         if choice is None or self.conversations.store is None:
             return
         action, uid = choice
-        open_pane = next((p for p in self.query(ChatPane) if p.session.uid == uid), None)
+        open_pane = self.tabs.pane_of(uid)
         session = open_pane.session if open_pane is not None else self.conversations.load(uid)
         if session is None:
             return
@@ -603,27 +397,35 @@ class MinichatApp(App[None]):
             await self.open_session(session)
             self.conversations.save(session)
         elif action == "export":
-            self.export(session)
+            self.conversations.export(session)
         elif action == "rename":
-            async def renamed(name: str | None) -> None:
-                if name and name.strip():
-                    session.name, session.titled = name.strip(), True
-                    if open_pane is not None:
-                        self.label_tab(open_pane)
-                    self.conversations.save(session, is_open=open_pane is not None)
-                self.action_list_sessions()
-
-            self.push_screen(AskScreen(f"Rename {session.name!r} to:", session.name, select=True), renamed)
+            self.rename_saved(session, open_pane)
         elif action == "delete":
-            async def delete(yes: bool | None) -> None:
-                if yes and self.conversations.store is not None:
-                    if open_pane is not None:
-                        await self.close_pane(open_pane, forget=True)
-                    self.conversations.delete(uid)
-                self.action_list_sessions()
+            self.delete_saved(uid, session, open_pane)
 
-            self.push_screen(ConfirmScreen(f"Delete {session.name!r} and its {len(session.turns)} turns for "
-                                           f"good?"), delete)
+    def rename_saved(self, session: Session, open_pane: ChatPane | None) -> None:
+        """Ask for a new name for a saved conversation, then show the list again."""
+        async def renamed(name: str | None) -> None:
+            if name and name.strip():
+                session.rename(name.strip())
+                if open_pane is not None:
+                    self.tabs.label(open_pane)
+                self.conversations.save(session, is_open=open_pane is not None)
+            self.action_list_sessions()
+
+        self.push_screen(AskScreen(f"Rename {session.name!r} to:", session.name, select=True), renamed)
+
+    def delete_saved(self, uid: str, session: Session, open_pane: ChatPane | None) -> None:
+        """Delete saved conversation `uid` (closing its tab) once confirmed, then show the list again."""
+        async def delete(yes: bool | None) -> None:
+            if yes and self.conversations.store is not None:
+                if open_pane is not None:
+                    await self.close_pane(open_pane, forget=True)
+                self.conversations.delete(uid)
+            self.action_list_sessions()
+
+        self.push_screen(ConfirmScreen(f"Delete {session.name!r} and its {len(session.turns)} turns for good?"),
+                         delete)
 
     # -- actions ----------------------------------------------------------------------------------
     async def action_quit(self) -> None:
@@ -653,15 +455,16 @@ class MinichatApp(App[None]):
             self.conversations.save(pane.session)
         self.exit()
 
-    async def action_new_session(self) -> None:
-        await self.new_session()
+    async def action_new_session(self, name: str = "") -> None:
+        """ctrl+n, or `/new name`."""
+        await self.new_session(name or None)
 
     async def close_pane(self, pane: ChatPane, forget: bool = False) -> None:
         """Close a session's tab (stopping its reply); it stays in the store unless `forget`."""
         await pane.stop_streaming()
         if not forget:
             self.conversations.save(pane.session, is_open=False)
-        await self.tabs.remove_pane(tab_id(pane.session))
+        await self.tabs.close(pane)
         if self.current is None:
             await self.new_session()
         else:
@@ -684,12 +487,6 @@ class MinichatApp(App[None]):
         else:
             self.run_worker(close())
 
-    def action_rename_session(self) -> None:
-        self.ask_and_run(BY_NAME["rename"])
-
-    def action_fan_out(self) -> None:
-        self.ask_and_run(BY_NAME["fanout"])
-
     async def action_abort(self) -> None:
         """Stop the reply; with none streaming, stop editing a message."""
         pane = self.current
@@ -698,8 +495,24 @@ class MinichatApp(App[None]):
         if not await pane.abort():
             self.notify("nothing to stop in this session")
 
-    async def action_regenerate(self) -> None:
-        await self.run_command(BY_NAME["regen"], "")
+    async def fan_out(self, prompts: list[str], like: Session) -> None:
+        """Open one tab per prompt (with `like`'s settings) to watch them batch in the ops panels.
+
+        Every request goes out before any tab is drawn: drawing a tab takes a while (dozens, seconds),
+        and requests sent as their tabs were drawn trickled in and never filled the waiting queue. The
+        tabs are a group of scratch sessions, closed together (ctrl+g) and never saved unless kept."""
+        self._fan_outs += 1
+        group = f"fan {self._fan_outs}"
+        panes = []
+        for i, prompt in enumerate(prompts, 1):
+            pane = ChatPane(Session(f"{group}.{i}", like.system_prompt, like.params, titled=True, group=group),
+                            self.link)
+            pane.start(prompt)
+            panes.append(pane)
+        await self.tabs.add(*panes)
+        self.tabs.bring_to_front(panes[0])
+        if not self.ops_width and self.size.width >= WIDE:
+            self.ops_width = self._ops_restore if self._ops_restore < 100 else 50
 
     async def action_close_group(self) -> None:
         """Close every tab of the front tab's fan-out at once, stopping their replies (scratch: none is saved)."""
@@ -707,7 +520,7 @@ class MinichatApp(App[None]):
         if pane is None or pane.session.group is None:
             self.notify("this tab is not part of a fan-out (ctrl+f makes one); ctrl+w closes it")
             return
-        every = list(self.query(ChatPane))
+        every = self.tabs.panes
         panes = [p for p in every if p.session.group == pane.session.group]
         # the tab nearest the front one that stays comes to the front first: a removed front tab would
         # hand the front to its neighbour, which may be going too
@@ -716,27 +529,29 @@ class MinichatApp(App[None]):
         survivor = stays[0] if stays else await self.new_session(activate=False)
         self.tabs.active = tab_id(survivor.session)
         await asyncio.gather(*[p.stop_streaming() for p in panes])
-        await asyncio.gather(*[self.tabs.remove_pane(tab_id(p.session)) for p in panes])
+        await self.tabs.close(*panes)
         survivor.focus_input()
         self.notify(f"closed the {len(panes)} tabs of {pane.session.group}")
 
     def action_list_tabs(self) -> None:
         """The open tabs, numbered; a digit (or enter) brings one to the front."""
-        panes = list(self.query(ChatPane))
-
-        def doing(session: Session) -> str:
-            state = "streaming" if session.live else session.turns[-1].reply.state if session.turns else "empty"
-            return state + (f" · {session.group}, not saved" if session.group else "")
+        panes = self.tabs.panes
 
         def chosen(index: int | None) -> None:
             if index is not None:
                 try:
-                    self.go_to_tab(index)
+                    self.tabs.go_to(index)
                 except ValueError as e:
                     self.notify(str(e), severity="error")
 
         current = next((i for i, p in enumerate(panes) if p is self.current), 0)
-        self.push_screen(TabsScreen([(p.session.name, doing(p.session)) for p in panes], current), chosen)
+        self.push_screen(TabsScreen([p.session for p in panes], current), chosen)
+
+    def go_to_tab(self, number: str) -> None:
+        """/tab N: bring the Nth tab to the front."""
+        if (n := parse_number(number, "/tab")) is None:
+            raise ValueError("/tab takes the tab's number, e.g. /tab 3 (ctrl+t lists them)")
+        self.tabs.go_to(n - 1)
 
     def action_switch_session(self, step: int) -> None:
         tabs = self.tabs.query_one(Tabs)
@@ -784,6 +599,7 @@ class MinichatApp(App[None]):
         """f4 is offered only where there is a fleet to show."""
         return self.fleet is not None if action == "fleet" else super().check_action(action, parameters)
 
+    # -- the fleet --------------------------------------------------------------------------------
     def action_fleet(self) -> None:
         if self.fleet is not None and not isinstance(self.screen, FleetScreen):
             self.push_screen(FleetScreen(self.fleet, self.link), self.on_fleet_choice)
@@ -819,6 +635,38 @@ class MinichatApp(App[None]):
         self.focus_side(ops=True)
         self.show_status()
 
+    def pin_to(self, pane: ChatPane, number: str) -> None:
+        """/engine N: send this chat's next messages to replica N of the fleet; without N, say where they go."""
+        replicas = self.fleet.replicas if self.fleet is not None else []
+        if not any(isinstance(r, EngineReplica) for r in replicas):
+            raise ValueError("/engine pins a chat to one engine of a fleet: start the console with "
+                             "--engines ADDR1,ADDR2,... (ZeroMQ addresses)")
+        n = parse_number(number, "/engine")
+        if n is None:
+            self.notify(f"{pane.session.name!r} talks to {pane.link.address}; /engine N moves it to replica N (f4 "
+                        f"lists them)")
+            return
+        if not 1 <= n <= len(replicas):
+            raise ValueError(f"there is no replica {n}: the fleet has {len(replicas)}")
+        replica = replicas[n - 1]
+        if not isinstance(replica, EngineReplica):
+            raise ValueError(f"replica {n} is an HTTP replica: chats talk to an engine over ZeroMQ; list its "
+                             f"engine's address (its `serve --http` --address) in --engines")
+        self.pin(pane, replica)
+
+    def pin(self, pane: ChatPane, replica: EngineReplica) -> None:
+        """Send this chat's next messages to `replica`'s engine (not while a reply streams from another)."""
+        if pane.link is replica.link:
+            return
+        if pane.session.live is not None:
+            raise ValueError(f"{pane.session.name!r} is streaming a reply from {pane.link.address}: stop it first "
+                             f"(escape)")
+        pane.link = replica.link
+        self.tabs.label(pane)
+        pane.show_settings()  # the context gauge: this engine's model
+        self.notify(f"{pane.session.name!r} now talks to {replica.name}")
+
+    # -- focus and help ---------------------------------------------------------------------------
     def action_switch_focus(self) -> None:
         """F6: the next of the prompt box and the ops panels' tables (those shown), round and round."""
         pane = self.current if self.tabs.display else None

@@ -26,10 +26,11 @@ from textual.widgets import Markdown, Static, TextArea
 from textual.worker import WorkerCancelled, WorkerFailed
 
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
+from tui.commands import parse_number
 from tui.keys import InOrderKeys
 from tui.names import printable
 from tui.panels.base import pack, update_text
-from tui.session import Reply, Session, Turn, encodable
+from tui.session import SETTINGS, Reply, Session, Turn, encodable, parse_setting
 
 if TYPE_CHECKING:
     from tui.link import EngineLink
@@ -387,8 +388,10 @@ class ChatPane(Vertical):
             self.show_pending()
             await self.send(prompt)
 
-    def edit(self, index: int) -> None:
-        """Put message `index` back in the prompt box: Enter then sends it, edited, in place of its turn."""
+    def edit(self, number: str = "") -> None:
+        """/edit N: put message N (default: the last) back in the prompt box; Enter then sends it, edited, in
+        place of its turn."""
+        index = (parse_number(number, "/edit") or len(self.session.turns)) - 1
         if self.session.live is not None:
             raise ValueError("a reply is still streaming: stop it first (escape), then edit")
         if not self.session.turns:
@@ -435,6 +438,42 @@ class ChatPane(Vertical):
         self.session.clear()
         await self.show_context_mark()
         self.show_settings()
+
+    # -- the commands that change only this session (tui/commands.py; MinichatApp.command_handlers) -----
+    def set_system_prompt(self, text: str) -> None:
+        self.session.system_prompt = text
+
+    def set_setting(self, name: str, value: str) -> None:
+        """Every sampling setting (tui/session.py's SETTINGS); max_tokens must also fit the model's context."""
+        if name == "max_tokens" and self.context is not None and parse_setting(name, value) >= self.context:
+            raise ValueError(f"max_tokens must be below the model's context of {self.context} tokens; got {value}")
+        self.session.set(name, value)
+
+    def copy_reply(self, number: str = "") -> None:
+        """/copy N: reply N's text (default: the last) through the terminal (OSC 52), which most terminals put
+        on the clipboard."""
+        turns = self.session.turns
+        n = parse_number(number, "/copy") or len(turns)
+        if not 1 <= n <= len(turns):
+            raise ValueError(f"there is no reply {n} to copy: this conversation has {len(turns)}")
+        text = turns[n - 1].reply.text
+        self.app.copy_to_clipboard(text)
+        self.notify(f"copied reply {n} ({len(text)} characters) through the terminal (OSC 52; in tmux it needs "
+                    f"`set -g set-clipboard on`)", title="copy")
+
+    def keep(self) -> None:
+        """/keep: a fan-out's scratch tab becomes an ordinary conversation, saved from now on."""
+        if self.session.group is None:
+            raise ValueError(f"{self.session.name!r} is not a fan-out tab: it is saved already")
+        self.session.group = None
+        self.notify(f"kept {self.session.name!r}: saved, and reopened at the next start")
+
+    def present_value(self, name: str) -> str:
+        """What command `name`'s dialog starts with: the setting's present value."""
+        if name in SETTINGS:
+            return str(getattr(self.session.params, name))
+        return {"rename": self.session.name, "system": self.session.system_prompt,
+                "fanout": f"4 {self.query_one(PromptInput).text.strip() or 'Tell me a story'}"}.get(name, "")
 
     async def _fit(self, client: AsyncEngineClient, prompt: str) -> None:
         """Drop the oldest turns that no longer fit the model's context, as the engine counts tokens, and

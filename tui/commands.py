@@ -1,74 +1,71 @@
 """Session commands, one table for three doors: `/slash` commands typed in the prompt box, entries in
 the command palette (ctrl+p), and the help screen. Adding a command here makes it appear in all three.
 
-Each command names the app method that carries it out, by name, so this table imports no widgets.
+The table is data and imports no widgets: what each command does is `MinichatApp.command_handlers`,
+one callable per name (most of them the chat pane's own methods), which a test holds to this table.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Command:
-    """`arg` names the argument, if the command takes one; the palette asks for it in a dialog.
-    `handler` is the MinichatApp method run as `handler(command, arg, pane)`."""
+    """`arg` names the argument, if the command takes one; the palette and the keys ask for it in a dialog
+    unless `ask` is False: the command does something useful without it, as `/name` alone does."""
 
     name: str
     title: str
     help: str
     arg: str | None = None
-    handler: str = field(kw_only=True)
+    ask: bool = True
+
+    @property
+    def asks(self) -> bool:
+        """Whether the palette and the keys ask for the argument before running the command."""
+        return self.arg is not None and self.ask
 
 
 COMMANDS = (
-    Command("new", "New chat session", "open another session (optionally named)", "name", handler="do_new"),
-    Command("close", "Close chat session", "close this session's tab, stopping its reply (it stays saved)",
-            handler="do_close"),
-    Command("tab", "Go to tab N", "bring the Nth tab to the front (ctrl+t then a digit does it for 1-9)", "N",
-            handler="do_tab"),
-    Command("tabs", "List open tabs", "the open tabs, numbered; a digit or enter goes to one (ctrl+t)",
-            handler="do_tabs"),
-    Command("rename", "Rename chat session", "give this session a new name", "name", handler="do_rename"),
+    Command("new", "New chat session", "open another session (optionally named)", "name", ask=False),
+    Command("close", "Close chat session", "close this session's tab, stopping its reply (it stays saved)"),
+    Command("tab", "Go to tab N", "bring the Nth tab to the front (ctrl+t then a digit does it for 1-9)", "N"),
+    Command("tabs", "List open tabs", "the open tabs, numbered; a digit or enter goes to one (ctrl+t)"),
+    Command("rename", "Rename chat session", "give this session a new name", "name"),
     Command("sessions", "List saved conversations", "search, reopen, rename, delete or export them (ctrl+o)",
-            "search", handler="do_sessions"),
+            "search", ask=False),
     Command("export", "Export conversation as Markdown", "write this session to a Markdown file (default: "
-            "exports/ in the data directory)", "path", handler="do_export"),
-    Command("regen", "Regenerate the last reply", "send the last message again in place of its reply (ctrl+r)",
-            handler="do_regen"),
+            "exports/ in the data directory)", "path", ask=False),
+    Command("regen", "Regenerate the last reply", "send the last message again in place of its reply (ctrl+r)"),
     Command("edit", "Edit and resend a message", "put message N (default: the last) back in the prompt box; "
             "enter sends it in place of the old one and forgets the turns after it (up in an empty box does it "
-            "for the last)", "N", handler="do_edit"),
+            "for the last)", "N", ask=False),
     Command("copy", "Copy a reply", "copy reply N (default: the last) to the clipboard, through the terminal "
-            "(OSC 52: most terminals; in tmux, `set -g set-clipboard on`)", "N", handler="do_copy"),
+            "(OSC 52: most terminals; in tmux, `set -g set-clipboard on`)", "N", ask=False),
     Command("clear", "Clear the context", "start afresh: the model sees none of the turns so far (they stay "
-            "on screen and saved)", handler="do_clear"),
-    Command("system", "Set system prompt", "the system message sent before the history (empty: none)", "text",
-            handler="do_system"),
-    Command("temperature", "Set temperature", "sampling temperature; 0 is greedy", "value", handler="do_setting"),
-    Command("top_p", "Set top-p", "nucleus sampling: keep the smallest set of tokens with this much mass", "value",
-            handler="do_setting"),
-    Command("top_k", "Set top-k", "sample among the k likeliest tokens; -1 turns it off", "value",
-            handler="do_setting"),
-    Command("max_tokens", "Set max tokens", "the longest reply, in tokens (below the model's context)", "value",
-            handler="do_setting"),
+            "on screen and saved)"),
+    Command("system", "Set system prompt", "the system message sent before the history (empty: none)", "text"),
+    Command("temperature", "Set temperature", "sampling temperature; 0 is greedy", "value"),
+    Command("top_p", "Set top-p", "nucleus sampling: keep the smallest set of tokens with this much mass", "value"),
+    Command("top_k", "Set top-k", "sample among the k likeliest tokens; -1 turns it off", "value"),
+    Command("max_tokens", "Set max tokens", "the longest reply, in tokens (below the model's context)", "value"),
     Command("ignore_eos", "Set ignore EOS", "on: keep generating past the end-of-text token, up to max tokens "
-            "(long replies, to watch batching)", "on|off", handler="do_setting"),
+            "(long replies, to watch batching)", "on|off"),
     Command("priority", "Set priority", "this session's requests' scheduling priority: lower runs first under the "
-            "engine's --schedule-policy priority, and is retracted last (default 0)", "value", handler="do_setting"),
+            "engine's --schedule-policy priority, and is retracted last (default 0)", "value"),
     Command("fanout", "Fan out a prompt", "open N sessions that all send the prompt at once, or one per "
             "variation when the prompts are separated by |; their tabs are a group of scratch tabs, not saved "
-            "unless kept", "N prompt [| prompt …]", handler="do_fanout"),
+            "unless kept", "N prompt [| prompt …]"),
     Command("keep", "Keep this fan-out tab", "make this fan-out tab an ordinary conversation: saved, and "
-            "reopened at the next start", handler="do_keep"),
+            "reopened at the next start"),
     Command("closegroup", "Close fan-out group", "close every tab of this tab's fan-out at once, stopping their "
-            "replies (ctrl+g)", handler="do_close_group"),
-    Command("abort", "Stop generation", "abort this session's reply; the text so far is kept", handler="do_abort"),
+            "replies (ctrl+g)"),
+    Command("abort", "Stop generation", "abort this session's reply; the text so far is kept"),
     Command("engine", "Pin this chat to a replica", "send this chat's next messages to replica N of the fleet "
-            "(--engines; f4 lists them); without N, say which engine it talks to", "N", handler="do_engine"),
-    Command("reconnect", "Reconnect to the engine", "look for the engine again, starting one if allowed",
-            handler="do_reconnect"),
-    Command("help", "Help: keys and commands", "list every key binding and command", handler="do_help"),
+            "(--engines; f4 lists them); without N, say which engine it talks to", "N"),
+    Command("reconnect", "Reconnect to the engine", "look for the engine again, starting one if allowed"),
+    Command("help", "Help: keys and commands", "list every key binding and command"),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
 ALIASES = {"temp": "temperature", "top-p": "top_p", "top-k": "top_k", "max": "max_tokens", "prio": "priority",

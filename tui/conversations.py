@@ -1,4 +1,5 @@
-"""The app's side of the store: whether conversations are being saved, and what to do when not.
+"""The app's side of the store: whether conversations are being saved, and what to do when not; and
+their export as Markdown.
 
 The database is optional to the console: a StoreError closes it, is told once through `notify`
 (the app's), and from then on nothing is saved and `problem` says why. The app never handles a
@@ -87,6 +88,19 @@ class Conversations:
                 self.notify(problem, title="conversations", severity="warning", timeout=10)
             self.store.problems.clear()
         return session
+
+    def export(self, session: Session, path: str = "") -> None:
+        """Write the conversation as Markdown (to `path`, default a file named after it in the data directory)
+        and say where, or why not."""
+        slug = "".join(c if c.isalnum() else "-" for c in session.name.lower()).strip("-") or "chat"
+        target = Path(path).expanduser() if path else data_dir() / "exports" / f"{slug}.md"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(session.to_markdown(), encoding="utf-8")
+        except OSError as e:
+            self.notify(f"could not export {session.name!r}: {e}", severity="error")
+            return
+        self.notify(f"exported {session.name!r} to {target}", title="export")
 
     def delete(self, uid: str) -> None:
         if self.store is not None:

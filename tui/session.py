@@ -261,6 +261,11 @@ class Session:
         self.name, self.titled = title_from(self.turns[0].prompt), True
         return True
 
+    def rename(self, name: str) -> None:
+        """A name a person gives, kept over the automatic title; an empty one (`/rename` alone) changes nothing."""
+        if name:
+            self.name, self.titled = name, True
+
     def start_turn(self, prompt: str) -> Turn:
         """Record a new prompt with an empty reply whose request id names this session."""
         slug = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")[:16] or "chat"

@@ -16,8 +16,13 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label
 
 from tui.names import printable
+from tui.session import Session
 
-TabRow = tuple[str, str]  # (tab name, what it is doing: streaming, done, fan-out group…)
+
+def doing(session: Session) -> str:
+    """What the tab is doing: streaming, or its last reply's state (done, aborted…), and its fan-out group."""
+    state = "streaming" if session.live else session.turns[-1].reply.state if session.turns else "empty"
+    return state + (f" · {session.group}, not saved" if session.group else "")
 
 
 class TabsScreen(ModalScreen[int | None]):
@@ -29,9 +34,10 @@ class TabsScreen(ModalScreen[int | None]):
                   show=False) for n in range(1, 10)],
     ]
 
-    def __init__(self, rows: list[TabRow], current: int) -> None:
+    def __init__(self, sessions: list[Session], current: int) -> None:
+        """`sessions`: the open tabs' sessions, in the tab bar's order; `current`: the front one's index."""
         super().__init__(classes="dialog")
-        self.rows, self.current = rows, current
+        self.sessions, self.current = sessions, current
 
     def compose(self) -> ComposeResult:
         with Vertical(id="tab-list") as box:
@@ -42,8 +48,8 @@ class TabsScreen(ModalScreen[int | None]):
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         table.add_columns("#", "tab", "")
-        for n, (name, doing) in enumerate(self.rows, 1):
-            table.add_row(str(n), printable(name), doing)
+        for n, session in enumerate(self.sessions, 1):
+            table.add_row(str(n), printable(session.name), doing(session))
         table.move_cursor(row=self.current)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

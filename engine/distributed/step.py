@@ -15,7 +15,7 @@ class StepInputs:
     """The flat token batch of one step and where its K/V live.
 
     Request `b` feeds `q_lens[b]` tokens and has `kv_lens[b]` positions afterwards; `window[b, :kv_lens[b]]`
-    are its KV-pool token slots (its request-table row), so a worker rank needs no request table, page
+    are its KV-pool locations (its request-table row), so a worker rank needs no request table, page
     allocator or scheduler of its own: its pool is laid out exactly like rank 0's, only narrower.
     """
 

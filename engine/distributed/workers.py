@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from engine.config import EngineConfig
 from engine.distributed.group import LOOPBACK, TensorParallel, host_store, interface_toward, join_group
 from engine.distributed.handshake import HANDSHAKE_LIMIT, HandshakeFailed, handshake
 from engine.distributed.node import Meeting
@@ -276,19 +277,22 @@ def _stop(procs: list[subprocess.Popen[bytes] | None], conns: list[Connection],
     sentinels.clear()
 
 
-def launch(size: int, spec: ModelSpec, model_path: str, load: LoadOptions, page_size: int, attention_backend: str,
-           threads: int, timeout: float = TIMEOUT, nnodes: int = 1,
-           meeting: Meeting | None = None) -> tuple[TensorParallel, WorkerPool]:
-    """Start this node's ranks 1..size/nnodes-1, admit the other nodes' ranks (at `meeting`), and join
-    them all as rank 0; they load their shards while rank 0 loads its own."""
+def launch(config: EngineConfig, spec: ModelSpec, model_path: str, threads: int,
+           timeout: float = TIMEOUT) -> tuple[TensorParallel, WorkerPool]:
+    """Start this node's ranks 1..tensor_parallel_size/nnodes-1 (`model_path`: the checkpoint resolved, `threads`:
+    each rank's compute threads), admit the other nodes' ranks (at `dist_init_addr`), and join them all as rank 0;
+    they load their shards while rank 0 loads its own."""
+    size, nnodes, load = config.tensor_parallel_size, config.nnodes, LoadOptions.of(config)
+    meeting = Meeting.parse(config.dist_init_addr) if config.dist_init_addr else None
     per_node = size // nnodes
     host = meeting.host if meeting is not None else LOOPBACK
     store = host_store(size, timeout, host, meeting.port if meeting is not None else 0)
 
     def spec_for(r: int) -> WorkerSpec:  # a rank's device counts from the first one on its own node
         return WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path,
-                          load=replace(load, device=rank_device(load.device, r % per_node)), page_size=page_size,
-                          attention_backend=attention_backend, threads=threads, timeout=timeout, host=host)
+                          load=replace(load, device=rank_device(load.device, r % per_node)),
+                          page_size=config.page_size, attention_backend=config.attention_backend, threads=threads,
+                          timeout=timeout, host=host)
 
     pool = WorkerPool([spec_for(r) for r in range(1, per_node)])
     try:

@@ -1,4 +1,4 @@
-"""The KV pool: one K and one V tensor per layer, indexed by token slot (page * page_size + offset)."""
+"""The KV pool: one K and one V tensor per layer, indexed by KV location (page * page_size + offset)."""
 
 from __future__ import annotations
 

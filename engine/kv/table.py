@@ -1,4 +1,4 @@
-"""Request table: one row per request slot, mapping token positions to KV token slots."""
+"""Request table: one row per request slot, mapping token positions to KV locations."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 
 class RequestTable:
-    """`table[slot, pos]` is the KV-pool token slot holding position `pos` of the request in `slot`.
+    """`table[slot, pos]` is the KV-pool location holding position `pos` of the request in `slot`.
 
     Kernels read this map directly, so they never need to know the page size. `token_ids[slot, pos]`
     is the sampled token at output position `pos`: the sampler writes it and the next decode step
@@ -37,7 +37,7 @@ class RequestTable:
 
     def write_pages(self, slot: int, first: int, pages: list[int], page_size: int) -> None:
         """Record that the request's pages number `first`, `first + 1`, ... are `pages`: position
-        `p` of page `i` lives in token slot `pages[i] * page_size + p % page_size`."""
+        `p` of page `i` lives in KV location `pages[i] * page_size + p % page_size`."""
         if not pages:
             return
         start = first * page_size

@@ -7,9 +7,8 @@ reads/writes K/V through an attention backend over the paged pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -18,7 +17,8 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.kv.pool import KVPool
-from engine.model.ops import fuses_add, gemm_dtype, linear, linear_add
+from engine.model.layer_ops import BLOCK_OPS, EAGER_OPS, LayerOps, LayerStep, TritonOps
+from engine.model.ops import fuses_add, gemm_dtype
 from engine.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -38,12 +38,9 @@ from kernels.quant import BlockMatrix
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
     from transformers import PretrainedConfig
 
-    from kernels.attention.triton import TritonBackend, TritonStep
+    from kernels.attention.triton import TritonBackend
     from kernels.cpu import CpuKernels
     from kernels.cpu.decode import FusedLayers
-
-Rope = Callable[[torch.Tensor], torch.Tensor]
-"""This step's rotary embedding, applied to [tokens, heads, head_dim] (possibly in place)."""
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DENSE_BUFFER = 4 * 2**20
@@ -175,36 +172,6 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """transformers' `x * cos + rotate_half(x) * sin`, with the half swap's sign folded into the table
-    (`signed_sin` = [-sin, sin] by halves; negation is exact, so the products round the same), which
-    leaves four passes over x instead of six."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def rope_in_place(kernels: CpuKernels, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                  signed_sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` in one C pass, in place, over the full tables indexed by each token's position."""
-    kernels.rope_(x, positions, cos, signed_sin)
-    return x
-
-
-class TritonPath:
-    """The GPU path: the Triton attention backend and the fused Triton kernels around it (kernels/triton),
-    which take the place of the eager norms, RoPE, KV store and activation. Imported only when the model
-    runs on that backend, since the engine imports without Triton."""
-
-    def __init__(self, backend: TritonBackend) -> None:
-        from kernels.triton.activation import silu_mul
-        from kernels.triton.norm import add_rms_norm
-        from kernels.triton.rope import rope_store_kv
-
-        self.backend = backend
-        self.add_rms_norm = add_rms_norm
-        self.rope_store_kv = rope_store_kv
-        self.silu_mul = silu_mul
-
-
 class DecoderLayer(nn.Module):
     """One block; under tensor parallelism it holds this rank's heads and intermediate rows only."""
 
@@ -231,73 +198,19 @@ class DecoderLayer(nn.Module):
         self.block_kernels: CpuKernels | None = None  # every projection in block formats (CausalLM.use_cpu_kernels)
         self.dense_buffer: torch.Tensor | None = None  # where block weights expand for steps of many rows (shared)
 
-    def forward(self, x: torch.Tensor, rope: Rope, layer: int, kv: KVPool, backend: AttentionBackend,
-                meta: object) -> torch.Tensor:
-        eps, blocks = self.spec.rms_norm_eps, self.block_kernels
-        if blocks is not None:  # block formats, one rank: the norms, SiLU and residual adds inside the products
-            dense = self.dense_buffer
-            qkv = blocks.q_linear(x, self._block(self.qkv_proj), self.qkv_proj.bias,
-                                  norm=(self.input_layernorm.weight, eps), dense=dense)
-            x = blocks.q_linear(self._attend(qkv, rope, layer, kv, backend, meta), self._block(self.o_proj),
-                                self.o_proj.bias, add=x, dense=dense)
-            gate_up = blocks.q_linear(x, self._block(self.gate_up_proj), self.gate_up_proj.bias,
-                                      norm=(self.post_attention_layernorm.weight, eps), dense=dense)
-            return blocks.q_linear(gate_up, self._block(self.down_proj), self.down_proj.bias, add=x, silu_mul=True,
-                                   dense=dense)
-        attn = self._attend(self.qkv_proj(self.input_layernorm(x)), rope, layer, kv, backend, meta)
-        x = self._add_projection(x, self.o_proj, attn)
-        h = self.post_attention_layernorm(x)
-        if self.mlp_kernels is not None and self.activation is not None:  # SiLU * up (bf16 roundings) in one C pass
-            gate_up = linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, torch.float32)
-            act = self.mlp_kernels.silu_mul(gate_up, x.dtype,
-                                            out=self.activation.take(gate_up.shape[0], gate_up.shape[1] // 2))
-        else:
-            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        return self._add_projection(x, self.down_proj, act)
-
-    def _attend(self, qkv: torch.Tensor, rope: Rope, layer: int, kv: KVPool, backend: AttentionBackend,
-                meta: object) -> torch.Tensor:
-        """Attention from the fused q/k/v projection's output: per-head norms (Qwen3), RoPE, the backend."""
-        spec, tokens = self.spec, qkv.shape[0]
-        qk_size = self.q_size + self.kv_size
-        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, spec.head_dim)
-        if self.q_norm is None or self.k_norm is None:  # no per-head norms: one RoPE pass over q and k heads
-            qk = rope(qkv[:, :qk_size].view(tokens, -1, spec.head_dim))
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        else:  # Qwen3 normalises q and k per head, with separate weights, before RoPE
-            # (a layer of block-format products norms the heads as rows, in C, as the one-call layers do)
-            rows = (-1, spec.head_dim) if self.block_kernels is not None else (tokens, -1, spec.head_dim)
-            q = self.q_norm(qkv[:, : self.q_size].reshape(rows)).view(tokens, self.num_heads, spec.head_dim)
-            k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(rows)).view(tokens, self.num_kv_heads, spec.head_dim)
-            q, k = rope(q), rope(k)
-        return backend.forward(q, k, v, kv.k(layer), kv.v(layer), meta, self.scale).reshape(tokens, self.q_size)
-
-    @staticmethod
-    def _block(proj: nn.Module) -> BlockMatrix:
-        return cast(BlockMatrix, proj.weight)
-
-    def forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None, triton: TritonPath,
-                       positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       state: TritonStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` on the fused kernels, four launches besides the GEMMs and attention: the residual add
-        with each RMSNorm, q/k norm + RoPE + KV store, SiLU * up. Takes and returns the residual stream
-        apart from the block's last output (no residual before the first layer): the next norm adds them."""
-        eps, tokens = self.spec.rms_norm_eps, x.shape[0]
-        h, residual = triton.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
-        qk_norm = None if self.q_norm is None or self.k_norm is None else (self.q_norm.weight, self.k_norm.weight)
-        q, k, v = triton.rope_store_kv(self.qkv_proj(h), self.num_heads, self.num_kv_heads, positions, cos_sin,
-                                       k_cache, v_cache, state.meta.out_slots, qk_norm, eps)
-        attn = triton.backend.attend(q, k, v, k_cache, v_cache, state, self.scale).reshape(tokens, self.q_size)
-        h, residual = triton.add_rms_norm(self.o_proj(attn), residual, self.post_attention_layernorm.weight, eps)
-        return self.down_proj(triton.silu_mul(self.gate_up_proj(h))), residual
-
-    def _add_projection(self, residual: torch.Tensor, proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
-        """residual + proj(x), rounded to the residual's dtype first (x may be a float32 activation of a
-        bf16 model); inside the GEMM where `residual_in_gemm` allows."""
-        if self.residual_in_gemm:
-            return linear_add(x, residual, proj.weight)
-        return residual + proj(x).to(residual.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, index: int,
+                step: LayerStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This block (layer `index`) over the residual stream, `x` + `residual` (`residual` None: `x` alone),
+        returned in the same form. The ops (engine/model/layer_ops.py) decide where each residual add runs: at
+        once, inside the product, or in the next norm's kernel."""
+        ops: LayerOps = EAGER_OPS if self.block_kernels is None else BLOCK_OPS
+        if step.triton is not None:
+            ops = step.triton
+        qkv, residual = ops.norm_linear(self, x, residual, self.input_layernorm, self.qkv_proj)
+        x, residual = ops.add_linear(self, ops.attend(self, qkv, index, step), self.o_proj, residual)
+        gate_up, residual = ops.norm_linear(self, x, residual, self.post_attention_layernorm, self.gate_up_proj,
+                                            gated=True)
+        return ops.add_linear(self, gate_up, self.down_proj, residual, gated=True)
 
     def fuse_residual_adds(self) -> None:
         """Run both residual adds as binary post-ops of the o and down GEMMs (engine/model/ops.py), once
@@ -326,7 +239,7 @@ class CausalLM(nn.Module):
         self.cos_sin: torch.Tensor | None = None
         self.kernels: CpuKernels | None = None
         self.backend: AttentionBackend | None = None  # the backend the layers' path was chosen for
-        self.triton: TritonPath | None = None  # the fused Triton kernels, on the Triton backend
+        self.triton: TritonOps | None = None  # the fused Triton kernels, on the Triton backend
         self._fused: tuple[KVPool, FusedLayers] | None = None  # the layers as one C call, for the pool it was built on
         self.one_call = True  # run the layers as one C call where `_fused_layers` can (off: layer by layer, as tested)
 
@@ -384,7 +297,8 @@ class CausalLM(nn.Module):
         self._finish_loading()
 
     def _finish_loading(self) -> None:
-        """Tie the output head and build the RoPE table (cos, signed sin; see `apply_rope`) for every position."""
+        """Tie the output head and build the RoPE table (cos, signed sin; see layer_ops.apply_rope) for every
+        position."""
         if self.spec.tie_word_embeddings:
             weight = self.embed_tokens.weight
             if not isinstance(weight, nn.Parameter):  # block formats (engine/model/quantized.py)
@@ -427,19 +341,10 @@ class CausalLM(nn.Module):
 
     def use_attention_backend(self, backend: AttentionBackend) -> None:
         """Choose the layers' path for `backend`, once: on the Triton backend (the GPU path) the fused Triton
-        kernels (`TritonPath`); on any other the eager ops or minichat's C kernels. The engine calls this once
+        kernels (`TritonOps`); on any other the eager ops or minichat's C kernels. The engine calls this once
         it has built its backend (after the model); `forward` calls it for a caller that did not."""
         self.backend = backend
-        self.triton = TritonPath(cast("TritonBackend", backend)) if backend.name == "triton" else None
-
-    def _rope(self, positions: torch.Tensor) -> Rope:
-        if self.cos_sin is None:
-            raise RuntimeError("CausalLM.load_weights() must run before the first step")
-        if self.kernels is not None:
-            return partial(rope_in_place, self.kernels, positions=positions, cos=self.cos_sin[0],
-                           signed_sin=self.cos_sin[1])
-        cos_sin = self.cos_sin[:, positions, None, :]
-        return partial(apply_rope, cos=cos_sin[0], signed_sin=cos_sin[1])
+        self.triton = TritonOps(cast("TritonBackend", backend)) if backend.name == "triton" else None
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
@@ -449,22 +354,23 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a tied embedding may be stored upcast
         if backend is not self.backend:
             self.use_attention_backend(backend)
-        if self.triton is not None:
-            x = self._forward_triton(x, positions, logits_index, kv, self.triton, cast("TritonStep", meta))
+        if self.cos_sin is None:
+            raise RuntimeError("CausalLM.load_weights() must run before the first step")
+        residual: torch.Tensor | None = None
+        few_rows = isinstance(meta, PagedStep) and x.shape[0] < DENSE_ROWS  # many rows: torch's GEMM, per layer
+        fused = self._fused_layers(kv) if few_rows and self.triton is None else None
+        if fused is not None and isinstance(meta, PagedStep):  # every layer in one C call (decode.c), x in place
+            x = x.contiguous()
+            fused(x, positions, meta.table, meta.rows, meta.kv_lens, meta.out_locs)
         else:
-            few_rows = isinstance(meta, PagedStep) and x.shape[0] < DENSE_ROWS  # many rows: torch's GEMM, per layer
-            fused = self._fused_layers(kv) if few_rows else None
-            if fused is not None and isinstance(meta, PagedStep):  # every layer in one C call (decode.c), x in place
-                x = x.contiguous()
-                fused(x, positions, meta.table, meta.rows, meta.kv_lens, meta.out_slots)
-            else:
-                rope = self._rope(positions)
-                for i, layer in enumerate(self.layers):
-                    x = layer(x, rope, i, kv, backend, meta)
-            if logits_index.numel() != x.shape[0]:  # as many sampled rows as tokens: every row, in order
-                x = x[logits_index]
-            x = self.norm(x)
-        logits = self.lm_head(x)
+            step = LayerStep(positions, kv, backend, meta, self.cos_sin, self.kernels, self.triton)
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, i, step)
+        if logits_index.numel() != x.shape[0]:  # as many sampled rows as tokens: every row, in order
+            x = x[logits_index]
+            residual = None if residual is None else residual[logits_index]
+        h, _ = (self.triton or EAGER_OPS).norm(x, residual, self.norm)
+        logits = self.lm_head(h)
         return None if logits is None else logits.float()
 
     @property
@@ -494,16 +400,3 @@ class CausalLM(nn.Module):
             self._fused = (kv, FusedLayers(kernels, layers, self.layers[0].num_heads, self.num_kv_heads, s.head_dim,
                                            s.rms_norm_eps, self.cos_sin[0].contiguous(), self.cos_sin[1].contiguous()))
         return self._fused[1]
-
-    def _forward_triton(self, x: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor, kv: KVPool,
-                        triton: TritonPath, state: TritonStep) -> torch.Tensor:
-        """The layers and the final norm on the fused kernels; each residual add runs inside the next norm."""
-        if self.cos_sin is None:
-            raise RuntimeError("CausalLM.load_weights() must run before the first step")
-        residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer.forward_triton(x, residual, triton, positions, self.cos_sin, kv.k(i), kv.v(i), state)
-        if logits_index.numel() != x.shape[0]:
-            x = x[logits_index]
-            residual = None if residual is None else residual[logits_index]
-        return triton.add_rms_norm(x, residual, self.norm.weight, self.spec.rms_norm_eps)[0]

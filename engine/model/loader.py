@@ -118,16 +118,17 @@ class LoadOptions:
     oneDNN; norms, RoPE and the activation in the C kernels; float weights quantized at load to
     `quantization` (int8 / int4), or a GGUF file's block weights expanded to the model dtype (`dequantize`)."""
 
-    dtype: str = "float32"
-    device: str = "cpu"
-    linear_dtype: str = "auto"
-    prepack_weights: bool = True
-    cpu_kernels: bool = True
-    quantization: str | None = None
-    dequantize: bool = False
+    dtype: str
+    device: str
+    linear_dtype: str
+    prepack_weights: bool
+    cpu_kernels: bool
+    quantization: str | None
+    dequantize: bool
 
     @classmethod
     def of(cls, config: EngineConfig) -> LoadOptions:
+        """The config's load options (checked there: one definition of their defaults and their limits)."""
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
@@ -188,10 +189,6 @@ def build_model(spec: ModelSpec, checkpoint: Checkpoint, options: LoadOptions,
                 tp: TensorParallel | None = None) -> CausalLM:
     """The model `spec` describes (this rank's shard), filled from the checkpoint, as `options` say."""
     dtype = TORCH_DTYPES[options.dtype]
-    if options.quantization is not None and options.quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {options.quantization!r}")
-    if options.quantization is not None and options.dequantize:
-        raise ValueError("quantization and dequantize contradict each other: choose one")
     with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
         model = CausalLM(spec, tp).to(dtype)
     targets = model.weight_targets()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from engine.kv.cache import CacheManager, PrefixMatch
 from engine.kv.table import RequestTable
 from engine.request import Req, ReqState
 from engine.scheduler.admission import Admission
+from engine.scheduler.snapshot import WaitReason
 
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm matches no prefixes and orders as fcfs
 
@@ -23,7 +24,7 @@ class PrefillAdder:
     3. the KV estimate: the pages admission counts the request for (`Admission.claim`), plus what it
        counts everyone already admitted for (`claimed`), fit in free + evictable pages.
 
-    `blocked` names the limit that stopped admission ("slot", "token_budget", "kv_pages").
+    `try_add_one` names the limit a request does not fit ("slot", "token_budget", "kv_pages": a WaitReason).
     """
 
     def __init__(self, token_budget: int, claimed: int, table: RequestTable, cache: CacheManager,
@@ -34,7 +35,6 @@ class PrefillAdder:
         self.cache = cache
         self.admission = admission
         self.page_size = cache.page_size
-        self.blocked = ""
 
     def _take_chunk(self, req: Req) -> None:
         req.extend_len = min(self.token_budget, req.remaining_prompt)
@@ -45,13 +45,12 @@ class PrefillAdder:
         self._take_chunk(req)
         self.claimed += self.admission.claim(req)
 
-    def try_add_one(self, req: Req) -> bool:
+    def try_add_one(self, req: Req) -> WaitReason | None:
+        """Admit `req` (None), or name the limit it does not fit."""
         if self.table.available_size == 0:
-            self.blocked = "slot"
-            return False
+            return "slot"
         if self.token_budget <= 0:
-            self.blocked = "token_budget"
-            return False
+            return "token_budget"
         # Match at most fill_len - 1 tokens: the last one must be computed to get logits. A prompt to
         # score is computed whole: its cached part would have no logits.
         match = PrefixMatch() if req.scoring_prompt else self.cache.match_prefix(req.tokens(0, req.fill_len - 1))
@@ -61,8 +60,7 @@ class PrefillAdder:
         if need + self.claimed > self.cache.available_size:
             self.cache.unlock(match.handle)
             req.pages = []
-            self.blocked = "kv_pages"
-            return False
+            return "kv_pages"
         req.prefix = match
         req.cached_len = len(match.pages) * self.page_size
         if not req.retractions:  # usage reports the prompt tokens the first admission found cached
@@ -73,7 +71,7 @@ class PrefillAdder:
             req.admit_time = time.monotonic()
         self.claimed += need
         self._take_chunk(req)
-        return True
+        return None
 
 
 class PrefillManager:
@@ -97,7 +95,7 @@ class PrefillManager:
         self.max_wait_steps = max_wait_steps
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
-        self.blocked: tuple[str, str] | None = None  # (rid, limit) where the last admission stopped
+        self.blocked: tuple[str, WaitReason] | None = None  # (rid, limit) where the last admission stopped
 
     @property
     def runnable(self) -> bool:
@@ -116,21 +114,30 @@ class PrefillManager:
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    def reason(self, req: Req) -> str:
+    def reason(self, req: Req) -> WaitReason:
         """Why a waiting request waits, as the last admission found: the limit that stopped it, or
         "queue" (admission stopped at a request ahead of it, or has not looked since it arrived)."""
         if req.held:
             return "sibling"
         return self.blocked[1] if self.blocked is not None and self.blocked[0] == req.rid else "queue"
 
+    def rank(self, req: Req) -> int:
+        """Where the policy puts `req` before arrival breaks ties, lower first: its priority under
+        "priority", the same for everyone under the others. Admission takes the lowest rank first,
+        retraction gives up the highest first (`retraction_order`)."""
+        return req.params.priority if self.policy == "priority" else 0
+
+    def retraction_order(self, reqs: Iterable[Req]) -> list[Req]:
+        """Admitted requests in the order they give up their place when the pool runs dry: admission's
+        order reversed, the highest rank first, then the latest arrival."""
+        return sorted(reqs, key=lambda r: (self.rank(r), r.uid), reverse=True)
+
     def ordered(self, step: int) -> Sequence[Req]:
         """The waiting queue in admission order at scheduler step `step` (fcfs: the queue itself)."""
         if self.policy == "fcfs":
             return self.waiting
-        order = list(self.waiting)
-        if self.policy == "priority":
-            order.sort(key=lambda r: r.params.priority)  # stable: arrival order (retracted first) within one
-        elif self.policy == "lpm" and len(order) <= LPM_MAX_WAITING:
+        order = sorted(self.waiting, key=self.rank)  # stable: arrival order (retracted first) within one rank
+        if self.policy == "lpm" and len(order) <= LPM_MAX_WAITING:
             cached = {r.rid: len(self.cache.match_prefix(r.tokens(0, r.fill_len - 1)).pages) for r in order}
             order.sort(key=lambda r: -cached[r.rid])
         starved = [r for r in order if step - r.arrival_step >= self.max_wait_steps]
@@ -149,8 +156,8 @@ class PrefillManager:
         for req in self.ordered(step):
             if req.held:
                 continue
-            if not adder.try_add_one(req):
-                self.blocked = (req.rid, adder.blocked)
+            if (limit := adder.try_add_one(req)) is not None:
+                self.blocked = (req.rid, limit)
                 break
             admitted.append(req)
         for req in admitted:  # fcfs: each is at the front, found at once

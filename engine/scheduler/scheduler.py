@@ -1,19 +1,23 @@
 """The scheduler's three phases: `schedule()` -> ForwardBatch, (the runner's `run`), `process()` -> StepResult.
 
 `step()` is the body of the seed's `normal_loop`, the three in sequence, minus message receiving
-(the server does that between steps). The overlap loop (engine/loop.py) calls `schedule()` for step
-N+1 before `process()` of step N, so scheduling works only from what it decided itself (`cached_len`,
-`sampled`), never from tokens the host has not seen yet. Every way a request can end -- EOS, length,
-stop string, abort -- goes through `_finish`; its slot and pages are released by `_release` once no
-scheduled batch still uses them.
+(the server does that between steps). `schedule()` decides who runs (`_prefill_first`, the seed's
+"prefill first, else decode"), and engine/scheduler/batch_builder.py builds the step's tensors from
+that decision. The overlap loop (engine/loop.py) calls `schedule()` for step N+1 before `process()`
+of step N, so scheduling works only from what it decided itself (`cached_len`, `sampled`), never from
+tokens the host has not seen yet. Every way a request can end -- EOS, length, stop string, abort --
+goes through `_finish`. Resources have one cleanup path, `_release` (slot back to the table, pages to
+the cache manager): `_finish` reaches it once no scheduled batch still uses the request, and so does
+a retraction (`_retract`).
 
 Retraction (optimistic admission, engine/scheduler/admission.py): when the running set's next tokens
 need more pages than are free or evictable, running requests go back to the front of the waiting
-queue, latest arrival first (under the priority policy: lowest priority first). Their written pages
-go to the prefix cache, so their next admission recomputes only what was evicted meanwhile, and they
-keep their output and seed: a retracted request samples exactly the tokens it would have. A
-retraction happens only with no batch in flight (a batch in flight still writes the victims' pages);
-until then `schedule()` returns None, and the step loop processes the batch in flight first.
+queue in `PrefillManager.retraction_order` (admission's order reversed: latest arrival first, under
+the priority policy lowest priority first). Their written pages go to the prefix cache, so their next
+admission recomputes only what was evicted meanwhile, and they keep their output and seed: a
+retracted request samples exactly the tokens it would have. A retraction happens only with no batch
+in flight (a batch in flight still writes the victims' pages); until then `schedule()` returns None,
+and the step loop processes the batch in flight first.
 
 Log-probabilities: a prompt asking for its own (`prompt_logprobs`) adds the logits rows of its
 positions to the step's, kept in position order; `process` turns the runner's numbers into
@@ -30,17 +34,18 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import torch
 
 from engine.batch import ForwardBatch, ForwardOutput
+from engine.config import EngineConfig
 from engine.kv.cache import CacheManager, PrefixMatch
 from engine.kv.table import RequestTable
 from engine.outputs import Delta, Output, StepResult, TokenLogprob
 from engine.pages import PageMap
 from engine.request import Group, Req, ReqState
 from engine.runner import ModelRunner
-from engine.sampling import Grammars, Logprobs, SamplingBatch
+from engine.sampling import Grammars, Logprobs
 from engine.scheduler.admission import Admission
+from engine.scheduler.batch_builder import Plan, build_batch
 from engine.scheduler.budget import pages_for
 from engine.scheduler.decode import DecodeManager
 from engine.scheduler.prefill import PrefillManager
@@ -54,31 +59,30 @@ from engine.scheduler.snapshot import (
     WaitingEntry,
 )
 from engine.structured import GrammarCompiler
-from kernels.attention.base import build_metadata
 
 log = logging.getLogger(__name__)
 GRAMMAR_WAIT = 60.0  # seconds a step's sampler waits for the previous step's processing before giving up
 
 
 class Scheduler:
-    """`runner` runs the batches `step()` schedules; `schedule()` and `process()` alone need no model."""
+    """`runner` runs the batches `step()` schedules; `schedule()` and `process()` alone need no model.
+    `config`: the engine's scheduling knobs (max_prefill_tokens, mixed_batches, admission, schedule_policy,
+    max_wait_steps, max_consecutive_prefills); the KV page size is the cache's."""
 
-    def __init__(self, runner: ModelRunner | None, cache: CacheManager, table: RequestTable,
-                 max_prefill_tokens: int, eos_ids: set[int], mixed_batches: bool = True,
-                 admission: str = "optimistic", policy: str = "fcfs", max_wait_steps: int = 1000,
-                 max_consecutive_prefills: int = 8, token_text: Callable[[int], str] = str) -> None:
+    def __init__(self, runner: ModelRunner | None, cache: CacheManager, table: RequestTable, eos_ids: set[int],
+                 config: EngineConfig, token_text: Callable[[int], str] = str) -> None:
         self.runner = runner
         self.token_text = token_text  # a token id's text, for log-probabilities
-        self.mixed_batches = mixed_batches
+        self.mixed_batches = config.mixed_batches
         self.cache = cache
         self.table = table
         self.page_size = cache.page_size
-        self.prefill_budget = max_prefill_tokens
+        self.prefill_budget = config.max_prefill_tokens
         self.eos_ids = eos_ids
-        self.admission = Admission(admission, self.page_size)
-        self.policy = policy
-        self.max_consecutive_prefills = max_consecutive_prefills
-        self.prefill_manager = PrefillManager(table, cache, self.admission, policy, max_wait_steps)
+        self.admission = Admission(config.admission, self.page_size)
+        self.policy = config.schedule_policy
+        self.max_consecutive_prefills = config.max_consecutive_prefills
+        self.prefill_manager = PrefillManager(table, cache, self.admission, self.policy, config.max_wait_steps)
         self.decode_manager = DecodeManager()
         self.reqs: dict[str, Req] = {}
         self.groups: dict[str, Group] = {}  # requests with n > 1, by the client's rid
@@ -140,8 +144,8 @@ class Scheduler:
         page_map = self._page_map()
         page_map.refresh()
         runs, owners = page_map.runs(changed)
-        used = len(alloc.owner)
-        cached = alloc.num_pages - alloc.num_free - used
+        held = len(alloc.owner)
+        cached = alloc.num_pages - alloc.num_free - held
         admitted = sorted(((r, r.slot) for r in self.reqs.values() if r.slot is not None), key=lambda a: a[0].uid)
         running = tuple(
             RunningEntry(rid=r.rid, client=r.client, slot=slot,
@@ -151,11 +155,12 @@ class Scheduler:
                          claimed_pages=self.admission.claim(r), priority=r.params.priority,
                          retractions=r.retractions)
             for r, slot in admitted)
-        pages = PageSnapshot(page_size=self.page_size, total=alloc.num_pages, free=alloc.num_free, used=used,
+        pages = PageSnapshot(page_size=self.page_size, total=alloc.num_pages, free=alloc.num_free, held=held,
                              cached=cached, locked=cached - self.cache.evictable_size,
                              claimed=sum(e.claimed_pages for e in running), runs=tuple(runs), owners=tuple(owners),
                              complete=changed is None)
-        waiting = tuple(WaitingEntry(rid=r.rid, client=r.client, prompt_tokens=r.input_len, arrival_time=r.arrival_time,
+        now = time.monotonic()
+        waiting = tuple(WaitingEntry(rid=r.rid, client=r.client, prompt_tokens=r.input_len, waited=now - r.arrival_time,
                                      reason=self.prefill_manager.reason(r), priority=r.params.priority,
                                      retractions=r.retractions, generated=len(r.output_ids))
                         for r in self.prefill_manager.ordered(self.counters["steps"]))
@@ -163,7 +168,7 @@ class Scheduler:
                                  counters=SchedulerCounters(**self.counters), inflight_batches=self.inflight_batches,
                                  admission=self.admission.describe(), policy=self.policy)
 
-    def describe(self, rid: str, text_from: int = 0) -> RequestDetail | None:
+    def describe(self, rid: str, text_from: int = 0) -> RequestDetail[tuple[int, ...]] | None:
         """One live request in detail (see RequestDetail), by the client's rid or a choice's own; None
         when it is not live. Costs O(PROMPT_ENDS) plus the output text from `text_from` on."""
         req = self.reqs.get(rid)
@@ -182,7 +187,8 @@ class Scheduler:
             cached_tokens=req.prefix_len, slot=req.slot, pages=len(req.pages),
             claimed_pages=0 if waiting else self.admission.claim(req), generated=len(req.output_ids),
             max_tokens=req.max_output, retractions=req.retractions, choices=req.params.n,
-            arrival_time=req.arrival_time, admit_time=req.admit_time, first_token_time=req.first_token_time,
+            age=time.monotonic() - req.arrival_time, ttft=req.ttft,
+            queue=None if req.admit_time is None else req.admit_time - req.arrival_time,
             output=text[max(0, text_from):], output_chars=len(text))
 
     def step(self) -> StepResult:
@@ -199,113 +205,88 @@ class Scheduler:
 
     # -- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> ForwardBatch | None:
-        """Pick the next batch, claim its KV pages and build its tensors and attention metadata; None
-        when there is nothing to run.
+        """The next batch, or None when there is nothing to run: decide who runs (`_prefill_first`),
+        claim their KV pages, build the tensors and attention metadata (`build_batch`), commit.
 
-        A prefill batch is formed whenever one can be; with `mixed_batches` the running requests ride
-        along in it, one decode token each, ahead of the prompt tokens ("mixed"), so a request arriving
-        never stalls the ones already generating (and the weights are read once for both). Otherwise
-        the step is prefill only, as in the seed, or decode, and the running requests wait at most
-        `max_consecutive_prefills` prefill steps in a row. In a mixed step the decode tokens count against
-        the token budget; the prompts get what is left. Before anyone is admitted, the running set's next
-        tokens get their pages: retracting requests if need be (see the module docstring), or returning
-        None while a batch in flight holds pages they need."""
+        Before anyone is admitted, the running set's next tokens get their pages (`_make_room`):
+        retracting requests if need be (see the module docstring), or returning None while a batch in
+        flight holds pages they need."""
         start = time.perf_counter()
-        if not self._make_room():
+        plan = self._prefill_first() if self._make_room() else None
+        if plan is None:
             return None
-        running = list(self.decode_manager.running.values())  # batched in arrival order below, sorted once
-        prefill = None
-        hold = bool(running) and not self.mixed_batches and self._prefill_streak >= self.max_consecutive_prefills
-        if self.prefill_manager.runnable and not hold:
-            budget = self.prefill_budget - (len(running) if self.mixed_batches else 0)
-            claimed = sum(max(self.admission.claim(r), self._next_pages(r)) for r in running)
-            prefill = self.prefill_manager.schedule_next_batch(budget, claimed, self.counters["steps"])
+        self._allocate_kv(plan.reqs)
+        batch = build_batch(plan, self.table, self.eos_ids)
+        self._scheduled_count += 1
+        self._attach_grammars(batch)
+        self._commit(batch)
+        batch.schedule_time = time.perf_counter() - start
+        return batch
+
+    def _prefill_first(self) -> Plan | None:
+        """The seed's rule (its `_schedule_next_batch`): a prefill batch whenever one can be formed,
+        else decode the running set; None when neither has anyone.
+
+        With `mixed_batches` (the default) the running requests ride along in a prefill step, one
+        decode token each ahead of the prompt tokens ("mixed"), so a request arriving never stalls the
+        ones already generating (and the weights are read once for both). Without, the step is prefill
+        only, as in the seed, or decode, and `_decode_due` bounds the prefill-only steps in a row."""
+        running = list(self.decode_manager.running.values())  # batched in arrival order, sorted once
+        prefill = None if self._decode_due(running) else self._admit(running)
         decode = self.decode_manager.schedule_next_batch() if prefill is None or self.mixed_batches else None
         if prefill is None and decode is None:
             return None
         self._prefill_streak = self._prefill_streak + 1 if decode is None and running else 0
-        kind = "decode" if prefill is None else "prefill" if decode is None else "mixed"
-        decode = decode or []
-        reqs = decode + (prefill or [])
-        self._allocate_kv(reqs)
-        width = self.table.max_len
-        input_index: list[int] = []
-        input_ids: list[int] = []
-        positions: list[int] = []
-        q_lens, kv_lens, out_index, sample_rows = [], [], [], []
-        logits_at: list[int] = []
-        prompt_rows: list[tuple[int, int]] = []  # (request, positions scored) in batch order
-        prompt_at: list[int] = []
-        prompt_targets: list[int] = []
-        for i, req in enumerate(reqs):
-            start_pos, end = req.cached_len, req.cached_len + req.extend_len
-            assert req.slot is not None  # a scheduled request holds a slot
-            base = req.slot * width
-            input_index += range(base + start_pos, base + end)
-            if i >= len(decode):
-                input_ids += req.tokens(start_pos, end)
-            positions += range(start_pos, end)
-            q_lens.append(req.extend_len)
-            kv_lens.append(end)
-            if req.scoring_prompt:  # position q's logits score prompt token q + 1
-                first, last = max(start_pos, req.scored - 1), min(end, req.input_len - 1)
-                if last > first:
-                    offset = len(positions) - end
-                    prompt_at += range(offset + first, offset + last)
-                    prompt_rows.append((i, last - first))
-                    prompt_targets += req.input_ids[first + 1 : last + 1]
-                    req.scored = last + 1
-            # A request samples when this step reaches the end of its tokens; mid-chunk ones do not.
-            if end == req.input_len + req.sampled:
-                sample_rows.append(i)
-                logits_at.append(len(positions) - 1)
-                out_index.append(base + end)
-        dev = self.table.table.device
-        # Sampled rows then prompt rows; the model reads the rows in position order (so that as many rows
-        # as tokens are all of them, in order), `select` says where each of ours went.
-        select: list[int] = []
-        if prompt_rows:
-            rows_at = logits_at + prompt_at
-            order = sorted(range(len(rows_at)), key=rows_at.__getitem__)
-            logits_at = [rows_at[j] for j in order]
-            select = [0] * len(order)
-            for place, j in enumerate(order):
-                select[j] = place
-        # one host-to-device tensor for every index list (a tensor per list costs more than the lists)
-        sizes = [len(positions), len(positions), len(logits_at), len(out_index), len(reqs), len(input_ids),
-                 len(select)]
-        packed = torch.tensor(input_index + positions + logits_at + out_index + [r.slot for r in reqs] + input_ids
-                              + select, dtype=torch.int64, device=dev)
-        input_index_t, positions_t, logits_index, out_index_t, rows, input_ids_t, select_t = packed.split(sizes)
-        # the KV slot of each new token is its entry in the request table, where input_index points
-        out_slots = self.table.table.view(-1).index_select(0, input_index_t)
-        sampled = [reqs[i] for i in sample_rows]
-        self._scheduled_count += 1
-        batch = ForwardBatch(
-            kind=kind, reqs=reqs, sample_rows=sample_rows, num_decode=len(decode),
-            input_ids=input_ids_t if input_ids else None, input_index=input_index_t, positions=positions_t,
-            logits_index=logits_index, out_index=out_index_t,
-            attn=build_metadata(q_lens, kv_lens, rows, self.table.table, out_slots),
-            sampling=SamplingBatch.build(sampled, self.eos_ids, dev, prompt_targets,
-                                         max((reqs[i].params.prompt_logprobs or 0 for i, _ in prompt_rows), default=0)),
-            num_tokens=len(positions), logits_select=select_t if prompt_rows else None, prompt_rows=prompt_rows)
+        return Plan(decode=decode or [], prefill=prefill or [])
+
+    def _decode_due(self, running: list[Req]) -> bool:
+        """Without mixed batches, running requests that sat out `max_consecutive_prefills` prefill steps
+        in a row decode now, however many requests wait."""
+        return bool(running) and not self.mixed_batches and self._prefill_streak >= self.max_consecutive_prefills
+
+    def _admit(self, running: list[Req]) -> list[Req] | None:
+        """The waiting requests that fit beside the running set (PrefillAdder's three limits); None if
+        none. The running set's claims count against the KV estimate, and in a mixed step its decode
+        tokens against the token budget (the prompts get what is left)."""
+        if not self.prefill_manager.runnable:
+            return None
+        budget = self.prefill_budget - (len(running) if self.mixed_batches else 0)
+        claimed = sum(max(self.admission.claim(r), self._next_pages(r)) for r in running)
+        return self.prefill_manager.schedule_next_batch(budget, claimed, self.counters["steps"])
+
+    def _attach_grammars(self, batch: ForwardBatch) -> None:
+        """Grammar masks for the rows that sample under one; the step's sampler waits (`_wait_processed`)
+        until the previous step's tokens are accepted into them."""
+        sampled = batch.sampled_reqs
         if self.grammar is not None and any(r.grammar is not None for r in sampled):
             batch.sampling.grammars = Grammars(
                 [r.grammar for r in sampled], self.grammar.allocate_bitmask(len(sampled)),
                 functools.partial(self._wait_processed, self._scheduled_count - 1))
-        for req in reqs:
+
+    def _commit(self, batch: ForwardBatch) -> None:
+        """Advance the batch's requests as if it had run, so the next schedule (in the overlap loop,
+        before this batch is processed) starts where this one ends: prompt positions scored,
+        `cached_len`, `inflight`, a group leader's prompt shared, `sampled`, and the running set (a
+        request whose length budget is now spent leaves it)."""
+        for row, count in batch.prompt_rows:
+            batch.reqs[row].scored += count
+        for req in batch.reqs:
             req.cached_len += req.extend_len
             req.inflight += 1
-            group = req.group
-            if group is not None and req.index == 0 and not group.shared and req.cached_len >= req.input_len:
-                req.prefix = self.cache.share(req.input_ids, req.pages, req.prefix)
-                group.shared = True
+            self._share_prompt(req)
+        sampled = batch.sampled_reqs
         for req in sampled:
             req.sampled += 1
         self.decode_manager.filter_reqs(sampled)
         self.inflight_batches += 1
-        batch.schedule_time = time.perf_counter() - start
-        return batch
+
+    def _share_prompt(self, req: Req) -> None:
+        """A group's leader whose prompt is now cached shares it: its siblings, held until then
+        (`Req.held`), match it instead of computing it again."""
+        group = req.group
+        if group is not None and req.index == 0 and not group.shared and req.cached_len >= req.input_len:
+            req.prefix = self.cache.share(req.input_ids, req.pages, req.prefix)
+            group.shared = True
 
     def _next_pages(self, req: Req) -> int:
         """New pages a running request needs for its next token."""
@@ -319,11 +300,8 @@ class Scheduler:
             return True
         if self.inflight_batches:
             return False
-        victims = [r for r in self.reqs.values() if r.slot is not None and r.state is not ReqState.FINISHED]
-        if self.policy == "priority":  # lowest priority (highest number) first, then the latest arrival
-            victims.sort(key=lambda r: (-r.params.priority, -r.uid))
-        else:
-            victims.sort(key=lambda r: -r.uid)
+        victims = self.prefill_manager.retraction_order(
+            r for r in self.reqs.values() if r.slot is not None and r.state is not ReqState.FINISHED)
         while need > self.cache.available_size:
             if len(victims) <= 1:  # cannot happen: a prompt that fits the pool alone is refused at submission
                 raise RuntimeError(f"KV pool of {self.cache.allocator.num_pages} pages cannot hold one request")
@@ -500,7 +478,8 @@ class Scheduler:
             self._pending.append(msgspec.structs.replace(req.final(tokens, text, done), **extra))
 
     def _release(self, req: Req) -> None:
-        """Free the request slot and hand the KV pages to the cache manager (only whole, known tokens are cached)."""
+        """The one cleanup path (from `_finish` once no batch in flight uses `req`, and from `_retract`):
+        free the request slot and hand the KV pages to the cache manager (only whole, known tokens are cached)."""
         self._unreleased.discard(req)
         if req.slot is None:  # never admitted: it held nothing
             return

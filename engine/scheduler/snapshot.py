@@ -1,46 +1,65 @@
 """A read-only picture of the scheduler (`Scheduler.snapshot()`), for LLM.stats(), the server and its
-stats publisher.
+stats publisher, and the one definition of the rows it is made of.
 
 Everything outside the scheduler reads queues, slots and pages through this, never through the
 managers' internals, so the scheduler can change how it keeps them; why a request waits is the
-scheduler's own verdict from its last admission, not recomputed outside. Taking one copies only small
-host lists (O(requests)) and the pages as runs: every page (O(runs)), or only those in a set from
-`Scheduler.watch_pages` (what changed since its holder emptied it); the server takes one only when
-someone is listening.
+scheduler's own verdict from its last admission (`WaitReason`), not recomputed outside. Taking one
+copies only small host lists (O(requests)) and the pages as runs: every page (O(runs)), or only those
+in a set from `Scheduler.watch_pages` (what changed since its holder emptied it); the server takes one
+only when someone is listening.
+
+The rows (`WaitingEntry`, `RunningEntry`, `RequestDetail`) are msgspec Structs because the wire carries
+them as they are (engine/service/protocol.py's stats and `Description`), as it carries the engine's
+Delta and Final: one definition for the scheduler, the server and the clients. This module imports no
+torch, since the clients use it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar, get_args
+
+import msgspec
 
 from engine.pages import PageRun
 from engine.params import SamplingParams
 
+WaitReason = Literal["slot", "token_budget", "kv_pages", "queue", "sibling"]
+"""Why a waiting request waits: the limit that stopped the scheduler's last admission at it
+(engine/scheduler/prefill.py), "slot" (no request slot free), "token_budget" (the step's token budget was
+spent: admitted at the next prefill step) or "kv_pages" (its prompt and the output admission counts it
+for do not fit the free and evictable pages); "queue" (admission stopped at a request ahead of it, or has
+not looked since it arrived); or "sibling" (one of a request's n choices, waiting for the first to put the
+prompt in the prefix cache). docs/protocol.md lists these; a request the server is still preparing waits
+ahead of them with its stage as the reason ("tokenizing", "compiling grammar": engine/service/registry.py)."""
+WAIT_REASONS: tuple[WaitReason, ...] = get_args(WaitReason)
 
-@dataclass(frozen=True)
-class WaitingEntry:
-    """A waiting request, in admission order. `reason` is why the last admission left it waiting:
-    "slot" (none free), "token_budget" (the step's budget was spent), "kv_pages" (its pages do not fit)
-    or "queue" (admission stopped at a request ahead of it) or "sibling" (one of n choices, waiting for
-    the first to put the prompt in the prefix cache). A retracted request has `retractions` > 0
-    and its `generated` tokens kept. `client` says who sent it (a label, not an identity)."""
+PROMPT_ENDS = 48  # prompt tokens a RequestDetail keeps from each end
+
+Prompt = TypeVar("Prompt")
+
+
+class WaitingEntry(msgspec.Struct, kw_only=True):
+    """A waiting request, in admission order: `waited` seconds since it arrived, `reason` why it still
+    waits (a `WaitReason`; on the wire, a request the server still prepares has its stage). A retracted
+    request has `retractions` > 0 and its `generated` tokens kept. `client` says who sent it (a label,
+    not an identity)."""
 
     rid: str
-    client: str
     prompt_tokens: int
-    arrival_time: float  # time.monotonic() at submission
-    reason: str
-    priority: int
-    retractions: int
-    generated: int
+    waited: float
+    reason: str = ""
+    client: str = ""
+    priority: int = 0
+    retractions: int = 0
+    generated: int = 0
 
 
-@dataclass(frozen=True)
-class RunningEntry:
-    """An admitted, unfinished request: `state` is "prefilling" (prompt mid-chunk) or "running"."""
+class RunningEntry(msgspec.Struct, kw_only=True):
+    """An admitted, unfinished request in its request slot: `state` is "prefilling" (prompt mid-chunk) or
+    "running" (decoding)."""
 
     rid: str
-    client: str
     slot: int
     state: str
     prompt_tokens: int
@@ -48,46 +67,47 @@ class RunningEntry:
     generated: int
     max_tokens: int
     pages: int
-    claimed_pages: int  # further pages admission counts it for (see engine/scheduler/admission.py)
-    priority: int
-    retractions: int
+    claimed_pages: int = 0  # further pages admission counts it for (see engine/scheduler/admission.py)
+    priority: int = 0
+    retractions: int = 0
+    client: str = ""  # as WaitingEntry.client
 
 
-@dataclass(frozen=True)
-class RequestDetail:
-    """Everything about one live request (`Scheduler.describe`), for an operator looking at it. Built on
+class RequestDetail(msgspec.Struct, Generic[Prompt], kw_only=True):
+    """Everything about one live request, for an operator looking at it (`Scheduler.describe`). Built on
     demand for one request, never for the periodic snapshot, and still small: of the prompt only its
-    first and last PROMPT_ENDS token ids, of the output only the text from `text_from` on."""
+    first and last PROMPT_ENDS tokens (`prompt_tail` empty when the head is the whole prompt), of the
+    output only the text from the asker's `text_from` on. The scheduler gives the prompt's ends as token
+    ids (`RequestDetail[tuple[int, ...]]`); the wire's `Description` is this with their text, which takes
+    the tokenizer. Times are seconds: `age` since arrival, `queue` from arrival to admission and `ttft` to
+    the first output token (None until then)."""
 
     rid: str
-    client: str
-    state: str  # "waiting", "prefilling" or "running"
-    reason: str  # why it waits (WaitingEntry.reason); "" once admitted
-    params: SamplingParams
-    prompt_tokens: int
-    prompt_head: tuple[int, ...]
-    prompt_tail: tuple[int, ...]  # empty when the head is the whole prompt
-    cached_tokens: int  # prompt tokens found in the prefix cache at admission
-    slot: int | None
-    pages: int
-    claimed_pages: int
-    generated: int
-    max_tokens: int
-    retractions: int
-    choices: int  # params.n; the detail is of the first choice still open
-    arrival_time: float  # time.monotonic() at submission
-    admit_time: float | None
-    first_token_time: float | None
-    output: str  # the text sent to its client so far, from `text_from` on
-    output_chars: int  # the length of all of that text
-
-
-PROMPT_ENDS = 48  # prompt tokens a RequestDetail keeps from each end
+    state: str  # "waiting", "prefilling" or "running" (the wire adds the server's: see protocol.Description)
+    prompt_head: Prompt
+    prompt_tail: Prompt
+    client: str = ""
+    reason: str = ""  # why it waits (WaitingEntry.reason); "" once admitted
+    params: SamplingParams | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    slot: int | None = None
+    pages: int = 0
+    claimed_pages: int = 0
+    generated: int = 0
+    max_tokens: int = 0
+    retractions: int = 0
+    choices: int = 1  # params.n; the detail is of the first choice still open
+    age: float = 0.0
+    queue: float | None = None
+    ttft: float | None = None
+    output: str = ""  # the text sent to its client so far, from `text_from` on
+    output_chars: int = 0  # the length of all of that text
 
 
 @dataclass(frozen=True)
 class PageSnapshot:
-    """Every KV page is exactly one of free, used (held by a request) or cached (`locked` while a running
+    """Every KV page is exactly one of free, held by a request, or cached (`locked` while a running
     request reads it). `claimed` is what admission counts the admitted requests for beyond what they hold
     (it admits no one into those pages). `runs` (engine/pages.py) list every page in order when
     `complete`, else only the pages asked about; a held run's `owner` indexes `owners`."""
@@ -95,7 +115,7 @@ class PageSnapshot:
     page_size: int
     total: int
     free: int
-    used: int
+    held: int
     cached: int
     locked: int
     claimed: int
@@ -116,7 +136,7 @@ class SchedulerCounters:
 
 @dataclass(frozen=True)
 class SchedulerSnapshot:
-    waiting: tuple[WaitingEntry, ...]  # arrival order
+    waiting: tuple[WaitingEntry, ...]  # admission order
     running: tuple[RunningEntry, ...]  # arrival order
     slots: tuple[str | None, ...]  # request id holding each request slot
     pages: PageSnapshot

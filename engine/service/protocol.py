@@ -6,7 +6,8 @@ so clients stay light. Incoming messages are validated against these schemas (un
 refused, to catch typos); anything that does not decode gets an `Error` reply. The engine's own types
 are the wire's where they meet: a Submit carries `engine.SamplingParams` (validated as it decodes), and
 an `Outputs` message the engine's `Delta` and `Final` (engine/outputs.py) as the scheduler made them,
-and the stats the KV page map's `PageRun`s (engine/pages.py).
+the stats the KV page map's `PageRun`s (engine/pages.py) and the scheduler snapshot's rows, and a
+`Description` the scheduler's `RequestDetail` (both engine/scheduler/snapshot.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import msgspec
 from engine.outputs import Delta, Final
 from engine.pages import PageRun
 from engine.params import SamplingParams
+from engine.scheduler.snapshot import RequestDetail, RunningEntry, WaitingEntry
 
 
 class _ClientMsg(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
@@ -192,35 +194,12 @@ class Text(_EngineMsg, tag="text"):
     text: str
 
 
-class Description(_EngineMsg, tag="description"):
-    """Answers `Describe`: one request as an operator wants to see it. `state` is "tokenizing" (its text
-    prompt is being tokenized), "compiling grammar" (its grammar is, off the engine's loop), "waiting",
-    "prefilling", "running", or "gone" (finished, aborted, or never known; every other field is then empty).
-    Times are seconds since it arrived; the prompt comes as the text of its first and last 48 tokens
-    (`prompt_tail` empty when the head is all of it); `output` is its text so far from the asker's
-    `text_from` on, `output_chars` the whole length."""
-
-    rid: str
-    state: str
-    client: str = ""
-    reason: str = ""  # why it waits, as WaitingReq.reason
-    params: SamplingParams | None = None
-    prompt_tokens: int = 0
-    prompt_head: str = ""
-    prompt_tail: str = ""
-    cached_tokens: int = 0  # prompt tokens the prefix cache held at admission
-    slot: int | None = None
-    pages: int = 0
-    claimed_pages: int = 0
-    generated: int = 0
-    max_tokens: int = 0
-    retractions: int = 0
-    choices: int = 1
-    age: float = 0.0  # arrival -> now
-    queue: float | None = None  # arrival -> admission
-    ttft: float | None = None  # arrival -> first output token
-    output: str = ""
-    output_chars: int = 0
+class Description(_EngineMsg, RequestDetail[str], tag="description"):
+    """Answers `Describe`: one request as an operator wants to see it, the scheduler's `RequestDetail`
+    with the prompt's ends as text (special tokens included). `state` is the scheduler's ("waiting",
+    "prefilling", "running"), or the server's: "tokenizing" (its text prompt is being tokenized),
+    "compiling grammar" (its grammar is, off the engine's loop), or "gone" (finished, aborted, or never
+    known; every other field is then empty)."""
 
 
 EngineMessage = (Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartbeat | Tokens | Text
@@ -228,38 +207,6 @@ EngineMessage = (Outputs | Error | Aborted | Pong | Info | ShuttingDown | Heartb
 
 
 # -- stats (PUB socket) -------------------------------------------------------------------------
-class WaitingReq(msgspec.Struct, kw_only=True):
-    """A queued request, in admission order; `reason` is why the scheduler's last admission left it
-    waiting: "slot" (none free), "kv_pages" (its prompt and expected output do not fit), "token_budget"
-    (the step's budget was spent: admitted at the next step) or "queue" (admission stopped at a request
-    ahead of it). A retracted request (`retractions` > 0) waits with the `generated` tokens it keeps."""
-
-    rid: str
-    prompt_tokens: int
-    waited: float
-    reason: str = ""
-    client: str = ""  # who sent it (Submit.client, or the engine's label for its connection)
-    priority: int = 0
-    retractions: int = 0
-    generated: int = 0
-
-
-class RunningReq(msgspec.Struct, kw_only=True):
-    """A request holding a slot: `state` is "prefilling" (prompt mid-chunk) or "running" (decoding)."""
-
-    rid: str
-    slot: int
-    state: str
-    prompt_tokens: int
-    prefilled: int
-    generated: int
-    max_tokens: int
-    pages: int
-    priority: int = 0
-    retractions: int = 0
-    client: str = ""  # as WaitingReq.client
-
-
 class Pages(msgspec.Struct, kw_only=True):
     """The KV pool: how many pages are free, held by a request, cached, or cached and locked (a running
     request reads it), and where they are as runs (engine/pages.py: `paint` turns them into a state per
@@ -326,8 +273,8 @@ class Stats(_EngineMsg, tag="stats"):
     time: float
     uptime: float
     model: str
-    waiting: list[WaitingReq]
-    running: list[RunningReq]
+    waiting: list[WaitingEntry]  # the requests the server prepares first, then the scheduler's, in admission order
+    running: list[RunningEntry]
     slots: list[str | None]
     pages: Pages
     counters: Counters

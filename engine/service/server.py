@@ -8,7 +8,9 @@ tokenized on a worker thread (tokenizers releases the GIL) and grammars compiled
 releases it too, within --grammar-time-limit), so neither a huge prompt nor a costly grammar stalls the
 loop, and so are `tokenize` / `detokenize` calls; ping / shutdown stay answered under any load. A client
 that disappears (a send to it fails: ROUTER is in mandatory mode, so a vanished peer is an error, not
-a silent drop) has its requests aborted, which frees their request slots and KV pages.
+a silent drop) has its requests aborted, which frees their request slots and KV pages. The server keeps
+one record per live request, from its Submit to its Final (registry.py); it answers duplicates, aborts,
+clients gone and shutdown from there alone.
 """
 
 from __future__ import annotations
@@ -35,17 +37,19 @@ import engine
 from engine.config import DEMO_MODEL_DIR, EngineConfig
 from engine.llm import LLM
 from engine.outputs import Final, Output, StepResult, Timings, Usage
-from engine.params import SamplingParams, invalid_params
+from engine.params import invalid_params
 from engine.request import PromptTooLong
+from engine.scheduler.snapshot import WaitingEntry
 from engine.service import protocol
 from engine.service.addresses import AddressError, default_address
 from engine.service.liveness import StepCover
 from engine.service.options import ServerOptions
 from engine.service.parent import PARENT_ENV, parent_pidfd
 from engine.service.publisher import StatsPublisher
+from engine.service.registry import GrammarJob, Preparation, Record, Registry
 from engine.service.sockets import Sockets
 from engine.service.stats import StatsRecorder
-from engine.structured import GrammarSpec, InvalidGrammar
+from engine.structured import InvalidGrammar
 from engine.tokenizer import apply_chat_template, max_prompt_chars
 
 if TYPE_CHECKING:
@@ -73,47 +77,6 @@ class Refused(Exception):
         self.code = code
 
 
-class _GrammarJob:
-    """A request's grammar on the grammar worker; `started` once the worker took it (a grammar's time limit
-    counts from there, not from the queue behind another one)."""
-
-    def __init__(self, llm: LLM, spec: GrammarSpec, worker: ThreadPoolExecutor) -> None:
-        self.started: float | None = None
-        self.compiled = worker.submit(self._compile, llm, spec)
-
-    def _compile(self, llm: LLM, spec: GrammarSpec) -> CompiledGrammar:
-        self.started = time.monotonic()
-        return llm.compile_grammar(spec)
-
-    def overdue(self, now: float, limit: float) -> bool:
-        return not self.compiled.done() and self.started is not None and now - self.started > limit
-
-
-@dataclass
-class _Preparing:
-    """A request not queued yet: its text prompt on the tokenizer worker (token ids are done at once), its
-    grammar, if it has one, on the grammar worker. Neither runs on the loop: their cost is the client's."""
-
-    identity: bytes
-    ids: Future[list[int]]
-    grammar: _GrammarJob | None
-    params: SamplingParams
-    arrival: float
-    client: str
-
-    @property
-    def stage(self) -> str:
-        return "tokenizing" if not self.ids.done() else "compiling grammar"
-
-    def ready(self) -> bool:
-        return self.ids.done() and (self.grammar is None or self.grammar.compiled.done())
-
-    def cancel(self) -> None:
-        self.ids.cancel()
-        if self.grammar is not None:
-            self.grammar.compiled.cancel()  # a compile under way runs to its end (xgrammar cannot stop it)
-
-
 @dataclass
 class _Answer:
     """A `tokenize` / `detokenize` call the tokenizer worker is still working on: `reply` is its answer."""
@@ -133,8 +96,7 @@ class EngineServer:
         self.options = options
         self.stats = StatsRecorder(llm, preparing=self._preparing_rows)
         self.publisher = StatsPublisher(sockets.pub, self.stats.snapshot)
-        self.owners: dict[str, bytes] = {}  # live request -> the identity of the client that submitted it
-        self.preparing: dict[str, _Preparing] = {}  # in arrival order
+        self.requests = Registry()  # every live request, from its Submit to its Final (registry.py)
         self.answering: deque[_Answer] = deque()  # in the order the one tokenizer worker finishes them
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar", initializer=_yield_cores)
@@ -150,44 +112,50 @@ class EngineServer:
         self._parent = parent_pidfd()  # the launching process, when one started this engine (parent.py)
         if self._parent is not None:
             self._poller.register(self._parent, zmq.POLLIN)
-        self._cover = StepCover(self.router, self._reply_during_step, self._live_clients, HEARTBEAT_INTERVAL)
+        self._cover = StepCover(self.router, self._reply_during_step, self.requests.owners, HEARTBEAT_INTERVAL)
 
     def request_stop(self) -> None:
         self._stop = True
 
     def run(self) -> None:
-        """Receive (blocking only when idle) -> step -> deliver. With `EngineConfig.overlap` a step returns
-        the previous batch, processed while the next one runs in the model worker, so detokenising,
-        sending and receiving all happen off the model's critical path (the seed's overlap_loop)."""
+        """Pass after pass (`run_once`) until stopped; then abort what is in flight (`_shutdown`)."""
         log.info("engine ready: model %s, %d KV pages x %d tokens, %d request slots; listening on %s, "
                  "stats on %s (pid %d)", self.llm.checkpoint.path, self.llm.num_pages, self.llm.config.page_size,
                  self.llm.config.request_slots, self.sockets.address, self.sockets.stats_address,
                  os.getpid())
         try:
             while not self._stop:
-                self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
-                busy = self.llm.has_unfinished()
-                self._receive(0 if busy else self._idle_wait_ms())
-                self._admit_prepared()
-                self._answer()
-                if self.llm.has_unfinished():
-                    self._deliver(self._step(self.llm.config.use_overlap))
-                self._sweep_clients()
-                self.publisher.publish(idle=not self.llm.has_unfinished())
+                self.run_once()
             self._shutdown()
         except Exception as e:  # the engine is going down: say so to everyone waiting, not just the log
-            for rid, owner in list(self.owners.items()):
-                self._send(owner, protocol.Error(code="internal", message=f"the engine failed: {e!r}",
-                                                          rid=rid))
+            for record in self.requests:
+                if record.owner is not None:
+                    self._send(record.owner, protocol.Error(code="internal", message=f"the engine failed: {e!r}",
+                                                            rid=record.rid))
             raise
         finally:
             self._cover.close()
+
+    def run_once(self) -> None:
+        """One pass of the loop: receive (blocking only when idle) -> step -> deliver. With
+        `EngineConfig.overlap` a step returns the previous batch, processed while the next one runs in the
+        model worker, so detokenising, sending and receiving all happen off the model's critical path (the
+        seed's overlap_loop)."""
+        self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
+        busy = self.llm.has_unfinished()
+        self._receive(0 if busy else self._idle_wait_ms())
+        self._admit_prepared()
+        self._answer()
+        if self.llm.has_unfinished():
+            self._deliver(self._step(self.llm.config.use_overlap))
+        self._sweep_clients()
+        self.publisher.publish(idle=not self.llm.has_unfinished())
 
     # -- receiving --------------------------------------------------------------------------------
     def _idle_wait_ms(self) -> int:
         """How long an idle loop may block on the sockets: until the next stats snapshot is due while
         someone subscribes, else a heartbeat interval (the health check still runs that often)."""
-        if self.preparing or self.answering:
+        if self.requests.preparing() or self.answering:
             return 5
         if self.publisher.listening:
             return self.publisher.wait_ms()
@@ -211,9 +179,6 @@ class EngineServer:
 
     def _pong(self, ping: protocol.Ping, busy_for: float | None = None) -> protocol.Pong:
         return protocol.Pong(nonce=ping.nonce, version=engine.__version__, pid=os.getpid(), busy_for=busy_for)
-
-    def _live_clients(self) -> set[bytes]:
-        return set(self.owners.values()) | {p.identity for p in self.preparing.values()}
 
     def _receive(self, timeout_ms: int) -> None:
         held = self._cover.held  # messages that arrived during the last long step come first, in order
@@ -292,9 +257,9 @@ class EngineServer:
 
     def _submit(self, identity: bytes, msg: protocol.Submit) -> None:
         rid = _checked_rid(msg.rid)
-        if rid in self.owners or rid in self.preparing or self.llm.request(rid) is not None:
+        if rid in self.requests:
             raise Refused("duplicate_request", f"request id {rid!r} is already in use; choose another")
-        waiting = self.llm.num_waiting + len(self.preparing)
+        waiting = self.llm.num_waiting + len(self.requests.preparing())
         if waiting >= self.options.max_waiting_requests:
             raise Refused("overloaded", f"the waiting queue is full ({waiting} requests); retry later")
         given = [p for p in (msg.prompt, msg.messages, msg.token_ids) if p is not None]
@@ -307,11 +272,11 @@ class EngineServer:
             raise Refused("invalid_request", "this model's chat template has no tool calling; send no tools")
         if msg.client is not None and not 0 < len(msg.client) <= protocol.MAX_CLIENT_LABEL:
             raise Refused("invalid_request", f"client must be a label of 1 to {protocol.MAX_CLIENT_LABEL} characters")
-        client = msg.client or self._client_label(identity)
+        record = Record(rid, identity, msg.client or self._client_label(identity), params, time.monotonic())
         if msg.token_ids is not None and params.structured is None:
-            self._add(identity, rid, msg.token_ids, params, time.monotonic(), client)
+            self._queue(record, msg.token_ids)
         else:  # a text prompt or a grammar: prepared off the loop, after size checks that cost nothing
-            queued = sum(p.identity == identity for p in self.preparing.values())
+            queued = sum(r.owner == identity for r, _ in self.requests.preparing())
             if queued >= MAX_PREPARING_PER_CLIENT:  # one client's prompts must not starve everyone else's
                 raise Refused("overloaded", f"this client already has {queued} requests being tokenized or "
                                             f"compiled (at most {MAX_PREPARING_PER_CLIENT}); retry when they are done")
@@ -320,17 +285,18 @@ class EngineServer:
                 ids.set_result(msg.token_ids)
             else:
                 ids = self._tokenizer.submit(self.llm.encode_prompt, self._text_prompt(msg), msg.tools)
-            grammar = None if params.structured is None else _GrammarJob(self.llm, params.structured, self._grammars)
-            self.preparing[rid] = _Preparing(identity, ids, grammar, params, time.monotonic(), client)
+            grammar = None if params.structured is None else GrammarJob(self.llm, params.structured, self._grammars)
+            record.preparation = Preparation(ids, grammar)
+        self.requests.add(record)
         self.stats.submitted += 1
         self.publisher.changed()
 
-    def _preparing_rows(self) -> list[protocol.WaitingReq]:
+    def _preparing_rows(self) -> list[WaitingEntry]:
         """The requests not queued yet, as the snapshot's first waiting rows (their reason: what they wait for)."""
         now = time.monotonic()
-        return [protocol.WaitingReq(rid=rid, prompt_tokens=_token_count(p.ids), waited=now - p.arrival,
-                                    reason=p.stage, client=p.client, priority=p.params.priority)
-                for rid, p in self.preparing.items()]
+        return [WaitingEntry(rid=r.rid, prompt_tokens=prep.prompt_tokens, waited=now - r.arrival, reason=prep.stage,
+                             client=r.client, priority=r.params.priority)
+                for r, prep in self.requests.preparing()]
 
     def _text_prompt(self, msg: protocol.Submit) -> str | list[dict]:
         """The prompt or chat of a Submit, once size checks that cost nothing let it through."""
@@ -356,50 +322,56 @@ class EngineServer:
             del self._client_numbers[next(iter(self._client_numbers))]
         return f"client {number}"
 
-    def _add(self, identity: bytes, rid: str, ids: list[int], params: SamplingParams, arrival: float,
-             client: str, grammar: CompiledGrammar | None = None) -> None:
+    def _queue(self, record: Record, ids: list[int], grammar: CompiledGrammar | None = None) -> None:
+        """Hand a request to the engine (its timings count the time spent tokenizing and compiling)."""
         try:
-            # timings count the time spent tokenizing and compiling
-            self.llm.add_request(ids, params, rid, arrival_time=arrival, client=client, grammar=grammar)
+            self.llm.add_request(ids, record.params, record.rid, arrival_time=record.arrival, client=record.client,
+                                 grammar=grammar)
         except PromptTooLong as e:
             raise Refused("prompt_too_long", str(e)) from e
         except ValueError as e:
             raise Refused("invalid_request", str(e)) from e
-        self.owners[rid] = identity
 
     def _admit_prepared(self) -> None:
         """Queue the requests whose prompt and grammar are ready, in arrival order among them (a grammar still
         compiling holds back only its own request); refuse a grammar that has compiled for too long."""
         now = time.monotonic()
-        for rid, prep in list(self.preparing.items()):
-            limit = self.options.grammar_time_limit
+        limit = self.options.grammar_time_limit
+        for record, prep in self.requests.preparing():
             if prep.grammar is not None and prep.grammar.overdue(now, limit):
-                del self.preparing[rid]
-                self._error(prep.identity, "invalid_grammar", f"structured: the grammar did not compile within "
-                                                              f"{limit:g} s (this engine's --grammar-time-limit); "
-                                                              "simplify it", rid)
-                continue
-            if not prep.ready():
-                continue
-            del self.preparing[rid]
-            try:
-                grammar = None if prep.grammar is None else prep.grammar.compiled.result()
-            except ValueError as e:  # InvalidParams: the grammar does not compile
-                self._error(prep.identity, "invalid_grammar", str(e), rid)
-                continue
-            except Exception as e:
-                log.exception("internal error compiling the grammar of request %s", rid)
-                self._error(prep.identity, "internal", f"{type(e).__name__}: {e}", rid)
-                continue
-            try:
-                self._add(prep.identity, rid, prep.ids.result(), prep.params, prep.arrival, prep.client, grammar)
-            except ValueError as e:
-                self._error(prep.identity, "invalid_request", str(e), rid)
-            except Refused as e:
-                self._error(prep.identity, e.code, str(e), rid)
-            except Exception as e:
-                log.exception("internal error tokenizing request %s", rid)
-                self._error(prep.identity, "internal", f"{type(e).__name__}: {e}", rid)
+                self._refuse_prepared(record, "invalid_grammar", f"structured: the grammar did not compile within "
+                                                                 f"{limit:g} s (this engine's --grammar-time-limit); "
+                                                                 "simplify it")
+            elif prep.ready():
+                self._queue_prepared(record, prep)
+
+    def _queue_prepared(self, record: Record, prep: Preparation) -> None:
+        """Queue a request whose preparation is done, or tell its client why it cannot be."""
+        try:
+            grammar = None if prep.grammar is None else prep.grammar.compiled.result()
+        except ValueError as e:  # InvalidParams: the grammar does not compile
+            self._refuse_prepared(record, "invalid_grammar", str(e))
+            return
+        except Exception as e:
+            log.exception("internal error compiling the grammar of request %s", record.rid)
+            self._refuse_prepared(record, "internal", f"{type(e).__name__}: {e}")
+            return
+        try:
+            self._queue(record, prep.ids.result(), grammar)
+        except ValueError as e:  # from the tokenizer worker: ids outside the vocabulary, a chat the template refuses
+            self._refuse_prepared(record, "invalid_request", str(e))
+        except Refused as e:
+            self._refuse_prepared(record, e.code, str(e))
+        except Exception as e:
+            log.exception("internal error tokenizing request %s", record.rid)
+            self._refuse_prepared(record, "internal", f"{type(e).__name__}: {e}")
+        else:
+            self.requests.queued(record)
+
+    def _refuse_prepared(self, record: Record, code: str, message: str) -> None:
+        self.requests.remove(record.rid)
+        assert record.owner is not None  # a client's requests still preparing go with it (_drop_client)
+        self._error(record.owner, code, message, record.rid)
 
     def _tokenize(self, identity: bytes, msg: protocol.Tokenize) -> None:
         """Token ids as a Submit of the same prompt gets them (the same code on the same worker thread)."""
@@ -469,23 +441,18 @@ class EngineServer:
     def _describe(self, msg: protocol.Describe) -> protocol.Description:
         """One request as an operator sees it; "gone" when it is not live (no error: it may have ended
         a moment ago)."""
-        now = time.monotonic()
-        if (prep := self.preparing.get(msg.rid)) is not None:
-            return protocol.Description(rid=msg.rid, state=prep.stage, client=prep.client, params=prep.params,
-                                        age=now - prep.arrival)
+        record = self.requests.get(msg.rid)
+        if record is not None and record.preparation is not None:
+            return protocol.Description(rid=msg.rid, state=record.preparation.stage, prompt_head="", prompt_tail="",
+                                        client=record.client, params=record.params,
+                                        age=time.monotonic() - record.arrival)
         d = self.llm.describe(msg.rid, msg.text_from)
         if d is None:
-            return protocol.Description(rid=msg.rid[:MAX_ECHOED_RID], state="gone")
-        arrival = d.arrival_time
-        return protocol.Description(  # the rid asked for: a choice's own ("r#1") is answered under it
-            rid=msg.rid, state=d.state, client=d.client, reason=d.reason, params=d.params,
-            prompt_tokens=d.prompt_tokens, prompt_head=self._text(d.prompt_head),
-            prompt_tail=self._text(d.prompt_tail), cached_tokens=d.cached_tokens, slot=d.slot, pages=d.pages,
-            claimed_pages=d.claimed_pages, generated=d.generated, max_tokens=d.max_tokens,
-            retractions=d.retractions, choices=d.choices, age=now - arrival,
-            queue=None if d.admit_time is None else d.admit_time - arrival,
-            ttft=None if d.first_token_time is None else d.first_token_time - arrival,
-            output=d.output, output_chars=d.output_chars)
+            return protocol.Description(rid=msg.rid[:MAX_ECHOED_RID], state="gone", prompt_head="", prompt_tail="")
+        head, tail = self._text(d.prompt_head), self._text(d.prompt_tail)
+        # under the rid asked for: a choice's own ("r#1") is answered under it, not under its request's
+        return protocol.Description(**msgspec.structs.asdict(d) | {"rid": msg.rid, "prompt_head": head,
+                                                                      "prompt_tail": tail})
 
     def _text(self, ids: tuple[int, ...]) -> str:
         """The text of a few prompt tokens (special tokens included: a chat template's are part of the
@@ -500,14 +467,19 @@ class EngineServer:
         """Abort now: the scheduler counts it at once and frees the slot and pages as soon as no step in
         flight uses them (at once, or after the step running now); the Final goes out after the next step.
         A request still being tokenized or compiled holds nothing: its Final goes out at once."""
-        prep = self.preparing.pop(rid, None)
-        if prep is not None:
-            prep.cancel()
-            self.stats.unscheduled_aborts += 1
-            self._send(prep.identity, protocol.Outputs(items=[_final_unstarted(rid, prep.arrival)]))
-        else:
+        record = self.requests.get(rid)
+        if record is not None and record.preparation is not None:
+            self._abort_unqueued(record)
+            assert record.owner is not None  # a client's requests still preparing go with it (_drop_client)
+            self._send(record.owner, protocol.Outputs(items=[_final_unstarted(rid, record.arrival)]))
+        else:  # queued: the engine's Final follows, and the record goes with it (_deliver)
             self.llm.abort(rid)
         self.publisher.changed()
+
+    def _abort_unqueued(self, record: Record) -> None:
+        """A request aborted before it reached the engine: it holds nothing there, so it just goes."""
+        self.requests.remove(record.rid)
+        self.stats.unscheduled_aborts += 1
 
     def _info(self) -> protocol.Info:
         config = dataclasses.asdict(self.llm.config)
@@ -547,16 +519,20 @@ class EngineServer:
         self._send(identity, protocol.Error(code=code, message=message, rid=rid))
 
     def _drop_client(self, identity: bytes, why: str) -> None:
-        for rid in [rid for rid, prep in self.preparing.items() if prep.identity == identity]:
-            self.preparing.pop(rid).cancel()
-            self.stats.unscheduled_aborts += 1
-        rids = [rid for rid, owner in self.owners.items() if owner == identity]
-        for rid in rids:
-            del self.owners[rid]
-            with contextlib.suppress(ValueError):  # it may have finished in the step being delivered
-                self._abort_request(rid)
+        """Abort a gone client's requests. One still preparing goes at once; a queued one keeps its record,
+        without an owner, until the engine's Final for the abort (dropped): its rid stays taken meanwhile."""
+        records = self.requests.of(identity)
+        for record in records:
+            if record.preparation is not None:
+                self._abort_unqueued(record)
+            else:
+                record.owner = None
+                with contextlib.suppress(ValueError):  # it may have finished in the step being delivered
+                    self.llm.abort(record.rid)
+        if records:
+            self.publisher.changed()
         self._last_sent.pop(identity, None)
-        log.warning("client %s is gone (%s); aborted its %d request(s)", identity.hex(), why, len(rids))
+        log.warning("client %s is gone (%s); aborted its %d request(s)", identity.hex(), why, len(records))
 
     def _deliver(self, result: StepResult) -> None:
         """One `Outputs` message per client, carrying the step's Delta or Final of each of its requests."""
@@ -564,12 +540,13 @@ class EngineServer:
         self.publisher.changed()
         per_client: dict[bytes, list[Output]] = {}
         for out in result.outputs:
-            owner = self.owners.get(out.rid)
-            if owner is None:
-                continue  # its client is gone
+            record = self.requests.get(out.rid)
+            if record is None:
+                continue
             if out.finished:
-                del self.owners[out.rid]
-            per_client.setdefault(owner, []).append(out)
+                self.requests.remove(out.rid)
+            if record.owner is not None:  # else its client is gone
+                per_client.setdefault(record.owner, []).append(out)
         for identity, items in per_client.items():
             self._send(identity, protocol.Outputs(items=items))
 
@@ -579,7 +556,7 @@ class EngineServer:
         if now - self._last_sweep < HEARTBEAT_INTERVAL:
             return
         self._last_sweep = now
-        live = self._live_clients()
+        live = self.requests.owners()
         self._last_sent = {i: t for i, t in self._last_sent.items() if i in live}
         for identity in live:
             if now - self._last_sent.get(identity, 0.0) >= HEARTBEAT_INTERVAL:
@@ -588,9 +565,9 @@ class EngineServer:
     # -- shutdown ---------------------------------------------------------------------------------
     def _shutdown(self) -> None:
         """Abort everything in flight, tell each owner with a Final, publish a last snapshot."""
-        rids = [*self.owners, *self.preparing]
+        rids = [record.rid for record in self.requests]
         for rid in rids:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError):  # a gone client's request is aborted already
                 self._abort_request(rid)
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
         self._grammars.shutdown(wait=False, cancel_futures=True)
@@ -656,11 +633,6 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
 def _install(handler: Callable[[int, object], None]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
-
-
-def _token_count(ids: Future[list[int]]) -> int:
-    """How many tokens a prompt being prepared has: 0 while it is tokenized, or when tokenizing failed."""
-    return len(ids.result()) if ids.done() and not ids.cancelled() and ids.exception() is None else 0
 
 
 def _yield_cores() -> None:

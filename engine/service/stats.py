@@ -18,12 +18,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.outputs import Final
-from engine.service.protocol import Counters, Pages, RunningReq, Stats, StepRecord, WaitingReq
+from engine.service.protocol import Counters, Pages, Stats, StepRecord
 
 if TYPE_CHECKING:  # only the engine process builds snapshots; `minichat status` just formats them
     from engine.llm import LLM
     from engine.outputs import StepResult
-    from engine.scheduler.snapshot import PageSnapshot, SchedulerCounters
+    from engine.scheduler.snapshot import PageSnapshot, SchedulerCounters, WaitingEntry
 
 RATE_WINDOW = 2.0  # seconds of recent steps that token and step rates average over
 TTFT_WINDOW = 10.0  # seconds of first tokens whose TTFTs a snapshot carries ...
@@ -36,7 +36,7 @@ class StatsRecorder:
     """Counts what the server did (submissions, refusals), remembers the last `history` steps, and turns
     the scheduler's read-only snapshot into a complete `Stats` message."""
 
-    def __init__(self, llm: LLM, history: int = 32, preparing: Callable[[], list[WaitingReq]] = list) -> None:
+    def __init__(self, llm: LLM, history: int = 32, preparing: Callable[[], list[WaitingEntry]] = list) -> None:
         """`preparing`: the requests not queued yet (tokenizing, compiling their grammar), listed first among
         the waiting, with that as their reason."""
         self.llm = llm
@@ -116,21 +116,12 @@ class StatsRecorder:
             self._full_seq, self._full_at, self._full_runs = self.seq, now, len(snap.pages.runs)
             self._full_wanted = False
         return Stats(seq=self.seq, time=time.time(), uptime=now - self.start, model=self.llm.checkpoint.name,
-                     waiting=[*self.preparing(), *(WaitingReq(rid=w.rid, prompt_tokens=w.prompt_tokens,
-                                                              waited=now - w.arrival_time, reason=w.reason,
-                                                              priority=w.priority, retractions=w.retractions,
-                                                              generated=w.generated, client=w.client)
-                                                   for w in snap.waiting)],
-                     running=[RunningReq(rid=r.rid, slot=r.slot, state=r.state, prompt_tokens=r.prompt_tokens,
-                                         prefilled=r.prefilled, generated=r.generated, max_tokens=r.max_tokens,
-                                         pages=r.pages, priority=r.priority, retractions=r.retractions,
-                                         client=r.client)
-                              for r in snap.running],
+                     waiting=[*self.preparing(), *snap.waiting], running=list(snap.running),
                      slots=list(snap.slots), pages=self._pages(snap.pages), counters=self._counters(now, snap.counters),
                      steps=list(self.recent), admission=snap.admission, policy=snap.policy,
                      ttfts=[ttft for at, ttft in self._ttfts if at >= now - TTFT_WINDOW])
 
     def _pages(self, pages: PageSnapshot) -> Pages:
-        return Pages(page_size=pages.page_size, free=pages.free, held=pages.used, cached=pages.cached - pages.locked,
+        return Pages(page_size=pages.page_size, free=pages.free, held=pages.held, cached=pages.cached - pages.locked,
                      locked=pages.locked, total=pages.total, claimed=pages.claimed, base=self._full_seq,
                      runs=list(pages.runs), owners=list(pages.owners))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -27,46 +28,62 @@ def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16", cpu_ke
     """`auto` is the best backend the device can run (FlashInfer, then Triton on CUDA; on the CPU, minichat's
     C kernels where they build, unless `cpu_kernels` is off; torch elsewhere); other names pass through
     after checking that this device, dtype and environment can run them."""
-    on_cuda = device.startswith("cuda")
-    half = dtype != "float32"  # FlashInfer's kernels take bf16/fp16 only
     if name == "auto":
-        if on_cuda:
-            if half and _installed("flashinfer"):
-                return "flashinfer"
-            return "triton" if _installed("triton") else "torch"
-        from kernels.cpu import cpu_kernels_available, supported
-
-        if cpu_kernels and supported(device, getattr(torch, dtype)):
-            return "cpu" if cpu_kernels_available() else "torch"
-        return "torch"
+        return _best_backend(device, dtype, cpu_kernels)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
-    if name == "cpu":
-        from kernels.cpu import KernelBuildError, load_cpu_kernels, require_supported
-
-        require_supported(device, getattr(torch, dtype))
-        try:
-            load_cpu_kernels()
-        except KernelBuildError as e:
-            raise ValueError(f"the cpu attention backend's C kernels cannot be built here: {e}; use "
-                             "attention_backend='torch'") from e
-    if name == "flashinfer":
-        if not on_cuda:
-            raise ValueError("the flashinfer attention backend runs only on CUDA; use device='cuda' or "
-                             "attention_backend='torch'")
-        if not _installed("flashinfer"):
-            raise ValueError("the flashinfer attention backend needs flashinfer-python "
-                             "(pip install 'minichat[gpu]'); or use attention_backend='triton'")
-        if not half:
-            raise ValueError("the flashinfer attention backend needs dtype bfloat16 or float16; "
-                             "use attention_backend='triton' for float32")
-    if name == "triton":
-        if not _installed("triton"):
-            raise ValueError("the triton attention backend needs triton (pip install 'minichat[gpu]')")
-        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"the triton attention backend needs a CUDA device (got {device!r}); on a CPU it "
-                             "runs only under the Triton interpreter: set TRITON_INTERPRET=1 before starting")
+    check = _CHECKS.get(name)
+    if check is not None:
+        check(device, dtype)
     return name
+
+
+def _best_backend(device: str, dtype: str, cpu_kernels: bool) -> str:
+    if device.startswith("cuda"):
+        if dtype != "float32" and _installed("flashinfer"):  # FlashInfer's kernels take bf16/fp16 only
+            return "flashinfer"
+        return "triton" if _installed("triton") else "torch"
+    from kernels.cpu import cpu_kernels_available, supported
+
+    if cpu_kernels and supported(device, getattr(torch, dtype)):
+        return "cpu" if cpu_kernels_available() else "torch"
+    return "torch"
+
+
+def _check_cpu(device: str, dtype: str) -> None:
+    from kernels.cpu import KernelBuildError, load_cpu_kernels, require_supported
+
+    require_supported(device, getattr(torch, dtype))
+    try:
+        load_cpu_kernels()
+    except KernelBuildError as e:
+        raise ValueError(f"the cpu attention backend's C kernels cannot be built here: {e}; use "
+                         "attention_backend='torch'") from e
+
+
+def _check_flashinfer(device: str, dtype: str) -> None:
+    if not device.startswith("cuda"):
+        raise ValueError("the flashinfer attention backend runs only on CUDA; use device='cuda' or "
+                         "attention_backend='torch'")
+    if not _installed("flashinfer"):
+        raise ValueError("the flashinfer attention backend needs flashinfer-python "
+                         "(pip install 'minichat[gpu]'); or use attention_backend='triton'")
+    if dtype == "float32":
+        raise ValueError("the flashinfer attention backend needs dtype bfloat16 or float16; "
+                         "use attention_backend='triton' for float32")
+
+
+def _check_triton(device: str, dtype: str) -> None:
+    if not _installed("triton"):
+        raise ValueError("the triton attention backend needs triton (pip install 'minichat[gpu]')")
+    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the triton attention backend needs a CUDA device (got {device!r}); on a CPU it "
+                         "runs only under the Triton interpreter: set TRITON_INTERPRET=1 before starting")
+
+
+_CHECKS: dict[str, Callable[[str, str], None]] = {"cpu": _check_cpu, "flashinfer": _check_flashinfer,
+                                                  "triton": _check_triton}
+"""backend name -> raise ValueError saying why this device, dtype or environment cannot run it (torch runs anywhere)."""
 
 
 def make_backend(name: str, device: str, dtype: str = "bfloat16", cpu_kernels: bool = True) -> AttentionBackend:

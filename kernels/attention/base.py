@@ -29,9 +29,9 @@ class AttentionMetadata:
     Request `b` contributes `q_lens[b]` consecutive query tokens to the flat token axis, starting at
     `qo_indptr[b]`. After this step it has `kv_lens[b]` tokens of K/V: the first `prefix_lens[b]`
     were cached before the step, the rest are this step's tokens, so the causal mask is aligned
-    bottom-right. `kv_indices[kv_indptr[b] : kv_indptr[b + 1]]` are the KV-pool token slots of its
+    bottom-right. `kv_indices[kv_indptr[b] : kv_indptr[b + 1]]` are the KV-pool locations of its
     positions 0..kv_lens[b]-1, as the request table maps them (so kernels never see the page size);
-    `out_slots` are where this step's new K/V are written. `rows` and `table` are the request-table
+    `out_locs` are where this step's new K/V are written. `rows` and `table` are the request-table
     rows and the table itself, for backends that gather by row.
 
     The CSR tensors (`RaggedIndices`) are built on first use: the torch and cpu backends read the
@@ -40,7 +40,7 @@ class AttentionMetadata:
 
     q_lens: list[int]
     kv_lens: list[int]
-    out_slots: torch.Tensor  # int64 [T]
+    out_locs: torch.Tensor  # int64 [T]
     rows: torch.Tensor  # int64 [B]
     table: torch.Tensor  # int64 [slots, max_len]
     indices: RaggedIndices | None = None  # given (CUDA-graph static buffers) or built by `ragged`
@@ -51,7 +51,7 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return self.out_slots.numel()
+        return self.out_locs.numel()
 
     @property
     def ragged(self) -> RaggedIndices:
@@ -89,15 +89,15 @@ def ragged_indices(q_lens: list[int], kv_lens: list[int], rows: torch.Tensor, ta
 
 
 def build_metadata(q_lens: list[int], kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor,
-                   out_slots: torch.Tensor | None = None) -> AttentionMetadata:
+                   out_locs: torch.Tensor | None = None) -> AttentionMetadata:
     """The metadata of a batch whose request `b` sits in table row `rows[b]` (all on the table's device).
-    `out_slots` may be given by a caller that has them already (the scheduler reads them off the table)."""
-    if out_slots is None:
+    `out_locs` may be given by a caller that has them already (the scheduler reads them off the table)."""
+    if out_locs is None:
         window = table[rows, : max(kv_lens)]
         q, kv = (torch.tensor(x, device=table.device) for x in (q_lens, kv_lens))
         positions = torch.arange(window.shape[1], device=table.device)
-        out_slots = window[(positions[None, :] >= (kv - q)[:, None]) & (positions[None, :] < kv[:, None])]
-    return AttentionMetadata(q_lens=q_lens, kv_lens=kv_lens, out_slots=out_slots, rows=rows, table=table)
+        out_locs = window[(positions[None, :] >= (kv - q)[:, None]) & (positions[None, :] < kv[:, None])]
+    return AttentionMetadata(q_lens=q_lens, kv_lens=kv_lens, out_locs=out_locs, rows=rows, table=table)
 
 
 @dataclass(frozen=True)
@@ -138,11 +138,11 @@ class AttentionBackend(ABC, Generic[StateT]):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, state: StateT, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens; caches: [slots, Hkv, D]. Returns [T, Hq, D]."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens; caches: [locations, Hkv, D]. Returns [T, Hq, D]."""
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             out_slots: torch.Tensor) -> None:
-    """Scatter this step's K/V into their token slots."""
-    k_cache.index_copy_(0, out_slots, k)
-    v_cache.index_copy_(0, out_slots, v)
+             out_locs: torch.Tensor) -> None:
+    """Scatter this step's K/V into their KV locations."""
+    k_cache.index_copy_(0, out_locs, k)
+    v_cache.index_copy_(0, out_locs, v)

@@ -25,7 +25,7 @@ from kernels.cpu import CpuKernels, load_cpu_kernels, require_supported
 
 @dataclass
 class PagedMeta:
-    """Query token t attends to the first kv_lens[t] slots of request-table row rows[t]."""
+    """Query token t attends to the first kv_lens[t] KV locations of request-table row rows[t]."""
 
     table: torch.Tensor  # int64 [slots, max_len]
     rows: torch.Tensor  # int64 [T]
@@ -36,7 +36,7 @@ class PagedMeta:
 class PagedStep(PagedMeta):
     """A step all through the C kernel (inside a `TorchRefMeta`, a plain PagedMeta: the layout stores the K/V)."""
 
-    out_slots: torch.Tensor  # where this step's K/V go
+    out_locs: torch.Tensor  # where this step's K/V go
 
 
 class CpuBackend(ReferenceLayout[PagedStep | TorchRefMeta[PagedMeta], PagedMeta]):
@@ -55,20 +55,20 @@ class CpuBackend(ReferenceLayout[PagedStep | TorchRefMeta[PagedMeta], PagedMeta]
             return self._prepare_layout(batch)
         if len(batch.q_lens) == batch.num_tokens:  # one token per request: a decode step
             kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
-            return PagedStep(batch.table, batch.rows.contiguous(), kv_lens, batch.out_slots)
+            return PagedStep(batch.table, batch.rows.contiguous(), kv_lens, batch.out_locs)
         tokens, q_lens = batch.num_tokens, torch.tensor(batch.q_lens, dtype=torch.int64)
         first = torch.tensor(batch.kv_lens, dtype=torch.int64) - q_lens + 1  # keys seen by a request's first query
         starts = torch.cumsum(q_lens, 0) - q_lens
         kv_lens = torch.arange(tokens) + (first - starts).repeat_interleave(q_lens, output_size=tokens)
         rows = batch.rows.repeat_interleave(q_lens, output_size=tokens)
-        return PagedStep(batch.table, rows, kv_lens, batch.out_slots)
+        return PagedStep(batch.table, rows, kv_lens, batch.out_locs)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: PagedStep | TorchRefMeta[PagedMeta], scale: float) -> torch.Tensor:
         if isinstance(meta, TorchRefMeta):
             return self._forward_layout(q, k, v, k_cache, v_cache, meta, scale)
         return self.kernels.paged_attention(q, k_cache, v_cache, meta.table, meta.rows, meta.kv_lens, scale,
-                                            new=(k, v, meta.out_slots))
+                                            new=(k, v, meta.out_locs))
 
     def _prepare_decode(self, kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> PagedMeta:
         return PagedMeta(table, rows.contiguous(), torch.tensor(kv_lens, dtype=torch.int64))

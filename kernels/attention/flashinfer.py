@@ -28,7 +28,7 @@ class FlashInferStep:
     """The planned wrapper every layer of this step runs, and where the step's new K/V go."""
 
     wrapper: Wrapper
-    out_slots: torch.Tensor
+    out_locs: torch.Tensor
     last_page_len: torch.Tensor  # all ones (page size 1); fixed for a CUDA-graph wrapper
 
 
@@ -67,7 +67,7 @@ class FlashInferBackend(AttentionBackend[FlashInferStep]):
         wrapper = self.decode if decode else self.prefill
         last_page_len = torch.ones(len(meta.q_lens), dtype=torch.int32, device=meta.kv_indptr.device)
         self._plan(wrapper, meta, last_page_len, decode)
-        return FlashInferStep(wrapper, meta.out_slots, last_page_len)
+        return FlashInferStep(wrapper, meta.out_locs, last_page_len)
 
     def capture_state(self, meta: AttentionMetadata) -> FlashInferStep:
         last_page_len = torch.ones(len(meta.q_lens), dtype=torch.int32, device=meta.kv_indptr.device)
@@ -76,13 +76,13 @@ class FlashInferBackend(AttentionBackend[FlashInferStep]):
             paged_kv_indptr_buffer=meta.kv_indptr, paged_kv_indices_buffer=meta.kv_indices,
             paged_kv_last_page_len_buffer=last_page_len)
         self._plan(wrapper, meta, last_page_len, decode=True)
-        return FlashInferStep(wrapper, meta.out_slots, last_page_len)
+        return FlashInferStep(wrapper, meta.out_locs, last_page_len)
 
     def replay_prepare(self, state: FlashInferStep, meta: AttentionMetadata) -> None:
         self._plan(state.wrapper, meta, state.last_page_len, decode=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, state: FlashInferStep, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, state.out_slots)
-        paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # [slots, page_size=1, Hkv, D]
+        store_kv(k, v, k_cache, v_cache, state.out_locs)
+        paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # [locations, page_size=1, Hkv, D]
         return state.wrapper.run(q.contiguous(), paged)

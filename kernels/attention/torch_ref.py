@@ -27,7 +27,7 @@ from kernels.gemm import has_native_half_gemm
 class PaddedMeta:
     """Requests padded to the longest query and key lengths for one SDPA call."""
 
-    kv_index: torch.Tensor | None  # [B, max_kv] pool slots (padding masked off); None: attend to the new K/V
+    kv_index: torch.Tensor | None  # [B, max_kv] KV locations (padding masked off); None: attend to the new K/V
     q_index: torch.Tensor | None  # [B, max_q] flat token index (padding repeats a valid index); None: no padding
     unpad_index: torch.Tensor | None  # [T] position of each flat token in [B * max_q]; None: no padding
     batch_size: int
@@ -38,7 +38,7 @@ class PaddedMeta:
 @dataclass
 class DecodeMeta:
     """One query per request: request b's K/V rows for KV head h are `head_rows[b, h]` of the pool
-    viewed as [slots * kv_heads, head_dim], so one gather lays them out as [B, kv_heads, max_kv, dim]."""
+    viewed as [locations * kv_heads, head_dim], so one gather lays them out as [B, kv_heads, max_kv, dim]."""
 
     head_rows: torch.Tensor  # [B * kv_heads * max_kv] rows of the head-major pool view
     max_kv: int
@@ -53,7 +53,7 @@ DecodeT = TypeVar("DecodeT")
 class TorchRefMeta(Generic[DecodeT]):
     """A step: its leading one-query requests (decode, the first `num_decode` tokens), then the rest."""
 
-    out_slots: torch.Tensor
+    out_locs: torch.Tensor
     num_decode: int
     decode: DecodeT | None
     padded: PaddedMeta | None
@@ -85,7 +85,7 @@ class ReferenceLayout(AttentionBackend[StateT], Generic[StateT, DecodeT]):
             n += 1
         decode = self._prepare_decode(kv_lens[:n], batch.rows[:n], batch.table) if n else None
         padded = self._prepare_padded(q_lens[n:], kv_lens[n:], batch.rows[n:], batch.table) if n < len(q_lens) else None
-        return TorchRefMeta(batch.out_slots, n, decode, padded)
+        return TorchRefMeta(batch.out_locs, n, decode, padded)
 
     @staticmethod
     def _prepare_padded(q_list: list[int], kv_list: list[int], rows: torch.Tensor, table: torch.Tensor) -> PaddedMeta:
@@ -117,7 +117,7 @@ class ReferenceLayout(AttentionBackend[StateT], Generic[StateT, DecodeT]):
 
     def _forward_layout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: TorchRefMeta[DecodeT], scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.out_slots)
+        store_kv(k, v, k_cache, v_cache, meta.out_locs)
         n = meta.num_decode
         outs = []
         if meta.decode is not None:
@@ -163,8 +163,8 @@ class TorchRefBackend(ReferenceLayout[TorchRefMeta[DecodeMeta], DecodeMeta]):
         heads, device, max_kv = self.num_kv_heads, table.device, max(kv_lens)
         if heads is None:
             raise RuntimeError("TorchRefBackend.setup() must run before the first step")
-        slots = table[rows, :max_kv]
-        head_rows = (slots[:, None, :] * heads + torch.arange(heads, device=device)[None, :, None]).flatten()
+        locs = table[rows, :max_kv]
+        head_rows = (locs[:, None, :] * heads + torch.arange(heads, device=device)[None, :, None]).flatten()
         bias = None
         if min(kv_lens) != max_kv:
             past_end = torch.arange(max_kv, device=device)[None, :] >= torch.tensor(kv_lens, device=device)[:, None]

@@ -60,12 +60,12 @@ class TritonBackend(AttentionBackend[TritonStep]):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, state: TritonStep, scale: float) -> torch.Tensor:
         k, v = k.contiguous(), v.contiguous()
-        store_kv(k, v, k_cache, v_cache, state.meta.out_slots)
+        store_kv(k, v, k_cache, v_cache, state.meta.out_locs)
         return self.attend(q, k, v, k_cache, v_cache, state, scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, state: TritonStep, scale: float) -> torch.Tensor:
-        """`forward` without the store, for K/V already in the pool at `out_slots`; this step's k and v are
+        """`forward` without the store, for K/V already in the pool at `out_locs`; this step's k and v are
         still read (by the extend kernel) and may be strided views (unit stride along head_dim)."""
         meta = state.meta
         if not state.decode:

@@ -143,7 +143,7 @@ class CpuKernels:
                         new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """softmax(q K^T * scale) V for each query token b over keys 0..kv_lens[b]-1 of the request whose
         positions sit in slots table[rows[b]] (a causal mask is a token's kv_lens). q: [B, Hq, D];
-        caches: [slots, Hkv, D]. `new` = (k, v, out_slots): this step's keys and values ([B, Hkv, D], heads
+        caches: [locations, Hkv, D]. `new` = (k, v, out_locs): this step's keys and values ([B, Hkv, D], heads
         contiguous), written to their slots first."""
         batch, num_heads, dim = q.shape
         num_kv_heads = k_cache.shape[1]
@@ -158,15 +158,15 @@ class CpuKernels:
         k_new = v_new = slots = None
         k_stride = v_stride = 0
         if new is not None:
-            k, v, out_slots = new
+            k, v, out_locs = new
             if k.shape != (batch, num_kv_heads, dim) or v.shape != k.shape or k.stride()[1:] != (dim, 1) or \
-                    v.stride()[1:] != (dim, 1) or out_slots.numel() != batch:
+                    v.stride()[1:] != (dim, 1) or out_locs.numel() != batch:
                 raise ValueError("paged_attention's new keys and values must be [tokens, kv heads, head dim] with "
                                  "heads contiguous, and a slot per token")
             _check(k, q.dtype, "new keys")
             _check(v, q.dtype, "new values")
-            _check(out_slots, torch.int64, "out slots")
-            k_new, v_new, slots = k.data_ptr(), v.data_ptr(), out_slots.contiguous().data_ptr()
+            _check(out_locs, torch.int64, "out slots")
+            k_new, v_new, slots = k.data_ptr(), v.data_ptr(), out_locs.contiguous().data_ptr()
             k_stride, v_stride = k.stride(0), v.stride(0)
         out = torch.empty((batch, num_heads, dim), dtype=q.dtype)
         self._fn("paged_attention", q)(

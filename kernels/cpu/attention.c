@@ -147,7 +147,7 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
           int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t b, int64_t h,        \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {                       \
     const int64_t group = num_heads / num_kv_heads;                                                      \
-    const int64_t *slots = table + rows[b] * table_stride;                                               \
+    const int64_t *locs = table + rows[b] * table_stride;                                               \
     const int64_t len = kv_lens[b];                                                                      \
     float qf[group * head_dim], acc[group * head_dim], max[group], sum[group], s[group * KEY_BLOCK];      \
     float kbuf[KEY_BLOCK * head_dim], vbuf[KEY_BLOCK * head_dim], zeros[head_dim];                         \
@@ -165,7 +165,7 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
         const int64_t n = len - j0 < KEY_BLOCK ? len - j0 : KEY_BLOCK;                                   \
         const int64_t n_pad = (n + LANES - 1) / LANES * LANES;                                           \
         for (int64_t j = 0; j < n; j++) {                                                                \
-            const int64_t row = (slots[j0 + j] * num_kv_heads + h) * head_dim;                           \
+            const int64_t row = (locs[j0 + j] * num_kv_heads + h) * head_dim;                           \
             k[j] = ROW(k_pool + row, kbuf + j * head_dim, head_dim);                                     \
             v[j] = ROW(v_pool + row, vbuf + j * head_dim, head_dim);                                     \
         }                                                                                                \
@@ -186,21 +186,21 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
 /* Items are dealt to threads round robin: a prompt's items grow longer token by token, so contiguous
  * ranges would give one thread the short half; the two KV heads of a decode request split evenly.
  * With `k_new` the step's own keys and values (token t's at k_new + t * k_stride and v_new + t * v_stride, heads
- * contiguous) are first written to pool slots out_slots[t], in the same parallel region (no torch scatter per
+ * contiguous) are first written to pool slots out_locs[t], in the same parallel region (no torch scatter per
  * layer). */
 #define DEFINE_PAGED_ATTENTION(NAME, ITEM, T)                                                                   \
 void NAME(T *out, const T *q, int64_t q_stride, T *k_pool, T *v_pool, const int64_t *table,             \
           int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t batch,                \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, const T *k_new,          \
-          int64_t k_stride, const T *v_new, int64_t v_stride, const int64_t *out_slots) {                  \
+          int64_t k_stride, const T *v_new, int64_t v_stride, const int64_t *out_locs) {                  \
     const int64_t width = num_kv_heads * head_dim;                                                        \
     _Pragma("omp parallel")                                                                               \
     {                                                                                                     \
         if (k_new) {                                                                                      \
             _Pragma("omp for schedule(static)")                                                           \
             for (int64_t t = 0; t < batch; t++) {                                                         \
-                memcpy(k_pool + out_slots[t] * width, k_new + t * k_stride, (size_t)width * sizeof(T));  \
-                memcpy(v_pool + out_slots[t] * width, v_new + t * v_stride, (size_t)width * sizeof(T));  \
+                memcpy(k_pool + out_locs[t] * width, k_new + t * k_stride, (size_t)width * sizeof(T));  \
+                memcpy(v_pool + out_locs[t] * width, v_new + t * v_stride, (size_t)width * sizeof(T));  \
             }                                                                                             \
         }                                                                                                 \
         _Pragma("omp for schedule(static, 1)")                                                            \

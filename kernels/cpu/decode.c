@@ -56,11 +56,11 @@ static void run_product(const product *w, const act_block *scratch, const float 
 }
 
 /* x ([tokens, hidden], the residual stream) through every layer. Token t is at `positions[t]` and writes its
- * K/V to pool slot out_slots[t]; it attends to the first kv_lens[t] slots of request-table row rows[t].
+ * K/V to KV location out_locs[t]; it attends to the first kv_lens[t] KV locations of request-table row rows[t].
  * Returns 0, or -1 where memory ran out. */
 int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const int64_t *positions,
                         const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *kv_lens,
-                        const int64_t *out_slots) {
+                        const int64_t *out_locs) {
     const int64_t hidden = plan->hidden, head_dim = plan->head_dim, q_size = plan->heads * head_dim;
     const int64_t kv_size = plan->kv_heads * head_dim, qkv_width = q_size + 2 * kv_size, inter = plan->inter;
     const int64_t widest = inter > hidden ? (inter > q_size ? inter : q_size) : (hidden > q_size ? hidden : q_size);
@@ -91,8 +91,8 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; t++) {
-            memcpy(L->k_cache + out_slots[t] * kv_size, qkv + t * qkv_width + q_size, (size_t)kv_size * sizeof(float));
-            memcpy(L->v_cache + out_slots[t] * kv_size, qkv + t * qkv_width + q_size + kv_size,
+            memcpy(L->k_cache + out_locs[t] * kv_size, qkv + t * qkv_width + q_size, (size_t)kv_size * sizeof(float));
+            memcpy(L->v_cache + out_locs[t] * kv_size, qkv + t * qkv_width + q_size + kv_size,
                    (size_t)kv_size * sizeof(float));
         }
 #pragma omp for schedule(static, 1)

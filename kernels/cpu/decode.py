@@ -40,7 +40,7 @@ Projection = tuple[BlockMatrix, torch.Tensor | None]
 @dataclass
 class LayerWeights:
     """What decode.c needs of one layer: float32 norms (Qwen3's q/k norms or None), the four products, the
-    layer's K and V pools ([slots, kv heads, head dim], float32)."""
+    layer's K and V pools ([locations, kv heads, head dim], float32)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -94,17 +94,17 @@ class FusedLayers:
                       self._tensor(w.v_cache))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                 kv_lens: torch.Tensor, out_slots: torch.Tensor) -> None:
+                 kv_lens: torch.Tensor, out_locs: torch.Tensor) -> None:
         """x ([tokens, hidden] float32, contiguous) through every layer, in place; token t at positions[t]
-        writes its K/V to out_slots[t] and attends to the first kv_lens[t] slots of table row rows[t]."""
+        writes its K/V to out_locs[t] and attends to the first kv_lens[t] KV locations of table row rows[t]."""
         tokens = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.hidden or table.stride(1) != 1:
             raise ValueError(f"the fused layers take contiguous float32 [tokens, {self.hidden}] and a unit-stride "
                              f"table")
-        index = [t.contiguous() for t in (positions, rows, kv_lens, out_slots)]
+        index = [t.contiguous() for t in (positions, rows, kv_lens, out_locs)]
         if any(t.dtype != torch.int64 or t.numel() != tokens for t in index) or table.dtype != torch.int64:
-            raise ValueError("the fused layers take int64 positions, rows, kv_lens and slots, one per token")
-        positions, rows, kv_lens, out_slots = index
+            raise ValueError("the fused layers take int64 positions, rows, kv_lens and KV locations, one per token")
+        positions, rows, kv_lens, out_locs = index
         if self._fn(x.data_ptr(), tokens, ctypes.byref(self._model), positions.data_ptr(), table.data_ptr(),
-                    table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), out_slots.data_ptr()):
+                    table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), out_locs.data_ptr()):
             raise MemoryError(f"fused layers: no memory for a step of {tokens} tokens")

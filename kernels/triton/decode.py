@@ -32,11 +32,11 @@ def _split_bounds(kv_len, split, min_split_len, NUM_SPLITS: tl.constexpr):
 @triton.jit
 def gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_ch, d, d_mask, BLOCK_N: tl.constexpr):
     """Where keys `n0..n0+BLOCK_N` (those before `end`) of one request and KV head lie in the pool, read
-    through its `kv_indices` slots: (key mask, element offsets [BLOCK_N, BLOCK_D], tile mask)."""
+    through its `kv_indices` locations: (key mask, element offsets [BLOCK_N, BLOCK_D], tile mask)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < end
-    slots = tl.load(kv_indices_ptr + kv_start + n, mask=n_mask, other=0).to(tl.int64)
-    offs = slots[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+    locs = tl.load(kv_indices_ptr + kv_start + n, mask=n_mask, other=0).to(tl.int64)
+    offs = locs[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
     return n_mask, offs, n_mask[:, None] & d_mask[None, :]
 
 
@@ -44,7 +44,7 @@ def gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_
 def attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, start, end, kv_head,
                     stride_ct, stride_ch, sm_scale, d, d_mask, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax pass of a query block [rows, BLOCK_D] over keys `start..end` of one request, read
-    from the pool through its `kv_indices` slots (no mask beyond `end`); returns the updated running max,
+    from the pool through its `kv_indices` locations (no mask beyond `end`); returns the updated running max,
     sum and accumulator. Shared by grouped decode and by extend's cached prefix."""
     for n0 in range(start, end, BLOCK_N):
         n_mask, offs, tile_mask = gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_ch, d,
@@ -172,7 +172,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_indices: torch.Tensor, sm_scale: float, num_splits: int = 8, min_split_len: int = 64,
                      block_n: int = 32, grouped: bool | None = None, out: torch.Tensor | None = None,
                      partial: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """q: [B, Hq, D], one token per request; caches: [slots, Hkv, D]; kv_indptr [B+1], kv_indices int32.
+    """q: [B, Hq, D], one token per request; caches: [locations, Hkv, D]; kv_indptr [B+1], kv_indices int32.
 
     `grouped` picks the GQA kernel (default: when several query heads share a KV head). `out` and
     `partial` (fp32 [B, Hq, num_splits, D] and [B, Hq, num_splits]) may be given so a CUDA graph

@@ -41,7 +41,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qo_in
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # Cached prefix, gathered by slot: no mask beyond its length.
+        # Cached prefix, gathered by KV location: no mask beyond its length.
         m_i, l_i, acc = attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, 0,
                                         prefix_len, kv_head, stride_ct, stride_ch, sm_scale, d, d_mask, BLOCK_N,
                                         PRECISION)
@@ -74,7 +74,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, max_q_len: int, sm_scale: float, block_m: int = 16,
                      block_n: int = 16) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] this step's tokens; caches [slots, Hkv, D]; int32 indptrs/indices.
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] this step's tokens; caches [locations, Hkv, D]; int32 indptrs/indices.
 
     Request b's queries are q[qo_indptr[b]:qo_indptr[b+1]]; its KV positions are
     kv_indices[kv_indptr[b]:kv_indptr[b+1]], of which the last q_len are this step's tokens (read from

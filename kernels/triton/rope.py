@@ -5,7 +5,7 @@ five kernels each for q and k), RoPE (four each) and the store of k and v into t
 dozen launches, each a pass over the heads. Here one program per (token, q or k head) reads the head
 once, normalises it (when the model has q/k norms), rotates it in place in the projection's output
 (neox style: the two halves of the head pair up) and, for a k head, writes it and the matching v head
-to the token's slot in the pool, so the attention backend attends without storing
+to the token's KV location in the pool, so the attention backend attends without storing
 (`TritonBackend.attend`). Rounded where transformers rounds: the norm as its RMSNorm, and each RoPE
 product and their sum in the model dtype.
 """
@@ -21,7 +21,7 @@ from kernels.triton.rounding import round_to
 
 @triton.jit
 def _rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr,
-                       slots_ptr, eps, stride_t, stride_table, stride_pos, stride_ct, stride_ch,
+                       locs_ptr, eps, stride_t, stride_table, stride_pos, stride_ct, stride_ch,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        QK_NORM: tl.constexpr, BLOCK: tl.constexpr):
     """Program (token, head): heads 0..NUM_HEADS-1 are q's, the next NUM_KV_HEADS k's (q's and k's heads lie
@@ -56,9 +56,9 @@ def _rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weig
     out2 = round_to(round_to(x2 * cos2, dtype) + round_to(x1 * sin2, dtype), dtype).to(dtype)
     tl.store(x_ptr + d, out1, mask=mask)
     tl.store(x_ptr + half + d, out2, mask=mask)
-    if head >= NUM_HEADS:  # a k head: it and its v head go to the token's slot in the pool
+    if head >= NUM_HEADS:  # a k head: it and its v head go to the token's KV location in the pool
         kv_head = head - NUM_HEADS
-        dst = tl.load(slots_ptr + token).to(tl.int64) * stride_ct + kv_head * stride_ch
+        dst = tl.load(locs_ptr + token).to(tl.int64) * stride_ct + kv_head * stride_ch
         tl.store(k_cache_ptr + dst + d, out1, mask=mask)
         tl.store(k_cache_ptr + dst + half + d, out2, mask=mask)
         v_ptr = x_ptr + NUM_KV_HEADS * HEAD_DIM
@@ -67,16 +67,16 @@ def _rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weig
 
 
 def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_slots: torch.Tensor,
+                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_locs: torch.Tensor,
                   qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prepare a step's q/k/v for attention, in place.
 
     qkv: [T, (Hq + 2 Hkv) * D], q's heads then k's then v's (the fused projection's output; unit column
     stride); positions: [T]; cos_sin: [2, positions, D], cos and the signed sin (see the model's
-    `apply_rope`) in qkv's dtype; caches: [slots, Hkv, D] (unit stride along D); out_slots: [T], each
-    token's slot in the pool. `qk_norm` are the (q, k) RMSNorm weights [D] (Qwen3) and `eps` their epsilon.
-    q and k are rotated in qkv (after the norm when given); k and v are written to the pool at `out_slots`.
+    `apply_rope`) in qkv's dtype; caches: [locations, Hkv, D] (unit stride along D); out_locs: [T], each
+    token's KV location in the pool. `qk_norm` are the (q, k) RMSNorm weights [D] (Qwen3) and `eps` their epsilon.
+    q and k are rotated in qkv (after the norm when given); k and v are written to the pool at `out_locs`.
     Returns q [T, Hq, D], k and v [T, Hkv, D], views of qkv.
     """
     tokens = qkv.shape[0]
@@ -89,7 +89,7 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, position
         return views
     q_weight, k_weight = qk_norm if qk_norm is not None else (qkv, qkv)  # never read without the norm
     _rope_store_kernel[(tokens, num_heads + num_kv_heads)](
-        qkv, positions, cos_sin, q_weight, k_weight, k_cache, v_cache, out_slots, eps, qkv.stride(0),
+        qkv, positions, cos_sin, q_weight, k_weight, k_cache, v_cache, out_locs, eps, qkv.stride(0),
         cos_sin.stride(0), cos_sin.stride(1), k_cache.stride(0), k_cache.stride(1), NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, QK_NORM=qk_norm is not None,
         BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=1, enable_fp_fusion=False)

@@ -158,20 +158,7 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
               backend: str = "minichat", base_url: str | None = None, tokenizer: str | None = None,
               api_key: str | None = None, json_schema: Path | None = None, prefix_len: int = 0,
               num_prefixes: int = 1) -> dict:
-    if concurrency < 1:
-        raise BenchError("--concurrency must be at least 1")
-    if baseline not in (None, "hf", "unconstrained"):
-        raise BenchError(f"--baseline must be 'hf' or 'unconstrained'; got {baseline!r}")
-    if baseline == "unconstrained" and json_schema is None:
-        raise BenchError("--baseline unconstrained compares a --json-schema run with the same workload without it")
-    schema = None
-    if json_schema is not None:
-        try:
-            schema = json.dumps(json.loads(json_schema.read_text()))
-        except (OSError, ValueError) as e:
-            raise BenchError(f"--json-schema {json_schema}: {e}") from e
-    if backend not in ("minichat", "openai"):
-        raise BenchError(f"--backend must be 'minichat' or 'openai'; got {backend!r}")
+    schema = _checked_options(concurrency, baseline, json_schema, backend)
     shape = Shape(concurrency=concurrency, request_rate=request_rate, seed=seed, ignore_eos=ignore_eos,
                   temperature=temperature, timeout=timeout, json_schema=schema)
     handle: EngineHandle | None = None
@@ -245,6 +232,25 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
         json_path.write_text(json.dumps(result, indent=2, allow_nan=True))
         console.print(f"wrote {json_path}")
     return result
+
+
+def _checked_options(concurrency: int, baseline: str | None, json_schema: Path | None, backend: str) -> str | None:
+    """Refuse options that cannot work before anything starts; the JSON schema's text, if one is given."""
+    if concurrency < 1:
+        raise BenchError("--concurrency must be at least 1")
+    if baseline not in (None, "hf", "unconstrained"):
+        raise BenchError(f"--baseline must be 'hf' or 'unconstrained'; got {baseline!r}")
+    if baseline == "unconstrained" and json_schema is None:
+        raise BenchError("--baseline unconstrained compares a --json-schema run with the same workload without it")
+    schema = None
+    if json_schema is not None:
+        try:
+            schema = json.dumps(json.loads(json_schema.read_text()))
+        except (OSError, ValueError) as e:
+            raise BenchError(f"--json-schema {json_schema}: {e}") from e
+    if backend not in ("minichat", "openai"):
+        raise BenchError(f"--backend must be 'minichat' or 'openai'; got {backend!r}")
+    return schema
 
 
 def _baseline(info, workload: list[BenchRequest], concurrency: int, ignore_eos: bool, temperature: float,

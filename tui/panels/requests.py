@@ -18,12 +18,12 @@ from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.widgets import DataTable
 
-from engine.service.protocol import RunningReq, Stats, WaitingReq
+from engine.service.protocol import RunningEntry, Stats, WaitingEntry
 from tui.names import RequestNames
 from tui.panels.base import same_text, set_titles
 
 Row = tuple[Text | str, ...]
-Entry = WaitingReq | RunningReq
+Entry = WaitingEntry | RunningEntry
 OWNER_WIDTH = 12
 
 
@@ -235,16 +235,16 @@ class WaitingTable(RequestTable):
         return list(stats.waiting)
 
     def cells(self, entry: Entry, names: RequestNames) -> Row:
-        assert isinstance(entry, WaitingReq)
+        assert isinstance(entry, WaitingEntry)
         return (names.styled(entry.rid), owner(entry.rid, names), str(entry.priority), str(entry.prompt_tokens),
                 f"{entry.waited:.1f}s", reason(entry.reason, entry.retractions, entry.generated))
 
     def state(self, entry: Entry) -> str:
-        assert isinstance(entry, WaitingReq)
+        assert isinstance(entry, WaitingEntry)
         return f"waiting {reason(entry.reason, entry.retractions, entry.generated).plain}"
 
     def sort_value(self, entry: Entry, column: int, names: RequestNames) -> str | float:
-        assert isinstance(entry, WaitingReq)
+        assert isinstance(entry, WaitingEntry)
         return (names.label(entry.rid, 200), names.owner(entry.rid), entry.priority, entry.prompt_tokens,
                 entry.waited, entry.reason)[column]
 
@@ -260,23 +260,23 @@ class RunningTable(RequestTable):
         return list(stats.running)
 
     def cells(self, entry: Entry, names: RequestNames) -> Row:
-        assert isinstance(entry, RunningReq)
+        assert isinstance(entry, RunningEntry)
         return (names.styled(entry.rid), owner(entry.rid, names), str(entry.slot), str(entry.priority),
                 *self._progress(entry), str(entry.pages), retracted(entry.retractions))
 
     def state(self, entry: Entry) -> str:
-        assert isinstance(entry, RunningReq)
+        assert isinstance(entry, RunningEntry)
         return "prefilling prefill" if entry.state == "prefilling" else "running decode"
 
     def sort_value(self, entry: Entry, column: int, names: RequestNames) -> str | float:
-        assert isinstance(entry, RunningReq)
+        assert isinstance(entry, RunningEntry)
         done = entry.prefilled / max(1, entry.prompt_tokens) if entry.state == "prefilling" else \
             1 + entry.generated / max(1, entry.max_tokens)
         return (names.label(entry.rid, 200), names.owner(entry.rid), entry.slot, entry.priority, entry.state, done,
                 entry.pages, entry.retractions)[column]
 
     @staticmethod
-    def _progress(r: RunningReq) -> tuple[Text, Text]:
+    def _progress(r: RunningEntry) -> tuple[Text, Text]:
         if r.state == "prefilling":
             return Text("prefill", "magenta"), bar(r.prefilled, r.prompt_tokens)
         return Text("decode", "cyan"), bar(r.generated, r.max_tokens)

@@ -3,8 +3,9 @@
 One shared client per app multiplexes every HTTP request over one engine connection (as the console
 does); the engine loop knows nothing about HTTP. The layout: edge.py checks every connection and request
 before a route sees it (API key, Host, body size, timeouts), schemas.py turns a body into engine
-requests, generation.py runs them and turns their outputs into choices, errors.py words every error
-as OpenAI does, state.py holds what the app shares, and this module routes.
+requests, generation.py runs them, reply.py turns their outputs into choices (shapes.py: each
+endpoint's dress), errors.py words every error as OpenAI does, state.py holds what the app shares, and
+this module routes.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.service.client import AsyncEngineClient, EngineUnavailable
 from engine.service.http.edge import EdgeGuard
 from engine.service.http.errors import ApiError, validation_error
-from engine.service.http.generation import CHAT, COMPLETION, ClientGone, respond
+from engine.service.http.generation import ClientGone, respond
 from engine.service.http.metrics import CONTENT_TYPE, Metrics, endpoint_label
 from engine.service.http.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from engine.service.http.shapes import CHAT, COMPLETION
 from engine.service.http.state import ApiState, engine_call
 from engine.service.options import ApiOptions
 

@@ -10,10 +10,9 @@ A stream the engine cuts off (it died, its connection dropped) ends with an erro
 and no `data: [DONE]`, so no client takes the part it got for a whole reply.
 
 An engine request with `n` choices streams them all (each output names its `index`); a choice ends
-at its Delta's `finish_reason` or at the request's Final. Log-probabilities are the engine's
-(`TokenLogprob`), dressed per endpoint: chat's `content` list, completions' legacy columns. A chat
-request with tools has each choice's text parsed for calls (engine/tools.py), whole or as it streams;
-a reply that made calls ends with finish_reason "tool_calls".
+at its Delta's `finish_reason` or at the request's Final. Whole or streamed, the outputs go through the
+same `Reply` (reply.py: one writer per choice, echo and tool calls included), dressed per endpoint
+(shapes.py): a whole reply is everything fed, then finished; a stream sends each output's pieces.
 """
 
 from __future__ import annotations
@@ -33,17 +32,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.outputs import Final, Output, TokenLogprob
+from engine.outputs import Final, Output
 from engine.params import InvalidParams
 from engine.prompt import is_chat, is_token_ids
 from engine.service.client import EngineError, EngineUnavailable
 from engine.service.http.errors import ApiError, error_body
 from engine.service.http.metrics import RequestTimer
+from engine.service.http.reply import Reply, Tally
 from engine.service.http.schemas import EngineRequest, GenerationRequest
+from engine.service.http.shapes import Shape
 from engine.service.http.state import ApiState, api_error, engine_call
 from engine.service.protocol import MAX_CLIENT_LABEL
 from engine.structured import InvalidGrammar
-from engine.tools import ToolCallStreamParser, ToolFormat, parse_tool_calls
+from engine.tools import ToolFormat
 
 log = logging.getLogger("minichat.http")
 T = TypeVar("T")
@@ -140,14 +141,10 @@ class Generation:
             await self.outputs.aclose()
             self._account()
 
-    async def collect(self) -> tuple[list[Choice], Final]:
-        """Every choice whole, in index order, and the Final."""
-        choices: dict[int, Choice] = {}
+    async def collect(self) -> list[Output]:
+        """Every output, up to the Final."""
         async with contextlib.aclosing(self.stream()) as outputs:
-            async for out in outputs:
-                choices.setdefault(out.index, Choice(self.index + out.index)).add(out)
-        assert self.final is not None  # stream() ends at the Final, or raises
-        return [choices[i] for i in sorted(choices)], self.final
+            return [out async for out in outputs]
 
     async def close(self) -> None:
         """Abort the engine request unless it is over (nothing happens to a finished or closed one)."""
@@ -228,131 +225,6 @@ async def merged(generations: list[Generation]) -> AsyncGenerator[tuple[Generati
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-@dataclass
-class Choice:
-    """One choice's output as far as it has come: text, how it ended, log-probabilities."""
-
-    index: int
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
-
-    def add(self, out: Output) -> None:
-        self.text += out.text
-        if out.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + out.logprobs
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        self.finish_reason = out.finish_reason or self.finish_reason
-
-
-class Tally:
-    """The token usage of one HTTP request summed over its choices, as far as their outputs have come:
-    completion tokens as they stream, each choice's exact numbers once its Final is in. Cached prompt
-    tokens are known only from the Finals, so `prompt_tokens_details` waits for all of them."""
-
-    def __init__(self, generations: list[Generation]) -> None:
-        self.prompt = {gen.index: gen.prompt_tokens for gen in generations}
-        self.completion = dict.fromkeys(self.prompt, 0)
-        self.cached: dict[int, int] = {}
-
-    def add(self, index: int, out: Output) -> None:
-        if isinstance(out, Final):
-            u = out.usage
-            self.prompt[index], self.completion[index], self.cached[index] = \
-                u.prompt_tokens, u.completion_tokens, u.cached_tokens
-        else:
-            self.completion[index] += len(out.token_ids)
-
-    def body(self) -> dict[str, Any]:
-        prompt, completion = sum(n or 0 for n in self.prompt.values()), sum(self.completion.values())
-        done = len(self.cached) == len(self.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())} if done else None}
-
-
-class Shape:
-    """How an endpoint dresses outputs as choices: its object names, a whole choice, a streamed one, and
-    log-probabilities (`entries`; None: not asked for). `offset` is where a piece's text starts in its
-    choice's text (completions report it per token)."""
-
-    endpoint = ""  # the metrics label
-    id_prefix = ""
-    object = ""
-    chunk_object = ""
-
-    def choice(self, index: int, text: str, finish_reason: str | None,
-               entries: list[TokenLogprob] | None) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None,
-              offset: int = 0) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def opening(self, index: int) -> dict[str, Any] | None:
-        """A streamed choice's first chunk, before any output."""
-        return None
-
-
-def _bytes(text: str) -> list[int]:
-    return list(text.encode())
-
-
-class ChatShape(Shape):
-    endpoint, id_prefix, object, chunk_object = "chat", "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    @staticmethod
-    def logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        if entries is None:
-            return None
-        return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": _bytes(e.text),
-                             "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for _, t, v in e.top]}
-                            for e in entries]}
-
-    def choice(self, index: int, text: str, finish_reason: str | None,
-               entries: list[TokenLogprob] | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(entries),
-                "finish_reason": finish_reason}
-
-    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None,
-              offset: int = 0) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": self.logprobs(entries),
-                "finish_reason": finish_reason}
-
-    def opening(self, index: int) -> dict[str, Any] | None:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-
-
-class CompletionShape(Shape):
-    endpoint, id_prefix, object, chunk_object = "completions", "cmpl", "text_completion", "text_completion"
-
-    @staticmethod
-    def logprobs(entries: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
-        """OpenAI's legacy columns; a prompt's first token has no logprob and no alternatives (null)."""
-        if entries is None:
-            return None
-        offsets = []
-        for e in entries:
-            offsets.append(offset)
-            offset += len(e.text)
-        return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [None if e.logprob is None else {t: v for _, t, v in e.top} for e in entries],
-                "text_offset": offsets}
-
-    def choice(self, index: int, text: str, finish_reason: str | None,
-               entries: list[TokenLogprob] | None) -> dict[str, Any]:
-        return self.delta(index, text, finish_reason, entries)
-
-    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None,
-              offset: int = 0) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": self.logprobs(entries, offset),
-                "finish_reason": finish_reason}
-
-
-CHAT, COMPLETION = ChatShape(), CompletionShape()
-
-
 @dataclass(frozen=True)
 class Envelope:
     """What every response and chunk of one HTTP request starts with."""
@@ -380,31 +252,16 @@ async def respond(state: ApiState, request: Request, body: GenerationRequest, sh
     generations = await start_all(state, request, shape.endpoint, requests, count_prompt)
     envelope = Envelope(f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()), model)
     calls_in = cast("ToolFormat", info.tool_format) if requests[0].tools else None  # chat with tools: parse calls
+    reply = Reply(shape, {gen.index: gen.prompt_tokens for gen in generations}, echo, calls_in)
     if body.stream:
-        return _EventStream(_events(generations, shape, envelope, body, echo, calls_in), generations)
+        chunks = Chunks(envelope, shape.chunk_object, reply.usage, every=body.usage_in_every_chunk,
+                        at_end=body.usage_at_the_end)
+        return _EventStream(_events(generations, reply, chunks, body.n), generations)
     results = await unless_disconnected(request, all_of(gen.collect() for gen in generations))
-    usage = Tally(generations)
-    choices = []
-    for gen, (outs, final) in zip(generations, results, strict=True):
-        usage.add(gen.index, final)
-        scored = outs[0].prompt_logprobs  # the first choice scores the prompt for all of them
-        for c in outs:
-            if gen.index in echo:
-                entries = None if c.logprobs is None and scored is None else [*(scored or ()), *(c.logprobs or ())]
-                choices.append(shape.choice(c.index, echo[gen.index] + c.text, c.finish_reason, entries))
-            elif calls_in is not None:
-                content, calls = parse_tool_calls(c.text, calls_in)
-                choice = shape.choice(c.index, content or "", _with_calls(c.finish_reason, bool(calls)), c.logprobs)
-                choice["message"] |= {"content": content, "tool_calls": [call.to_openai() for call in calls]}
-                choices.append(choice)
-            else:
-                choices.append(shape.choice(c.index, c.text, c.finish_reason, c.logprobs))
-    return JSONResponse(envelope.of(shape.object, choices=choices, usage=usage.body()))
-
-
-def _with_calls(finish_reason: str | None, called: bool) -> str | None:
-    """OpenAI's finish reason for a reply that ended by itself after making tool calls."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+    for gen, outputs in zip(generations, results, strict=True):
+        for out in outputs:
+            reply.feed(gen.index, out)
+    return JSONResponse(envelope.of(shape.object, choices=reply.finish(), usage=reply.usage.body()))
 
 
 async def _echo_texts(state: ApiState, body: GenerationRequest, requests: list[EngineRequest]) -> dict[int, str]:
@@ -418,72 +275,50 @@ async def _echo_texts(state: ApiState, body: GenerationRequest, requests: list[E
     return texts
 
 
-async def _events(generations: list[Generation], shape: Shape, envelope: Envelope, body: GenerationRequest,
-                  echo: dict[int, str], calls_in: ToolFormat | None) -> AsyncGenerator[str, None]:
-    """The SSE stream: each chunk carries one choice's output under its index (after its echoed prompt);
-    finish reasons come in a chunk of their own; usage per `stream_options`; `[DONE]` last, unless the
-    engine cut the stream off: then an error event (OpenAI's shape, which its SDK raises) ends it."""
-    usage = Tally(generations)
-    offsets: dict[int, int] = {}  # choice -> characters sent
-    scored: dict[int, list[TokenLogprob]] = {}  # prompt (its first choice's index) -> prompt log-probabilities
-    parsers: dict[int, ToolCallStreamParser] = {}  # choice -> its tool-call parser (chat with tools)
+@dataclass(frozen=True)
+class Chunks:
+    """A stream's events: each choice piece in a chunk of its own, with the usage as `stream_options` asks
+    (in `every` chunk, or `at_end` in a last chunk of its own), and the stream's end."""
 
-    def with_calls(index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None) -> str:
-        """A chat chunk of the parser's content and call pieces for `text` (and the rest at the finish)."""
-        parser = parsers.setdefault(index, ToolCallStreamParser(cast("ToolFormat", calls_in)))
-        piece = parser.feed(text)
-        if finish_reason:
-            rest = parser.finish()
-            piece.content += rest.content
-            piece.tool_calls += rest.tool_calls
-        delta: dict[str, Any] = {"content": piece.content} if piece.content else {}
-        if piece.tool_calls:
-            delta["tool_calls"] = [d.to_openai() for d in piece.tool_calls]
-        choice = shape.delta(index, "", _with_calls(finish_reason, bool(parser.calls)), entries)
-        return chunk(choice | {"delta": delta})
+    envelope: Envelope
+    object: str
+    usage: Tally
+    every: bool
+    at_end: bool
 
-    def chunk(choice: dict[str, Any]) -> str:
-        if body.usage_in_every_chunk:
-            return sse(envelope.of(shape.chunk_object, choices=[choice], usage=usage.body()))
-        if body.usage_at_the_end:  # OpenAI's SDK expects the field in every chunk then, null until the last
-            return sse(envelope.of(shape.chunk_object, choices=[choice], usage=None))
-        return sse(envelope.of(shape.chunk_object, choices=[choice]))
+    def of(self, choice: dict[str, Any]) -> str:
+        fields: dict[str, Any] = {"choices": [choice]}
+        if self.every:
+            fields["usage"] = self.usage.body()
+        elif self.at_end:  # OpenAI's SDK expects the field in every chunk then, null until the last
+            fields["usage"] = None
+        return sse(self.envelope.of(self.object, **fields))
 
+    def end(self) -> list[str]:
+        """The usage chunk if asked for, then `[DONE]`."""
+        if not self.at_end:
+            return [sse("[DONE]")]
+        return [sse(self.envelope.of(self.object, choices=[], usage=self.usage.body())), sse("[DONE]")]
+
+
+async def _events(generations: list[Generation], reply: Reply, chunks: Chunks, n: int) -> AsyncGenerator[str, None]:
+    """The SSE stream: the `n` choices of each generation opened, then each output's pieces as the engine
+    sends them, each in a chunk of its own, and the end; unless the engine cut the stream off: then an error
+    event (OpenAI's shape, which its SDK raises) ends it, and no `[DONE]` (what came is not a whole reply)."""
     for gen in generations:
-        for k in range(body.n):
-            if (opening := shape.opening(gen.index + k)) is not None:
-                yield chunk(opening)
+        for k in range(n):
+            if (opening := reply.shape.opening(gen.index + k)) is not None:
+                yield chunks.of(opening)
     try:
         async with contextlib.aclosing(merged(generations)) as outputs:
             async for gen, out in outputs:
-                usage.add(gen.index, out)
-                index = gen.index + out.index
-                text, entries = out.text, out.logprobs
-                if out.prompt_logprobs is not None:
-                    scored[gen.index] = out.prompt_logprobs
-                if index not in offsets:
-                    offsets[index] = 0
-                    if gen.index in echo:
-                        text = echo[gen.index] + text
-                        if gen.index in scored:
-                            entries = [*scored[gen.index], *(entries or ())]
-                if calls_in is not None:
-                    if text or entries:
-                        yield with_calls(index, text, None, entries)
-                    if out.finish_reason:
-                        yield with_calls(index, "", out.finish_reason, None)
-                    continue
-                if text or entries:
-                    yield chunk(shape.delta(index, text, None, entries, offsets[index]))
-                    offsets[index] += len(text)
-                if out.finish_reason:
-                    yield chunk(shape.delta(index, "", out.finish_reason, None))
-    except ApiError as e:  # cut off by the engine: say so, and no [DONE] (what came is not a whole reply)
+                for piece in reply.feed(gen.index, out):
+                    yield chunks.of(piece)
+    except ApiError as e:
         yield sse(error_body(e.message, e.type, e.param, e.code))
         return
-    if body.usage_at_the_end:
-        yield sse(envelope.of(shape.chunk_object, choices=[], usage=usage.body()))
-    yield sse("[DONE]")
+    for event in chunks.end():
+        yield event
 
 
 def sse(payload: dict[str, Any] | str) -> str:

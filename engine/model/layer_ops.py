@@ -1,0 +1,228 @@
+"""How a decoder layer's pieces run: the one block `DecoderLayer.forward` (engine/model/llama.py) writes, on three
+sets of kernels that differ only in what they fuse.
+
+The block carries the residual stream as `x` + `residual` (`residual` None: `x` alone). `EagerOps` (torch, with
+minichat's C norms, RoPE and activation where the layer has them, and oneDNN's add inside the GEMM) and `BlockOps`
+(every projection in GGML block formats: the norms, the activation and the residual adds inside minichat's C
+products) add each projection's output into the stream at once; `TritonOps` (the GPU path) leaves it beside the
+stream for the next norm, which adds it in the same kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property, partial
+from typing import TYPE_CHECKING, Protocol, cast
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv.pool import KVPool
+from engine.model.ops import linear, linear_add
+from engine.model.parallel import ColumnParallelLinear, RowParallelLinear
+from kernels.attention.base import AttentionBackend
+from kernels.quant import BlockMatrix
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from engine.model.llama import DecoderLayer, RMSNorm, Scratch
+    from kernels.attention.triton import TritonBackend, TritonStep
+    from kernels.cpu import CpuKernels
+
+    Rope = Callable[[torch.Tensor], torch.Tensor]
+    """This step's rotary embedding, applied to [tokens, heads, head_dim] (possibly in place)."""
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin`, with the half swap's sign folded into the table
+    (`signed_sin` = [-sin, sin] by halves; negation is exact, so the products round the same), which
+    leaves four passes over x instead of six."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def rope_in_place(kernels: CpuKernels, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in one C pass, in place, over the full tables indexed by each token's position."""
+    kernels.rope_(x, positions, cos, signed_sin)
+    return x
+
+
+@dataclass
+class LayerStep:
+    """What every layer of one forward reads besides the residual stream."""
+
+    positions: torch.Tensor
+    kv: KVPool
+    backend: AttentionBackend
+    meta: object  # the backend's prepared state for this step
+    cos_sin: torch.Tensor  # the RoPE table of every position: cos, signed sin (see `apply_rope`)
+    kernels: CpuKernels | None  # minichat's C kernels, for RoPE on the CPU
+    triton: TritonOps | None  # the fused Triton kernels, on the Triton backend
+
+    @cached_property
+    def rope(self) -> Rope:
+        """RoPE over this step's positions, made once for all layers (the CPU ops'; Triton's rotates as it stores)."""
+        if self.kernels is not None:
+            return partial(rope_in_place, self.kernels, positions=self.positions, cos=self.cos_sin[0],
+                           signed_sin=self.cos_sin[1])
+        cos_sin = self.cos_sin[:, self.positions, None, :]
+        return partial(apply_rope, cos=cos_sin[0], signed_sin=cos_sin[1])
+
+
+Projection = ColumnParallelLinear | RowParallelLinear
+
+
+class LayerOps(Protocol):
+    """The pieces of a block that a set of kernels fuses its own way."""
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x + residual), and the sum: the stream, the next add's residual."""
+        ...
+
+    def norm_linear(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                    proj: Projection, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """proj(norm(x + residual)), and the sum. `gated`: `proj` is the MLP's gate/up, SiLU(gate) * up comes next."""
+        ...
+
+    def attend(self, layer: DecoderLayer, qkv: torch.Tensor, index: int, step: LayerStep) -> torch.Tensor:
+        """Attention from the fused q/k/v projection's output: per-head norms (Qwen3), RoPE, the K/V store."""
+        ...
+
+    def add_linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, residual: torch.Tensor,
+                   gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stream after adding proj(x) to `residual`, in the block's form. `gated`: x is [gate, up], and
+        proj takes SiLU(gate) * up."""
+        ...
+
+
+class EagerOps:
+    """torch's ops, with minichat's C kernels where `CausalLM.use_cpu_kernels` gave the layer them (the norms and
+    RoPE; SiLU * up between float32 GEMMs) and the residual adds inside oneDNN's GEMM where `residual_in_gemm`."""
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = x if residual is None else residual + x
+        return norm(stream), stream
+
+    def norm_linear(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                    proj: Projection, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        h, stream = self.norm(x, residual, norm)
+        if gated and self._c_activation(layer) is not None:  # float32 into the C activation, which rounds as
+            return linear(h, proj.weight, proj.bias, torch.float32), stream  # transformers does
+        return proj(h), stream
+
+    def attend(self, layer: DecoderLayer, qkv: torch.Tensor, index: int, step: LayerStep) -> torch.Tensor:
+        spec, tokens = layer.spec, qkv.shape[0]
+        qk_size = layer.q_size + layer.kv_size
+        v = qkv[:, qk_size:].view(tokens, layer.num_kv_heads, spec.head_dim)
+        if layer.q_norm is None or layer.k_norm is None:  # no per-head norms: one RoPE pass over q and k heads
+            qk = step.rope(qkv[:, :qk_size].view(tokens, -1, spec.head_dim))
+            q, k = qk[:, : layer.num_heads], qk[:, layer.num_heads :]
+        else:  # Qwen3 normalises q and k per head, with separate weights, before RoPE
+            rows = self._head_rows(tokens, spec.head_dim)
+            q = layer.q_norm(qkv[:, : layer.q_size].reshape(rows)).view(tokens, layer.num_heads, spec.head_dim)
+            k = layer.k_norm(qkv[:, layer.q_size : qk_size].reshape(rows)).view(tokens, layer.num_kv_heads,
+                                                                                spec.head_dim)
+            q, k = step.rope(q), step.rope(k)
+        out = step.backend.forward(q, k, v, step.kv.k(index), step.kv.v(index), step.meta, layer.scale)
+        return out.reshape(tokens, layer.q_size)
+
+    def _head_rows(self, tokens: int, head_dim: int) -> tuple[int, ...]:
+        """The shape the per-head norms see q and k in: [tokens, heads, head_dim] (torch's RMSNorm)."""
+        return (tokens, -1, head_dim)
+
+    def add_linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, residual: torch.Tensor,
+                   gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """residual + proj(x), rounded to the residual's dtype first (x may be a float32 activation of a bf16
+        model); inside the GEMM where `residual_in_gemm` allows."""
+        if gated:
+            x = self._silu_mul(layer, x, residual.dtype)
+        if layer.residual_in_gemm:
+            return linear_add(x, residual, proj.weight), None
+        return residual + proj(x).to(residual.dtype), None
+
+    def _silu_mul(self, layer: DecoderLayer, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """SiLU(gate) * up in `dtype`."""
+        c_activation = self._c_activation(layer)
+        if c_activation is not None:  # bf16 roundings in one C pass, into the layers' shared buffer
+            kernels, scratch = c_activation
+            return kernels.silu_mul(gate_up, dtype, out=scratch.take(gate_up.shape[0], gate_up.shape[1] // 2))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def _c_activation(layer: DecoderLayer) -> tuple[CpuKernels, Scratch] | None:
+        """The C activation and its buffer, where the layer has them (float32 GEMMs on one rank)."""
+        if layer.mlp_kernels is None or layer.activation is None:
+            return None
+        return layer.mlp_kernels, layer.activation
+
+
+class BlockOps(EagerOps):
+    """A layer whose projections are all in block formats (`DecoderLayer.block_kernels`, one rank, float32): the
+    norms, SiLU * up and the residual adds run inside minichat's quantized products, four C calls a layer
+    besides RoPE and attention."""
+
+    def norm_linear(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                    proj: Projection, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = x if residual is None else residual + x
+        out = self._kernels(layer).q_linear(stream, cast(BlockMatrix, proj.weight), proj.bias,
+                                            norm=(norm.weight, norm.eps), dense=layer.dense_buffer)
+        return out, stream
+
+    def _head_rows(self, tokens: int, head_dim: int) -> tuple[int, ...]:
+        """Heads as rows, which the C norm takes (as the one-call layers norm them)."""
+        return (-1, head_dim)
+
+    def add_linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, residual: torch.Tensor,
+                   gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self._kernels(layer).q_linear(x, cast(BlockMatrix, proj.weight), proj.bias, add=residual,
+                                            silu_mul=gated, dense=layer.dense_buffer)
+        return out, None
+
+    @staticmethod
+    def _kernels(layer: DecoderLayer) -> CpuKernels:
+        return cast("CpuKernels", layer.block_kernels)  # chosen only for a layer that has them
+
+
+EAGER_OPS = EagerOps()
+BLOCK_OPS = BlockOps()
+"""Stateless: one of each serves every layer (what they read is the layer's)."""
+
+
+class TritonOps:
+    """The GPU path: the Triton attention backend and the fused Triton kernels around it (kernels/triton), which
+    take the place of the eager norms, RoPE, KV store and activation: four launches a layer besides the GEMMs and
+    attention. Made only when the model runs on that backend, since the engine imports without Triton."""
+
+    def __init__(self, backend: TritonBackend) -> None:
+        from kernels.triton.activation import silu_mul
+        from kernels.triton.norm import add_rms_norm
+        from kernels.triton.rope import rope_store_kv
+
+        self.backend = backend
+        self.add_rms_norm = add_rms_norm
+        self.rope_store_kv = rope_store_kv
+        self.silu_mul = silu_mul
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.add_rms_norm(x, residual, norm.weight, norm.eps)
+
+    def norm_linear(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                    proj: Projection, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        h, stream = self.norm(x, residual, norm)
+        return proj(h), stream
+
+    def attend(self, layer: DecoderLayer, qkv: torch.Tensor, index: int, step: LayerStep) -> torch.Tensor:
+        """q/k norms, RoPE and the K/V store in one kernel; the backend attends without storing."""
+        state = cast("TritonStep", step.meta)
+        k_cache, v_cache = step.kv.k(index), step.kv.v(index)
+        qk_norm = None if layer.q_norm is None or layer.k_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
+        q, k, v = self.rope_store_kv(qkv, layer.num_heads, layer.num_kv_heads, step.positions, step.cos_sin,
+                                     k_cache, v_cache, state.meta.out_locs, qk_norm, layer.spec.rms_norm_eps)
+        return self.backend.attend(q, k, v, k_cache, v_cache, state, layer.scale).reshape(qkv.shape[0], layer.q_size)
+
+    def add_linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, residual: torch.Tensor,
+                   gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """proj(x) left beside the stream: the next norm adds it."""
+        return proj(self.silu_mul(x) if gated else x), residual
