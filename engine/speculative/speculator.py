@@ -69,7 +69,9 @@ class Speculator:
         `base_tokens` query tokens, and the requests to leave out of it: a request whose last step is still in
         flight (overlap) gets no drafts, since they would follow tokens the host has not seen, so where drafts
         are in view it sits this step out (`SpecState.sits_out`) and drafts in the next."""
-        offers, by_key, resting = [], [], set()
+        offers: list[Offer] = []
+        by_key: list[Req] = []  # an offer's key: its request's place here
+        resting: set[Req] = set()
         for req in decoding:
             state = self.state(req)
             most = min(self.most, req.max_output - req.sampled - 1)

@@ -113,6 +113,6 @@ def summarize(records: list[RequestRecord], duration: float, peak_concurrency: i
         if duration > 0 and any(r.admitted is not None for r in ok) else None,
         input_tokens=inp,
         cached_prompt_tokens=sum(r.cached or 0 for r in ok) if any(r.cached is not None for r in ok) else None,
-        draft_tokens=sum(r.drafts[0] for r in drafted) if (drafted := [r for r in ok if r.drafts]) else None,
-        accepted_tokens=sum(r.drafts[1] for r in drafted) if drafted else None,
+        draft_tokens=sum(d[0] for d in drafts) if (drafts := [r.drafts for r in ok if r.drafts]) else None,
+        accepted_tokens=sum(d[1] for d in drafts) if drafts else None,
     )

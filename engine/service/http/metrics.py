@@ -105,9 +105,9 @@ class EngineStatsCollector(Collector):
             "vllm:spec_decode_num_accepted_tokens": ("Speculative draft tokens accepted.", c.spec_accepted_tokens),
         }
         for name, (doc, value) in totals.items():
-            family = CounterMetricFamily(name, doc, labels=list(label))
-            family.add_metric(list(label.values()), value)
-            yield family
+            counter = CounterMetricFamily(name, doc, labels=list(label))
+            counter.add_metric(list(label.values()), value)
+            yield counter
 
 
 class Metrics:
