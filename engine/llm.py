@@ -140,7 +140,7 @@ class LLM:
             self.workers.expect("loaded")
             self.workers.send(num_pages)
             self.workers.expect("ready")
-        backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels)
+        backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels, spec.full_attention)
         backend.setup(attention_shape(self.model, cfg.dtype), self.device)
         self.model.use_attention_backend(backend)
         # Worker ranks run every step eagerly, so under tensor parallelism decode is never graphed.

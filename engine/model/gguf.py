@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from engine.config import model_id
-from engine.model.llama import MODEL_TYPES
 from engine.model.quantized import BlockSource
 from kernels.cpu.build import cache_dir
 from kernels.quant import BLOCK_TYPES, QTYPES
@@ -39,6 +38,10 @@ from kernels.quant import BLOCK_TYPES, QTYPES
 log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
+GGUF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
+"""The families whose GGUF tensors the loader maps onto its own (model_type -> architecture); other GGUF files are
+refused naming these."""
 PERMUTED_ARCHS = ("llama",)
 """GGUF architectures whose q/k rows llama.cpp permuted (its converter's LlamaModel.permute)."""
 INDEX_VERSION = 1
@@ -118,10 +121,10 @@ def _convert_metadata(path: Path, meta: Path) -> None:
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None and hasattr(config, "head_dim"):  # transformers' Qwen3 mapping leaves it at a default
         config.head_dim = int(key_length.contents())
-    if config.model_type not in MODEL_TYPES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} ({config.model_type}); minichat runs "
-                         f"{', '.join(sorted(MODEL_TYPES))}")
-    config.architectures = [MODEL_TYPES[config.model_type]]
+    if config.model_type not in GGUF_MODEL_TYPES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} ({config.model_type}); minichat runs GGUF files of "
+                         f"{', '.join(sorted(GGUF_MODEL_TYPES))}")
+    config.architectures = [GGUF_MODEL_TYPES[config.model_type]]
     meta.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=meta.parent, prefix=".convert-"))
     try:
