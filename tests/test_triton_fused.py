@@ -1,4 +1,4 @@
-"""The GPU path's fused Triton kernels (residual add + RMSNorm, q/k norm + RoPE + KV store, SiLU * up)
+"""The GPU path's fused Triton kernels (residual add + RMSNorm, q/k norm + RoPE + KV store, SiLU or GELU * up)
 under the interpreter (TRITON_INTERPRET=1, set in conftest) against transformers' own ops, and the engine
 on the Triton backend, which runs them, token-identical to transformers.
 
@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from kernels.attention import build_metadata, make_backend
 from kernels.attention.base import AttentionShape
 from kernels.attention.triton import TritonBackend
-from kernels.triton.activation import silu_mul
+from kernels.triton.activation import gated_activation
 from kernels.triton.norm import add_rms_norm
 from kernels.triton.rope import rope_store_kv
 from tests.test_engine_correctness import assert_matches_hf, mixed_prompts
@@ -131,18 +131,42 @@ def test_rope_store_kv(qk_norm, heads, tokens, dtype):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("size", [24, 40])
-def test_silu_mul(size, tokens, dtype):
-    """transformers' MLP activation, F.silu(gate) * up in the model dtype: SiLU's fp32 value may differ
-    from torch's by an ulp (another exp), which the half-precision rounding hides unless it lands on a tie."""
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_activation(activation, size, tokens, dtype):
+    """transformers' MLP activations, F.silu(gate) * up and Gemma's F.gelu(gate, approximate="tanh") * up in the
+    model dtype: the fp32 activation may differ from torch's by an ulp or two (another exp, tanh from exp), which
+    the half-precision rounding hides unless it lands on a tie."""
     g = torch.Generator().manual_seed(size + tokens)
     gate_up = (torch.randn(tokens, 2 * size, generator=g) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    want = F.silu(gate) * up
-    got = silu_mul(gate_up)
-    if dtype == torch.float32:
+    want = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+    got = gated_activation(gate_up, activation)
+    if activation == "gelu_tanh":  # for large negative gates 1 + tanh cancels, in torch's GELU as in ours: the
+        # tiny values there differ by more than their own ulp, so an ulp of the values' magnitude bounds them
+        bound = 8 * torch.finfo(dtype).eps * float(want.float().abs().max())
+        assert got.dtype == want.dtype and ((got.float() - want.float()).abs() <= bound).all()
+    elif dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=4 * torch.finfo(dtype).eps, atol=1e-6)
     else:
         assert_within_an_ulp(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_gemma_norm_rounds_once(dtype):
+    """Gemma's RMSNorm, normalised and scaled by (1 + weight) in float32 and rounded once (`round_normed` off,
+    the weight given as 1 + weight in float32), against transformers' Gemma2RMSNorm, after the residual add."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    g = torch.Generator().manual_seed(7)
+    x, residual = (torch.randn(5, 40, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.randn(40, generator=g) * 0.5).to(dtype)
+    norm = Gemma2RMSNorm(40, eps=EPS).to(dtype)
+    norm.weight.data = weight
+    with torch.no_grad():
+        want = norm(residual + x)
+    out, total = add_rms_norm(x, residual, 1.0 + weight.float(), EPS, round_normed=False)
+    assert torch.equal(total, residual + x)
+    assert_within_an_ulp(out, want)
 
 
 STEPS = {"decode": ([1, 1], [9, 4]), "mixed": ([1, 4, 3], [9, 7, 3])}  # (q_lens, kv_lens)

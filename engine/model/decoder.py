@@ -369,6 +369,10 @@ class DecoderLayer(nn.Module):
         if self.dtype == torch.float32 and all(isinstance(p.weight, BlockMatrix) for p in self.projections()):
             self.block_kernels, self.dense_buffer = kernels, dense
 
+    def execution(self) -> dict[str, str]:
+        """What this layer runs otherwise than the shared decoder's kernels would, for the engine's `execution`."""
+        return {}
+
     def use_mlp_kernels(self, kernels: CpuKernels, scratch: Scratch) -> None:
         """The C activation between float32 GEMMs."""
         if gemm_dtype(self.gate_up_proj.weight) == torch.float32:
@@ -518,6 +522,18 @@ class CausalLM(nn.Module):
             residual = None if residual is None else residual[logits_index]
         h, _ = (self.triton or EAGER_OPS).norm(x, residual, self.norm)
         return self.logits(h)
+
+    def execution(self) -> dict[str, str]:
+        """How this model's layers run here, beyond the engine's options (LLM.execution): `layers`, and what a
+        family's layers run otherwise than the shared decoder's (`DecoderLayer.execution`)."""
+        layers = "one C call a step" if self.runs_one_call else "one call each"
+        if self.one_call and not all(layer.one_call for layer in self.layers) and \
+                all(layer.block_kernels is not None for layer in self.layers):
+            layers += " (the one-call path runs Llama-shaped dense layers; this model's are not)"
+        entries = {"layers": layers}
+        for layer in self.layers:
+            entries |= layer.execution()
+        return entries
 
     @property
     def runs_one_call(self) -> bool:

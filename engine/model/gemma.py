@@ -79,6 +79,9 @@ class GemmaLayer(DecoderLayer):
         return super().norms() | {"pre_feedforward_layernorm": self.pre_feedforward_layernorm,
                                   "post_feedforward_layernorm": self.post_feedforward_layernorm}
 
+    def execution(self) -> dict[str, str]:
+        return {"activation": "GELU (tanh) in torch: minichat's C activation computes SiLU"}
+
     def attention_block(self, ops: LayerOps, x: torch.Tensor, residual: torch.Tensor | None, index: int,
                         step: LayerStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         qkv, stream = ops.norm_linear(self, x, residual, self.input_layernorm, self.qkv_proj)

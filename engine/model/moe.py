@@ -171,6 +171,18 @@ class SparseMoE(nn.Module):
             self._stacked = (w1, w2)
         return self._stacked
 
+    def execution(self) -> str:
+        """Where the experts run: the fused Triton kernel, or a GEMM per expert over its tokens, and on what."""
+        if self._stacked is not None:
+            return "fused Triton MoE kernel, tokens sorted by expert"
+        weight = self.experts[0].down_proj.weight
+        if isinstance(weight, BlockMatrix):
+            how = f"{'+'.join(weight.formats)} blocks" + (", SiLU * up in the down product" if self.block_kernels
+                                                         else "")
+        else:
+            how = f"{gemm_dtype(weight)}".removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
+        return f"grouped by expert, one GEMM per expert over its tokens ({how})"
+
     def use_cpu_kernels(self, kernels: CpuKernels, scratch: Scratch, dtype: torch.dtype) -> None:
         """The C activation between float32 GEMMs (its layer calls this on one rank, for SiLU); with every expert in
         block formats and float32 activations, the block kernels' fused SiLU * up."""
@@ -208,6 +220,9 @@ class MoELayer(DecoderLayer):
 
     def use_mlp_kernels(self, kernels: CpuKernels, scratch: Scratch) -> None:
         self.moe.use_cpu_kernels(kernels, scratch, self.dtype)
+
+    def execution(self) -> dict[str, str]:
+        return {"experts": self.moe.execution()}
 
 
 class MoELM(CausalLM):
