@@ -61,7 +61,7 @@ NEW_FAMILIES = {
         norm_topk_prob=True, mlp_only_layers=[1])),
     # a shared expert beside the routed ones; q/k/v biases; top-k weights as the softmax gave them
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
         norm_topk_prob=False)),
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2,
                                                         intermediate_size=32, tie_word_embeddings=False)),

@@ -120,7 +120,7 @@ def test_the_engine_says_what_the_model_is(checkpoints, family):
     if family == "qwen3_moe":
         assert info["experts"] == "8, 2 per token (32 rows each), on 2 of 3 layers"
     if family == "qwen2_moe":
-        assert info["experts"].endswith("and a shared expert of 48 rows")
+        assert info["experts"].endswith("and a shared expert of 64 rows")
     window = {"gemma2": "12 tokens on 1 of 2 layers (the others see everything)", "mistral_window":
               "12 tokens on every layer", "mixtral_window": "12 tokens on every layer"}
     assert info["window"] == window.get(family, "none" if family != "gemma3" else window["gemma2"])

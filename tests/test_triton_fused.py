@@ -39,6 +39,15 @@ def assert_within_an_ulp(got: torch.Tensor, want: torch.Tensor, of: torch.Tensor
         assert (got == want).float().mean() > 0.9
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    norm = Gemma3RMSNorm(x.shape[-1], eps=EPS).to(x.dtype)
+    norm.weight.data = weight
+    with torch.no_grad():
+        return norm(x)
+
+
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     norm = Qwen2RMSNorm(x.shape[-1], eps=EPS).to(x.dtype)
     norm.weight.data = weight
@@ -77,23 +86,26 @@ def rope_table(dtype: torch.dtype, head_dim: int, max_pos: int,
 
 def check_rope_store_kv(qkv: torch.Tensor, heads: tuple[int, int], positions: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, out_locs: torch.Tensor,
-                        qk_norm: tuple[torch.Tensor, torch.Tensor] | None, max_pos: int) -> None:
-    """`rope_store_kv` against transformers (Qwen3's q/k norm when `qk_norm`, then `apply_rotary_pos_emb`):
-    RoPE alone bit for bit; k and v in the pool at `out_locs` and nothing else there touched."""
+                        qk_norm: tuple[torch.Tensor, torch.Tensor] | None, max_pos: int, gemma: bool = False) -> None:
+    """`rope_store_kv` against transformers (Qwen3's q/k norm when `qk_norm`, Gemma 3's with `gemma`, then
+    `apply_rotary_pos_emb`): RoPE alone bit for bit; k and v in the pool at `out_locs` and nothing else there
+    touched."""
     (tokens, width), (hq, hkv) = qkv.shape, heads
     dim = width // (hq + 2 * hkv)
     cos, sin, table = rope_table(qkv.dtype, dim, max_pos, qkv.device)
     q_in, k_in, v_in = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
     q_in, k_in, v_ref = q_in.view(tokens, hq, dim), k_in.view(tokens, hkv, dim), v_in.reshape(tokens, hkv, dim).clone()
     if qk_norm is not None:
-        q_in, k_in = hf_rms_norm(q_in, qk_norm[0]), hf_rms_norm(k_in, qk_norm[1])
+        norm = gemma_rms_norm if gemma else hf_rms_norm
+        q_in, k_in = norm(q_in, qk_norm[0]), norm(k_in, qk_norm[1])
     # transformers' layout: [batch, heads, tokens, D], cos/sin [batch, tokens, D]
     q_ref, k_ref = apply_rotary_pos_emb(q_in.transpose(0, 1)[None], k_in.transpose(0, 1)[None],
                                         cos[positions][None], sin[positions][None])
     q_ref, k_ref = q_ref[0].transpose(0, 1), k_ref[0].transpose(0, 1)
     kc, vc = k_cache.clone(), v_cache.clone()
 
-    q, k, v = rope_store_kv(qkv, hq, hkv, positions, table, kc, vc, out_locs, qk_norm, EPS)
+    gains = qk_norm if qk_norm is None or not gemma else (1.0 + qk_norm[0].float(), 1.0 + qk_norm[1].float())
+    q, k, v = rope_store_kv(qkv, hq, hkv, positions, table, kc, vc, out_locs, gains, EPS, round_normed=not gemma)
     for view in (q, k, v):
         assert view.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # rotated in place
     if qk_norm is not None:  # RoPE sums two products of normalised values, each maybe an ulp or two off
@@ -111,7 +123,7 @@ def check_rope_store_kv(qkv: torch.Tensor, heads: tuple[int, int], positions: to
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("heads", [(3, 1), (2, 2)], ids=["gqa3", "mha2"])
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk_norm"])
+@pytest.mark.parametrize("qk_norm", ["rope", "qk_norm", "gemma_qk_norm"])
 def test_rope_store_kv(qk_norm, heads, tokens, dtype):
     """At random positions, into permuted slots of a pool a few tokens larger than the step."""
     g = torch.Generator().manual_seed(tokens)
@@ -121,11 +133,11 @@ def test_rope_store_kv(qk_norm, heads, tokens, dtype):
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(dtype)
 
-    weights = (rand(HEAD_DIM), rand(HEAD_DIM)) if qk_norm else None
+    weights = (rand(HEAD_DIM), rand(HEAD_DIM)) if qk_norm != "rope" else None
     positions = torch.randint(0, MAX_POS, (tokens,), generator=g)
     out_locs = torch.randperm(slots, generator=g)[:tokens]
     check_rope_store_kv(rand(tokens, (hq + 2 * hkv) * HEAD_DIM), heads, positions, rand(slots, hkv, HEAD_DIM),
-                        rand(slots, hkv, HEAD_DIM), out_locs, weights, MAX_POS)
+                        rand(slots, hkv, HEAD_DIM), out_locs, weights, MAX_POS, gemma=qk_norm == "gemma_qk_norm")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -204,15 +216,17 @@ def test_backend_attends_over_what_the_fused_kernel_stored(step, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "gemma2", "gemma3", "mistral_window"])
 def test_engine_runs_the_fused_kernels_and_matches_transformers(checkpoints, hf, family):
     """On the Triton backend the model takes the fused path (its residual adds inside the next norm, RoPE
     and the KV store in one kernel, the backend attending without storing): greedy output token-identical
-    to transformers, with Qwen3's q/k norms, Qwen2's q/k/v bias and tied embeddings, chunked prefill over
-    cached prefixes and CUDA-graph-padded decode (run without capture on a CPU)."""
+    to transformers, with Qwen3's q/k norms, Qwen2's q/k/v bias and tied embeddings, Gemma's (1 + weight) norms
+    around both halves, GELU, capped scores (Gemma 2) and two RoPE bases (Gemma 3), sliding windows on some
+    layers or all (prompts past the window of 12), chunked prefill over cached prefixes and CUDA-graph-padded
+    decode (run without capture on a CPU)."""
     path = checkpoints[family]
     llm = LLM(str(path), attention_backend="triton", max_prefill_tokens=12, page_size=4, max_running_requests=4)
-    assert_matches_hf(llm, path, hf, mixed_prompts(5, seed=3, max_len=16), max_tokens=4)
+    assert_matches_hf(llm, path, hf, mixed_prompts(5, seed=3, max_len=20), max_tokens=4)
     assert llm.model.triton is not None and llm.model.triton.backend is llm.runner.backend
 
 
