@@ -5,13 +5,14 @@ with the same active parameters, at batch 1 and 32, beside the batch-1 floor of 
     python scripts/bench_moe.py /tmp/bench-moe-tiny --shape tiny  # the script's own check: a minute
 
 The MoE ("qwen3-30b-a3b-6l"): Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query heads of 128 over 4 KV heads, q/k
-norms, 128 experts of 768 rows, 8 per token, vocab 151,936) with 6 of its 48 layers, 4.4 B parameters: 17.6 GiB in
-float32, which is what both engines run it in on a CPU without native bf16 (saved as bf16). Its dense equivalent is a
-Qwen3 of the same attention whose MLP has the routed experts' rows (8 x 768 = 6,144): the same weights read per token
-at batch 1, while 32 tokens reach some 112 of the 128 experts of a layer, 14 times as many. Each engine runs in a
-process of its own (one model in memory at a time), on every core. A measurement: `--batch` prompts of `--prompt` random tokens prefilled, then
-`--tokens` decode steps timed, after a warm-up of the same (minichat: its decode steps, in the second of two rounds;
-transformers: generate of 1 + N tokens less generate of 1, the better of two each).
+norms, 128 experts of 768 rows, 8 per token, vocab 151,936) with 6 of its 48 layers, 4.4 B parameters: 16.3 GiB in
+float32, which is what both engines run it in on a CPU without native bf16 (saved as bf16), within 24 GiB with its KV
+pool. Its dense equivalent is a Qwen3 of the same attention whose MLP has the routed experts' rows (8 x 768 = 6,144):
+the same weights read per token at batch 1, while 32 tokens reach some 112 of the 128 experts of a layer, 14 times as
+many. Each engine runs in a process of its own (one model in memory at a time), on every core. A measurement:
+`--batch` prompts of `--prompt` random tokens prefilled, then `--tokens` decode steps timed, after a warm-up of the
+same (minichat: its decode steps, in the second of two rounds; transformers: generate of 1 + N tokens less generate of
+1, the better of two each).
 
 The floor: bytes a decode step reads at batch 1 (attention's and the router's weights, 8 experts' per MoE layer, the
 output head; the embedding row is negligible) over the memory bandwidth measured here (a large copy), as tokens/s.

@@ -159,6 +159,13 @@ def base_spec(config: PretrainedConfig, architecture: str) -> ModelSpec:
     )
 
 
+def require_activation(config: PretrainedConfig, name: str = "silu", key: str = "hidden_act") -> None:
+    """Refuse an MLP activation the family's kernels do not compute."""
+    act = getattr(config, key, name)
+    if act != name:
+        raise ValueError(f"unsupported {key} {act!r}; this family runs {name}")
+
+
 def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     """Each layer's attention window as transformers applies it: where the config lists `layer_types`, the
     "sliding_attention" layers get `sliding_window`; otherwise every layer does when it is set (Mistral, Mixtral,

@@ -19,9 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import TensorParallel
-from engine.model.decoder import CausalLM, DecoderLayer, ModelSpec, RMSNorm, base_spec, rope_frequencies
+from engine.model.decoder import (
+    CausalLM,
+    DecoderLayer,
+    ModelSpec,
+    RMSNorm,
+    base_spec,
+    require_activation,
+    rope_frequencies,
+)
 from engine.model.layer_ops import LayerOps, LayerStep
-from engine.model.llama import require_activation
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -5,17 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.model.decoder import ModelSpec, base_spec
+from engine.model.decoder import ModelSpec, base_spec, require_activation
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-
-def require_activation(config: PretrainedConfig, name: str = "silu", key: str = "hidden_act") -> None:
-    """Refuse an MLP activation the family's kernels do not compute."""
-    act = getattr(config, key, name)
-    if act != name:
-        raise ValueError(f"unsupported {key} {act!r}; this family runs {name}")
 
 
 def read(config: PretrainedConfig, architecture: str) -> ModelSpec:

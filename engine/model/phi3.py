@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.model.decoder import CausalLM, DecoderLayer, ModelSpec, Targets, base_spec
-from engine.model.llama import require_activation
+from engine.model.decoder import CausalLM, DecoderLayer, ModelSpec, Targets, base_spec, require_activation
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine.model.decoder import ModelSpec, base_spec
-from engine.model.llama import require_activation
+from engine.model.decoder import ModelSpec, base_spec, require_activation
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

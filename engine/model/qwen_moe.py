@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.model.decoder import base_spec
-from engine.model.llama import require_activation
+from engine.model.decoder import base_spec, require_activation
 from engine.model.moe import MoESpec
 
 if TYPE_CHECKING:
