@@ -29,7 +29,9 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK
     depend only on the number of pairs and experts."""
     flat = experts.flatten().long()
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not bincount: on CUDA it reads the largest id back to size its output, which a CUDA graph cannot capture
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
+                                                                                           torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
