@@ -250,7 +250,7 @@ class DecoderLayer(nn.Module):
     norm_class: ClassVar[type[RMSNorm]] = RMSNorm
     activation: ClassVar[str] = "silu"
     """The MLP's activation of gate, multiplied by up: "silu" or "gelu_tanh" (layer_ops.activate)."""
-    one_call: ClassVar[bool] = True
+    in_one_call: ClassVar[bool] = True
     """Whether kernels/cpu/decode.c's one-call layers compute this layer (Llama's shape, SiLU, plain norms)."""
 
     def __init__(self, spec: ModelSpec, index: int, tp: TensorParallel) -> None:
@@ -361,7 +361,8 @@ class DecoderLayer(nn.Module):
         their weights are prepacked: for float32 activations (a half-precision model rounds the GEMM's
         output before adding, as transformers does), one rank (a row-parallel output is all-reduced
         before the add) and no biases."""
-        self.residual_in_gemm = all(fuses_add(p.weight) and p.bias is None for p in self.residual_projections()) \
+        adds = self.residual_projections()
+        self.residual_in_gemm = bool(adds) and all(fuses_add(p.weight) and p.bias is None for p in adds) \
             and self.dtype == torch.float32 and self.tp.size == 1
 
     def use_cpu_kernels(self, kernels: CpuKernels, scratch: Scratch, dense: torch.Tensor) -> None:
@@ -534,7 +535,7 @@ class CausalLM(nn.Module):
         """How this model's layers run here, beyond the engine's options (LLM.execution): `layers`, and what a
         family's layers run otherwise than the shared decoder's (`DecoderLayer.execution`)."""
         layers = "one C call a step" if self.runs_one_call else "one call each"
-        if self.one_call and not all(layer.one_call for layer in self.layers) and \
+        if self.one_call and not all(layer.in_one_call for layer in self.layers) and \
                 all(layer.block_kernels is not None for layer in self.layers):
             layers += " (the one-call path runs Llama-shaped dense layers; this model's are not)"
         entries = {"layers": layers}
@@ -545,8 +546,8 @@ class CausalLM(nn.Module):
     @property
     def runs_one_call(self) -> bool:
         """Whether steps the CPU attention kernel takes whole run every layer in one C call (`_fused_layers`):
-        every layer Llama-shaped (`DecoderLayer.one_call`) with its products in block formats."""
-        return self.one_call and all(layer.one_call and layer.block_kernels is not None for layer in self.layers)
+        every layer Llama-shaped (`DecoderLayer.in_one_call`) with its products in block formats."""
+        return self.one_call and all(layer.in_one_call and layer.block_kernels is not None for layer in self.layers)
 
     def _fused_layers(self, kv: KVPool) -> FusedLayers | None:
         """The layers as one C call, for a model whose every layer runs its products in block formats

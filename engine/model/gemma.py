@@ -29,6 +29,7 @@ from engine.model.decoder import (
     rope_frequencies,
 )
 from engine.model.layer_ops import LayerOps, LayerStep
+from engine.model.parallel import RowParallelLinear
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -75,7 +76,7 @@ class GemmaLayer(DecoderLayer):
 
     norm_class = OffsetRMSNorm
     activation = "gelu_tanh"
-    one_call = False
+    in_one_call = False
 
     def __init__(self, spec: ModelSpec, index: int, tp: TensorParallel) -> None:
         super().__init__(spec, index, tp)
@@ -85,6 +86,9 @@ class GemmaLayer(DecoderLayer):
     def norms(self) -> dict[str, RMSNorm]:
         return super().norms() | {"pre_feedforward_layernorm": self.pre_feedforward_layernorm,
                                   "post_feedforward_layernorm": self.post_feedforward_layernorm}
+
+    def residual_projections(self) -> list[RowParallelLinear]:
+        return []  # both halves' outputs are normalised before they are added
 
     def execution(self) -> dict[str, str]:
         return {"activation": "GELU (tanh) in torch: minichat's C activation computes SiLU"}
@@ -110,7 +114,8 @@ class Gemma(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().embed(input_ids)
-        return x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)
+        # sqrt(hidden_size) rounded to the model dtype first, as transformers' embed_scale is
+        return x * float(torch.tensor(self.spec.hidden_size**0.5).to(x.dtype))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(h)

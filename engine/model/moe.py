@@ -198,7 +198,7 @@ class MoELayer(DecoderLayer):
     """A block whose MLP is the routed experts; attention as in every decoder."""
 
     names: ClassVar[ExpertNames] = ExpertNames("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
-    one_call = False  # decode.c's one-call layers run dense MLPs only
+    in_one_call = False  # decode.c's one-call layers run dense MLPs only
 
     def build_mlp(self, spec: ModelSpec, tp: TensorParallel) -> None:
         self.moe = SparseMoE(cast(MoESpec, spec), tp, self.activation)

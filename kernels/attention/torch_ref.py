@@ -7,7 +7,9 @@ which a mixed step puts first) gather K/V head-major and attend with two batched
 softmax: on the CPU that is about twice as fast as SDPA's flash kernel, which is built for many
 queries per request. The rest of a step is padded to its longest request for one SDPA call. On a
 CPU without native bf16/fp16 arithmetic, attention runs in float32 (SDPA's half-precision CPU kernel
-is ~10x slower there).
+is ~10x slower there). A layer with a sliding window gathers a decode request's last `window` keys only and
+masks the padded part to the window (each built once per step and window); capped scores (Gemma 2), which
+SDPA cannot do, take a plain softmax of the capped products.
 """
 
 from __future__ import annotations
