@@ -240,6 +240,24 @@ class RMSNorm(nn.Module):
         """After the checkpoint's values are in (Gemma's norm folds its 1 + weight here)."""
 
 
+def column_targets(prefix: str, proj: ColumnParallelLinear, names: Sequence[str], bias: bool) -> Targets:
+    """A fused column-parallel projection's parts, part i the checkpoint tensor `prefix + names[i]` (and its bias)."""
+    targets: Targets = {}
+    for part, name in enumerate(names):
+        targets[f"{prefix}{name}.weight"] = (proj.target(part),)
+        if bias:
+            targets[f"{prefix}{name}.bias"] = (proj.target(part, bias=True),)
+    return targets
+
+
+def row_targets(prefix: str, proj: RowParallelLinear, name: str, bias: bool) -> Targets:
+    """A row-parallel projection's checkpoint tensor `prefix + name` (and its bias)."""
+    targets: Targets = {f"{prefix}{name}.weight": (proj.target(),)}
+    if bias:
+        targets[f"{prefix}{name}.bias"] = (proj.target(bias=True),)
+    return targets
+
+
 class DecoderLayer(nn.Module):
     """One block (layer `index`); under tensor parallelism it holds this rank's heads and intermediate rows only.
 
@@ -318,15 +336,8 @@ class DecoderLayer(nn.Module):
         return targets | self.attention_targets(prefix + "self_attn.") | self.mlp_targets(prefix)
 
     def attention_targets(self, prefix: str) -> Targets:
-        targets: Targets = {}
-        for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
-            targets[prefix + f"{name}.weight"] = (self.qkv_proj.target(part),)
-            if self.spec.qkv_bias:
-                targets[prefix + f"{name}.bias"] = (self.qkv_proj.target(part, bias=True),)
-        targets[prefix + "o_proj.weight"] = (self.o_proj.target(),)
-        if self.spec.attention_bias:
-            targets[prefix + "o_proj.bias"] = (self.o_proj.target(bias=True),)
-        return targets
+        return column_targets(prefix, self.qkv_proj, ("q_proj", "k_proj", "v_proj"), self.spec.qkv_bias) | \
+            row_targets(prefix, self.o_proj, "o_proj", self.spec.attention_bias)
 
     def norms(self) -> dict[str, RMSNorm]:
         """The layer's norms by checkpoint name (under the layer's prefix)."""
@@ -337,16 +348,9 @@ class DecoderLayer(nn.Module):
 
     def mlp_targets(self, prefix: str) -> Targets:
         """The MLP's tensors, under the layer's prefix."""
-        prefix += "mlp."
-        targets: Targets = {}
-        for part, name in enumerate(("gate_proj", "up_proj")):
-            targets[prefix + f"{name}.weight"] = (self.gate_up_proj.target(part),)
-            if self.spec.mlp_bias:
-                targets[prefix + f"{name}.bias"] = (self.gate_up_proj.target(part, bias=True),)
-        targets[prefix + "down_proj.weight"] = (self.down_proj.target(),)
-        if self.spec.mlp_bias:
-            targets[prefix + "down_proj.bias"] = (self.down_proj.target(bias=True),)
-        return targets
+        bias = self.spec.mlp_bias
+        return column_targets(prefix + "mlp.", self.gate_up_proj, ("gate_proj", "up_proj"), bias) | \
+            row_targets(prefix + "mlp.", self.down_proj, "down_proj", bias)
 
     def projections(self) -> list[ColumnParallelLinear | RowParallelLinear]:
         """The products a step of this layer runs (all in block formats: the block kernels take the layer)."""

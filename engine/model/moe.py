@@ -21,7 +21,15 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.model.decoder import CausalLM, DecoderLayer, ModelSpec, Scratch, Targets
+from engine.model.decoder import (
+    CausalLM,
+    DecoderLayer,
+    ModelSpec,
+    Scratch,
+    Targets,
+    column_targets,
+    row_targets,
+)
 from engine.model.layer_ops import LayerOps, activate
 from engine.model.ops import gemm_dtype, linear
 from engine.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Split
@@ -74,9 +82,8 @@ class Expert(nn.Module):
 
     def targets(self, prefix: str, parts: tuple[str, str, str]) -> Targets:
         gate, up, down = parts
-        return {prefix + f"{gate}.weight": (self.gate_up_proj.target(0),),
-                prefix + f"{up}.weight": (self.gate_up_proj.target(1),),
-                prefix + f"{down}.weight": (self.down_proj.target(),)}
+        return column_targets(prefix, self.gate_up_proj, (gate, up), False) | \
+            row_targets(prefix, self.down_proj, down, False)
 
     def run(self, x: torch.Tensor, moe: SparseMoE) -> torch.Tensor:
         """This rank's part of down(act(gate(x)) * up(x)) for x [rows, hidden], in x's dtype."""
