@@ -7,6 +7,7 @@ tensor-parallel ranks; an architecture minichat does not run is refused, naming 
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
