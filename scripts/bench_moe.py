@@ -1,18 +1,18 @@
-"""Decode throughput of a mixture of experts on the CPU: minichat against transformers, and against the dense model
-with the same active parameters, at batch 1 and 32, beside the batch-1 floor of the bytes one token reads.
+"""Decode throughput of a mixture of experts on the CPU: minichat against transformers, and against the dense model with
+the same active parameters, at batch 1 and 32, beside the batch-1 floor of the bytes one token reads.
 
     python scripts/bench_moe.py /tmp/bench-moe                  # writes both checkpoints once (~9 + 3 GB), measures
     python scripts/bench_moe.py /tmp/bench-moe-tiny --shape tiny  # the script's own check: a minute
 
 The MoE ("qwen3-30b-a3b-6l"): Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query heads of 128 over 4 KV heads, q/k
 norms, 128 experts of 768 rows, 8 per token, vocab 151,936) with 6 of its 48 layers, 4.4 B parameters: 16.3 GiB in
-float32, which is what both engines run it in on a CPU without native bf16 (saved as bf16), within 24 GiB with its KV
-pool. Its dense equivalent is a Qwen3 of the same attention whose MLP has the routed experts' rows (8 x 768 = 6,144):
-the same weights read per token at batch 1, while 32 tokens reach some 112 of the 128 experts of a layer, 14 times as
-many. Each engine runs in a process of its own (one model in memory at a time), on every core. A measurement:
-`--batch` prompts of `--prompt` random tokens prefilled, then `--tokens` decode steps timed, after a warm-up of the
-same (minichat: its decode steps, in the second of two rounds; transformers: generate of 1 + N tokens less generate of
-1, the better of two each).
+float32 (`--dtype`, the default: what both engines run on a CPU without native bf16; saved as bf16; `--dtype
+bfloat16` halves it where the CPU has AVX512-BF16 or AMX), within 24 GiB with its KV pool. Its dense equivalent is a
+Qwen3 of the same attention whose MLP has the routed experts' rows (8 x 768 = 6,144): the same weights read per token
+at batch 1, while 32 tokens reach some 112 of the 128 experts of a layer, 14 times as many. Each engine runs in a
+process of its own (one model in memory at a time), on every core. A measurement: `--batch` prompts of `--prompt`
+random tokens prefilled, then `--tokens` decode steps timed, after a warm-up of the same (minichat: its decode steps,
+in the second of two rounds; transformers: generate of 1 + N tokens less generate of 1, the better of two each).
 
 The floor: bytes a decode step reads at batch 1 (attention's and the router's weights, 8 experts' per MoE layer, the
 output head; the embedding row is negligible) over the memory bandwidth measured here (a large copy), as tokens/s.
@@ -63,9 +63,9 @@ def write_checkpoints(out: Path, shape: str) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def bytes_per_token(model: Path) -> int:
-    """Float32 bytes of the weights one decode step reads at batch 1 (all of a dense model but its embedding; of an
-    MoE, its experts only those 8 a token is routed to)."""
+def bytes_per_token(model: Path, dtype: str) -> int:
+    """Bytes of the weights one decode step reads at batch 1 in `dtype` (all of a dense model but its embedding; of
+    an MoE, its experts only those a token is routed to)."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -79,7 +79,7 @@ def bytes_per_token(model: Path) -> int:
                 if name == "model.embed_tokens.weight":
                     continue
                 total += numel * (routed if ".experts." in name else 1.0)
-    return int(total * 4)
+    return int(total * torch.empty((), dtype=getattr(torch, dtype)).element_size())
 
 
 def bandwidth() -> float:
@@ -100,10 +100,10 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
-def measure_minichat(model: Path, batch: int, length: int, tokens: int) -> dict[str, object]:
+def measure_minichat(model: Path, batch: int, length: int, tokens: int, dtype: str) -> dict[str, object]:
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(model), dtype="float32", max_running_requests=max(batch, 4), max_model_len=length + tokens + 8,
+    llm = LLM(str(model), dtype=dtype, max_running_requests=max(batch, 4), max_model_len=length + tokens + 8,
               prefix_cache="naive")
     for _ in range(2):  # the first round warms up: oneDNN builds a GEMM for each row count it meets
         for p in prompts(batch, length, llm.model.spec.vocab_size):
@@ -118,10 +118,10 @@ def measure_minichat(model: Path, batch: int, length: int, tokens: int) -> dict[
     return {"decode_tok_s": decoded / decode_time, "execution": llm.execution, "model_info": llm.model_info}
 
 
-def measure_transformers(model: Path, batch: int, length: int, tokens: int) -> dict[str, object]:
+def measure_transformers(model: Path, batch: int, length: int, tokens: int, dtype: str) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts(batch, length, hf.config.vocab_size))
     mask = torch.ones_like(ids)
 
@@ -139,12 +139,12 @@ def measure_transformers(model: Path, batch: int, length: int, tokens: int) -> d
 
 def run_worker(args: argparse.Namespace) -> None:
     measure = measure_minichat if args.worker == "minichat" else measure_transformers
-    print(json.dumps(measure(Path(args.model), args.batch, args.prompt, args.tokens)))
+    print(json.dumps(measure(Path(args.model), args.batch, args.prompt, args.tokens, args.dtype)))
 
 
 def in_subprocess(engine: str, model: Path, batch: int, args: argparse.Namespace) -> dict[str, object]:
     cmd = [sys.executable, __file__, str(args.out), "--worker", engine, "--model", str(model), "--batch", str(batch),
-           "--prompt", str(args.prompt), "--tokens", str(args.tokens)]
+           "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--dtype", args.dtype]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{engine} on {model.name} at batch {batch} failed:\n{done.stderr[-3000:]}")
@@ -158,6 +158,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--skip-transformers-dense", action="store_true", help="the dense model on minichat only")
     parser.add_argument("--worker", choices=["minichat", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -168,9 +169,9 @@ def main() -> None:
         return
     moe, dense = write_checkpoints(args.out, args.shape)
     rate = bandwidth()
-    floor = {name: bytes_per_token(path) for name, path in (("moe", moe), ("dense", dense))}
-    results: dict[str, object] = {"shape": args.shape, "prompt": args.prompt, "tokens": args.tokens,
-                                  "bandwidth_gb_s": rate / 1e9, "bytes_per_token": floor,
+    floor = {name: bytes_per_token(path, args.dtype) for name, path in (("moe", moe), ("dense", dense))}
+    results: dict[str, object] = {"shape": args.shape, "dtype": args.dtype, "prompt": args.prompt,
+                                  "tokens": args.tokens, "bandwidth_gb_s": rate / 1e9, "bytes_per_token": floor,
                                   "floor_tok_s": {k: rate / v for k, v in floor.items()}, "runs": []}
     runs: list[dict[str, object]] = []
     for batch in (int(b) for b in args.batches.split(",")):
