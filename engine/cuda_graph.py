@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.kv.pool import KVPool
-from engine.model.llama import CausalLM
+from engine.model.decoder import CausalLM
 from kernels.attention.base import AttentionBackend, AttentionMetadata, RaggedIndices
 
 if TYPE_CHECKING:

@@ -23,6 +23,7 @@ from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.loop import StepLoop
+from engine.model.families import describe
 from engine.model.loader import (
     TORCH_DTYPES,
     LoadOptions,
@@ -143,7 +144,7 @@ class LLM:
             self.workers.expect("loaded")
             self.workers.send(num_pages)
             self.workers.expect("ready")
-        backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels)
+        backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels, spec.full_attention)
         backend.setup(attention_shape(self.model, cfg.dtype), self.device)
         self.model.use_attention_backend(backend)
         # Worker ranks run every step eagerly, so under tensor parallelism decode is never graphed.
@@ -162,7 +163,7 @@ class LLM:
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, tp=self.tp,
                                   workers=self.workers, graphs=graphs, governor=self.governor)
         self.scheduler = Scheduler(self.runner, self.cache, self.table, self.eos_ids, cfg, self._token_text,
-                                   self._speculator(num_pages))
+                                   self._speculator(num_pages), kv_window=spec.kv_window)
         self.loop = StepLoop(self.scheduler, self.runner)
         # requests without a seed draw one from here: from `seed` (reproducible runs), else from the OS, so
         # replicas behind a gateway do not sample in lockstep
@@ -330,6 +331,12 @@ class LLM:
         return self.scheduler.num_waiting
 
     @property
+    def model_info(self) -> dict[str, str]:
+        """What the model is: family, architecture, layers, attention, experts, windows (the console, `minichat
+        status` and /v1/models show it)."""
+        return describe(self.model.spec)
+
+    @property
     def execution(self) -> dict[str, str]:
         """What the execution options resolved to on this machine: `auto` choices and any fallback
         (the C kernels off where no compiler builds them, say)."""
@@ -346,8 +353,7 @@ class LLM:
         execution = {"request_slots": str(self.config.request_slots), "attention_backend": self.runner.backend.name,
                      "weights": f"{'+'.join(main)}, {size / 2**20:.1f} MiB", "gemm": gemm,
                      "cpu_kernels": "on" if self.model.kernels is not None else "off",
-                     "layers": "one C call a step" if self.model.runs_one_call else "one call each",
-                     "overlap": "on" if self.config.use_overlap else "off"}
+                     **self.model.execution(), "overlap": "on" if self.config.use_overlap else "off"}
         cfg = self.config
         if cfg.speculative is not None:
             source = "prompt lookup" if cfg.speculative == "ngram" else \

@@ -14,7 +14,7 @@ from engine.distributed.step import StepInputs
 from engine.distributed.workers import WorkerPool
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
-from engine.model.llama import CausalLM
+from engine.model.decoder import CausalLM
 from engine.sampling import logprobs, sample
 from engine.threads import ThreadGovernor
 from kernels.attention.base import AttentionBackend

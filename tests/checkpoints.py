@@ -9,15 +9,27 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 384
@@ -40,6 +52,37 @@ FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None, num_key_value_heads=1)),
 }
+WINDOW = 12
+"""The sliding window of the windowed test checkpoints: the tests' prompts (up to ~70 tokens) span several."""
+NEW_FAMILIES = {
+    # one dense layer between two sparse ones (mlp_only_layers), top-k weights renormalised
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+    # a shared expert beside the routed ones; q/k/v biases; top-k weights as the softmax gave them
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        norm_topk_prob=False)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2,
+                                                        intermediate_size=32, tie_word_embeddings=False)),
+    # a local layer and a global one; capped scores and logits (caps small enough to bite at these magnitudes)
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=0.5,
+        final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"])),
+    # local and global layers with their own RoPE bases, q/k norms
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention"])),
+    "phi3": (Phi3Config, Phi3ForCausalLM, dict(tie_word_embeddings=False)),
+    # every layer windowed: pages before the window are released early
+    "mistral_window": (MistralConfig, MistralForCausalLM, dict(sliding_window=WINDOW)),
+    "mixtral_window": (MixtralConfig, MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=WINDOW)),
+}
+FAMILIES |= NEW_FAMILIES
+OFFSET_NORMS = ("gemma2", "gemma3")
+"""Families whose RMSNorm scales by 1 + weight and whose transformers init leaves the weight zero: the checkpoints
+get random ones, so that the offset is tested."""
 
 
 def make_tokenizer(out: Path) -> None:
@@ -62,6 +105,11 @@ def make_checkpoint(family: str, out: Path, seed: int = 0, tokenizer: bool = Tru
     torch.manual_seed(seed)
     config = config_cls(**{**COMMON, **extra, **overrides})
     model = model_cls(config).eval()
+    if family in OFFSET_NORMS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(out)
     if tokenizer:
         make_tokenizer(out)

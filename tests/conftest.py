@@ -23,10 +23,21 @@ from tests.wire import raw_dealer
 torch.set_num_threads(2)
 
 
+class Checkpoints(dict[str, Path]):
+    """The tiny checkpoint of each family (tests/checkpoints.py: FAMILIES), made on first use."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str) -> Path:
+        self[family] = make_checkpoint(family, self.root / family)
+        return self[family]
+
+
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {fam: make_checkpoint(fam, root / fam) for fam in ("llama", "qwen2", "qwen3", "mistral")}
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="session")

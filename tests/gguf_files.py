@@ -11,6 +11,7 @@ vocabulary, merges and chat template under tokenizer.ggml.*, no output.weight fo
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -20,7 +21,8 @@ from gguf import GGMLQuantizationType as G
 from safetensors.torch import load_file
 
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
-             "qwen3": gguf.MODEL_ARCH.QWEN3}
+             "qwen3": gguf.MODEL_ARCH.QWEN3, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}
+EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+\.weight)")
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
@@ -133,6 +135,20 @@ def _borrowed_tokenizer_fields(writer: gguf.GGUFWriter, source: Path, vocab_size
                              field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
 
 
+def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors as float32 arrays, each projection of a layer's experts stacked into one
+    [experts, rows, columns] array under the name without the expert's index (llama.cpp's ffn_*_exps)."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for hf_name, tensor in tensors.items():
+        match = EXPERT.fullmatch(hf_name)
+        if match:
+            experts.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = tensor.float().numpy()
+        else:
+            out[hf_name] = tensor.float().numpy()
+    return out | {name: np.stack([parts[e] for e in sorted(parts)]) for name, parts in experts.items()}
+
+
 def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, str] = "F32",
                tokenizer_from: Path | None = None) -> Path:
     """`checkpoint` (a tests/checkpoints.py directory) as a GGUF file: every 2-D weight in `qtype` (or
@@ -158,6 +174,10 @@ def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, 
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if "num_experts_per_tok" in config:  # a mixture of experts, as llama.cpp's converter describes one
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer_from is not None:
         _borrowed_tokenizer_fields(writer, tokenizer_from, config["vocab_size"])
@@ -172,23 +192,23 @@ def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, 
         base = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         writer.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
     permuted = arch == gguf.MODEL_ARCH.LLAMA
-    for hf_name, tensor in load_file(checkpoint / "model.safetensors").items():
+    for hf_name, x in _stacked_experts(load_file(checkpoint / "model.safetensors")).items():
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
-        x = tensor.float().numpy()
         heads = config["num_attention_heads"] if ".q_proj." in hf_name else (
             config["num_key_value_heads"] if ".k_proj." in hf_name else 0)
         if permuted and heads:
             x = _permute(x, heads)
         kind = qtype if isinstance(qtype, str) else next(v for k, v in qtype.items() if k in hf_name)
-        if x.ndim == 2 and x.shape[1] % gguf.GGML_QUANT_SIZES[G[kind]][0]:
+        if x.ndim >= 2 and x.shape[-1] % gguf.GGML_QUANT_SIZES[G[kind]][0]:
             kind = "Q8_0"  # rows too short for the format's block: as llama.cpp's quantizer falls back
         if x.ndim == 1 or kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(x))
         elif kind == "F16":
             writer.add_tensor(name, x.astype(np.float16))
-        else:
-            writer.add_tensor(name, quantize_rows(np.ascontiguousarray(x), kind), raw_dtype=G[kind])
+        else:  # a stack of experts' rows quantized as the rows of one matrix, stacked again
+            rows = quantize_rows(np.ascontiguousarray(x.reshape(-1, x.shape[-1])), kind)
+            writer.add_tensor(name, rows.reshape(*x.shape[:-1], -1), raw_dtype=G[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

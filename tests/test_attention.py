@@ -9,8 +9,9 @@ from kernels.attention import build_metadata, make_backend
 from kernels.attention.base import AttentionShape
 
 
-def naive_attention(q, k_cache, v_cache, table, rows, q_lens, kv_lens, scale):
-    """Each request on its own: gather its keys, bottom-right causal mask, softmax, weighted sum."""
+def naive_attention(q, k_cache, v_cache, table, rows, q_lens, kv_lens, scale, window=None, softcap=None):
+    """Each request on its own: gather its keys, bottom-right causal mask (and a sliding window: keys within
+    `window` positions of the query, transformers' rule), capped scores, softmax, weighted sum."""
     outs, start = [], 0
     for row, ql, kl in zip(rows.tolist(), q_lens, kv_lens, strict=True):
         idx = table[row, :kl]
@@ -19,8 +20,13 @@ def naive_attention(q, k_cache, v_cache, table, rows, q_lens, kv_lens, scale):
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         qi = q[start : start + ql]
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         qpos = torch.arange(kl - ql, kl)[:, None]
-        scores = scores.masked_fill(torch.arange(kl)[None, :] > qpos, float("-inf"))
+        hidden = torch.arange(kl)[None, :] > qpos
+        if window is not None:
+            hidden |= torch.arange(kl)[None, :] <= qpos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         start += ql
     return torch.cat(outs)
@@ -61,3 +67,40 @@ def test_backend_matches_naive(backend_name, q_lens, kv_lens, heads):
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown attention backend"):
         make_backend("warp-drive", "cpu")
+
+
+WINDOWED = [
+    ([1, 1, 1], [5, 17, 40]),  # decode: one request inside its window, two past it
+    ([7, 3, 30], [7, 20, 30]),  # a fresh prompt shorter and one longer than the window, a chunk over a prefix
+    ([1, 9, 12], [33, 9, 12]),  # mixed; equal fresh prompts would take SDPA's own causal mask without a window
+    ([12, 12], [12, 12]),  # fresh prompts of one length (the unmasked fast path without a window)
+]
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "cpu_split"])
+@pytest.mark.parametrize(("q_lens", "kv_lens"), WINDOWED)
+@pytest.mark.parametrize(("window", "softcap"), [(8, None), (None, 5.0), (5, 2.0)], ids=["window", "softcap", "both"])
+def test_windows_and_capped_scores(backend_name, q_lens, kv_lens, window, softcap):
+    """A sliding window (query at p sees keys p - window < j <= p) and Gemma 2's capped scores, for every step
+    shape, on every CPU backend; the same step state serves a full-attention layer next (a model alternates)."""
+    torch.manual_seed(1)
+    hq, hkv, d, max_len = 4, 2, 16, 48
+    k_cache, v_cache = torch.randn(256, hkv, d), torch.randn(256, hkv, d)
+    table = torch.randperm(256)[: 4 * max_len].view(4, max_len).clone()
+    rows = torch.tensor([1, 3, 0][: len(q_lens)])
+    t = sum(q_lens)
+    q, k, v = torch.randn(t, hq, d) * 3, torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    backend = make_backend(backend_name.removesuffix("_split"), "cpu")
+    if backend_name == "cpu_split":
+        backend.max_per_token_queries = 2
+    backend.setup(AttentionShape(hq, hkv, d, torch.float32, d**-0.5, frozenset({window, None}), softcap),
+                  torch.device("cpu"))
+    meta = build_metadata(q_lens, kv_lens, rows, table)
+    state = backend.prepare(meta)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = backend.forward(q, k, v, kc, vc, state, d**-0.5, window=window, softcap=softcap)
+    want = naive_attention(q, kc, vc, table, rows, q_lens, kv_lens, d**-0.5, window, softcap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    full = backend.forward(q, k, v, kc, vc, state, d**-0.5)
+    torch.testing.assert_close(full, naive_attention(q, kc, vc, table, rows, q_lens, kv_lens, d**-0.5), atol=1e-5,
+                               rtol=1e-5)

@@ -54,6 +54,8 @@ def test_status_is_short_unless_asked_for_more(engine: str) -> None:
             assert len(short) <= 8 and not any("page map" in line or "long-one" in line for line in short), short
             assert any(line.startswith("request slots ") and line.endswith("running 1") for line in short), short
             assert short[-1].startswith("totals: ")
+            assert "model: family Llama; architecture LlamaForCausalLM; layers 2; " in short[1], short  # what it is
+            assert short[1].endswith("; window none"), short
 
             mapped = status("--address", engine, "--pages")
             assert mapped[len(short)] == "page map (. free, R held, c cached, L locked):"  # after the summary

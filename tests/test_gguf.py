@@ -159,16 +159,16 @@ def test_other_tensor_types_are_refused_by_name(ckpts, tmp_path):
         LLM(str(tmp_path / "q2k.gguf"))
 
 
-def round_tripped(src: Path, out: Path, qtype: str) -> Path:
+def round_tripped(src: Path, out: Path, qtype: str, keep_float: tuple[str, ...] = ()) -> Path:
     """`src` with every 2-D weight of whole 32-value blocks quantized to `qtype` and back by gguf: the model
-    `--quantization` runs, in float32 for transformers."""
+    `--quantization` runs, in float32 for transformers (but for names ending in `keep_float`: routers stay float)."""
     from gguf import GGMLQuantizationType, dequantize, quantize
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, out)
     tensors = load_file(src / "model.safetensors")
     for name, t in tensors.items():
-        if t.dim() == 2 and t.shape[1] % 32 == 0:
+        if t.dim() == 2 and t.shape[1] % 32 == 0 and not name.endswith(keep_float):
             kind = GGMLQuantizationType[qtype]
             tensors[name] = torch.from_numpy(dequantize(quantize(t.float().numpy(), kind), kind))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})

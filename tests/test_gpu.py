@@ -12,13 +12,15 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from kernels.attention import build_metadata, make_backend
-from kernels.triton.activation import silu_mul
+from kernels.triton.activation import gated_activation
 from kernels.triton.decode import decode_attention
 from kernels.triton.extend import extend_attention
 from kernels.triton.kv_store import store_kv
+from kernels.triton.moe import fused_moe
 from kernels.triton.norm import add_rms_norm
 from tests.test_attention import naive_attention
 from tests.test_engine_correctness import assert_matches_hf, mixed_prompts
+from tests.test_moe import reference_moe
 from tests.test_triton_fused import EPS, assert_within_an_ulp, check_rope_store_kv, hf_rms_norm
 
 pytestmark = [
@@ -61,10 +63,10 @@ def make_step(q_lens, kv_lens, heads, dtype, seed=0):
     return meta, rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d), rand(slots, hkv, d), rand(slots, hkv, d)
 
 
-def reference(meta, q, k_cache, v_cache):
+def reference(meta, q, k_cache, v_cache, window=None, softcap=None):
     """The naive per-request attention, in fp32 on the CPU."""
     return naive_attention(q.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu(), meta.table.cpu(),
-                           meta.rows.cpu(), meta.q_lens, meta.kv_lens, q.shape[-1] ** -0.5)
+                           meta.rows.cpu(), meta.q_lens, meta.kv_lens, q.shape[-1] ** -0.5, window, softcap)
 
 
 def check(got, want, dtype):
@@ -87,6 +89,42 @@ def test_compiled_triton_kernels(case, heads, dtype):
         for grouped in (False, True):
             check(decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, scale, grouped=grouped),
                   want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_windows_and_capped_scores(case, dtype):
+    """Sliding windows (Mistral's 4096 would not bite here: 96) and Gemma 2's capped scores, compiled."""
+    q_lens, kv_lens = CASES[case]
+    meta, q, k, v, k_cache, v_cache = make_step(q_lens, kv_lens, HEADS["gqa8"], dtype)
+    store_kv(k, v, k_cache, v_cache, meta.out_locs)
+    scale = q.shape[-1] ** -0.5
+    for window, softcap in ((96, None), (None, 30.0), (40, 20.0)):
+        want = reference(meta, q, k_cache, v_cache, window, softcap)
+        check(extend_attention(q, k, v, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                               max(q_lens), scale, window=window, softcap=softcap), want, dtype)
+        if case == "decode":
+            for grouped in (False, True):
+                check(decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, scale, grouped=grouped,
+                                       window=window, softcap=softcap), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 32, 700])
+def test_compiled_fused_moe(tokens, dtype):
+    """The fused MoE at Qwen3-30B-A3B's expert shapes (128 experts of 768 rows over 2048, 8 per token)."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    e, inter, hidden, k = 128, 768, 2048, 8
+    h = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
+    w1 = (torch.randn(e, 2 * inter, hidden, generator=g, device="cuda") * 0.02).to(dtype)
+    w2 = (torch.randn(e, hidden, inter, generator=g, device="cuda") * 0.02).to(dtype)
+    weights, experts = torch.topk(torch.softmax(torch.randn(tokens, e, generator=g, device="cuda"), -1), k, -1)
+    got = fused_moe(h, w1, w2, weights.to(dtype), experts)
+    rows = range(min(tokens, 8))  # the reference is a loop: a few tokens of it
+    want = reference_moe(h[rows].float().cpu(), w1.float().cpu(), w2.float().cpu(), weights[rows].cpu(),
+                         experts[rows].cpu(), "silu")
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got[rows].double().cpu(), want, atol=tol, rtol=tol)
 
 
 FUSED_SHAPES = {"qwen0.5b": (896, 4864, 14, 2, 64), "llama8b": (4096, 14336, 32, 8, 128)}
@@ -124,7 +162,7 @@ def test_compiled_fused_kernels(shape, dtype):
                             rand(slots, hkv, d), out_locs, qk_norm, max_pos)
     gate_up = rand(tokens, 2 * inter) * 4
     gate, up = gate_up.chunk(2, dim=-1)
-    check(silu_mul(gate_up), F.silu(gate) * up)
+    check(gated_activation(gate_up), F.silu(gate) * up)
 
 
 @needs_flashinfer
@@ -156,6 +194,18 @@ def test_greedy_matches_transformers_on_cuda(checkpoints, hf, backend, cuda_grap
     llm = LLM(str(path), device="cuda", attention_backend=backend, cuda_graph=cuda_graph, overlap=overlap,
               max_running_requests=10, max_prefill_tokens=64)
     assert (llm.runner.graphs is not None) == (cuda_graph and backend != "torch")
+    assert_matches_hf(llm, path, hf, mixed_prompts(16, seed=7), max_tokens=12)
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gemma2", "gemma3", "mistral_window"])
+def test_new_families_on_cuda(checkpoints, hf, family, cuda_graph):
+    """The fused MoE (captured in decode graphs), Gemma's norms, GELU and caps, sliding windows with page release,
+    fp32 on the Triton backend: transformers' CPU tokens."""
+    path = checkpoints[family]
+    llm = LLM(str(path), device="cuda", attention_backend="auto", cuda_graph=cuda_graph, max_running_requests=10,
+              max_prefill_tokens=64)
+    assert llm.runner.backend.name == "triton"
     assert_matches_hf(llm, path, hf, mixed_prompts(16, seed=7), max_tokens=12)
 
 

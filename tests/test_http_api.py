@@ -86,6 +86,8 @@ def test_models_and_health(server, engine):
     assert [m.id for m in models] == ["tiny"]
     # the weights' formats and their size in memory, as the engine reports them (float32 for this checkpoint)
     assert models[0].weights == engine.info().execution["weights"] and models[0].weights.startswith("float32, ")
+    # what the model is: family and window (and experts, for a mixture of experts: tests/test_model_families.py)
+    assert (models[0].family, models[0].architecture, models[0].window) == ("Llama", "LlamaForCausalLM", "none")
     assert server.get("/health").json()["status"] == "ok"
 
 

@@ -36,7 +36,7 @@ def test_old_style_rope_theta_config(tmp_path, hf):
     cfg["rope_scaling"] = None
     (path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(path))
-    assert llm.model.spec.inv_freq[1].item() == pytest.approx(1 / 500.0 ** (2 / 16))
+    assert llm.model.spec.ropes[0].inv_freq[1].item() == pytest.approx(1 / 500.0 ** (2 / 16))
     prompt = list(range(10, 40))
     hf.check_greedy(llm.generate([prompt], SamplingParams(max_tokens=5))[0].token_ids, path, prompt, 5)
 

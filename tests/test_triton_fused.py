@@ -1,4 +1,4 @@
-"""The GPU path's fused Triton kernels (residual add + RMSNorm, q/k norm + RoPE + KV store, SiLU * up)
+"""The GPU path's fused Triton kernels (residual add + RMSNorm, q/k norm + RoPE + KV store, SiLU or GELU * up)
 under the interpreter (TRITON_INTERPRET=1, set in conftest) against transformers' own ops, and the engine
 on the Triton backend, which runs them, token-identical to transformers.
 
@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from kernels.attention import build_metadata, make_backend
 from kernels.attention.base import AttentionShape
 from kernels.attention.triton import TritonBackend
-from kernels.triton.activation import silu_mul
+from kernels.triton.activation import gated_activation
 from kernels.triton.norm import add_rms_norm
 from kernels.triton.rope import rope_store_kv
 from tests.test_engine_correctness import assert_matches_hf, mixed_prompts
@@ -37,6 +37,15 @@ def assert_within_an_ulp(got: torch.Tensor, want: torch.Tensor, of: torch.Tensor
     assert ((got.float() - want.float()).abs() <= torch.finfo(want.dtype).eps * magnitude + 1e-6).all()
     if want.dtype != torch.float32:  # in fp32 an ulp of a row's scale moves the whole row
         assert (got == want).float().mean() > 0.9
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    norm = Gemma3RMSNorm(x.shape[-1], eps=EPS).to(x.dtype)
+    norm.weight.data = weight
+    with torch.no_grad():
+        return norm(x)
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -77,23 +86,26 @@ def rope_table(dtype: torch.dtype, head_dim: int, max_pos: int,
 
 def check_rope_store_kv(qkv: torch.Tensor, heads: tuple[int, int], positions: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, out_locs: torch.Tensor,
-                        qk_norm: tuple[torch.Tensor, torch.Tensor] | None, max_pos: int) -> None:
-    """`rope_store_kv` against transformers (Qwen3's q/k norm when `qk_norm`, then `apply_rotary_pos_emb`):
-    RoPE alone bit for bit; k and v in the pool at `out_locs` and nothing else there touched."""
+                        qk_norm: tuple[torch.Tensor, torch.Tensor] | None, max_pos: int, gemma: bool = False) -> None:
+    """`rope_store_kv` against transformers (Qwen3's q/k norm when `qk_norm`, Gemma 3's with `gemma`, then
+    `apply_rotary_pos_emb`): RoPE alone bit for bit; k and v in the pool at `out_locs` and nothing else there
+    touched."""
     (tokens, width), (hq, hkv) = qkv.shape, heads
     dim = width // (hq + 2 * hkv)
     cos, sin, table = rope_table(qkv.dtype, dim, max_pos, qkv.device)
     q_in, k_in, v_in = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
     q_in, k_in, v_ref = q_in.view(tokens, hq, dim), k_in.view(tokens, hkv, dim), v_in.reshape(tokens, hkv, dim).clone()
     if qk_norm is not None:
-        q_in, k_in = hf_rms_norm(q_in, qk_norm[0]), hf_rms_norm(k_in, qk_norm[1])
+        norm = gemma_rms_norm if gemma else hf_rms_norm
+        q_in, k_in = norm(q_in, qk_norm[0]), norm(k_in, qk_norm[1])
     # transformers' layout: [batch, heads, tokens, D], cos/sin [batch, tokens, D]
     q_ref, k_ref = apply_rotary_pos_emb(q_in.transpose(0, 1)[None], k_in.transpose(0, 1)[None],
                                         cos[positions][None], sin[positions][None])
     q_ref, k_ref = q_ref[0].transpose(0, 1), k_ref[0].transpose(0, 1)
     kc, vc = k_cache.clone(), v_cache.clone()
 
-    q, k, v = rope_store_kv(qkv, hq, hkv, positions, table, kc, vc, out_locs, qk_norm, EPS)
+    gains = qk_norm if qk_norm is None or not gemma else (1.0 + qk_norm[0].float(), 1.0 + qk_norm[1].float())
+    q, k, v = rope_store_kv(qkv, hq, hkv, positions, table, kc, vc, out_locs, gains, EPS, round_normed=not gemma)
     for view in (q, k, v):
         assert view.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # rotated in place
     if qk_norm is not None:  # RoPE sums two products of normalised values, each maybe an ulp or two off
@@ -111,7 +123,7 @@ def check_rope_store_kv(qkv: torch.Tensor, heads: tuple[int, int], positions: to
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("heads", [(3, 1), (2, 2)], ids=["gqa3", "mha2"])
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk_norm"])
+@pytest.mark.parametrize("qk_norm", ["rope", "qk_norm", "gemma_qk_norm"])
 def test_rope_store_kv(qk_norm, heads, tokens, dtype):
     """At random positions, into permuted slots of a pool a few tokens larger than the step."""
     g = torch.Generator().manual_seed(tokens)
@@ -121,28 +133,52 @@ def test_rope_store_kv(qk_norm, heads, tokens, dtype):
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(dtype)
 
-    weights = (rand(HEAD_DIM), rand(HEAD_DIM)) if qk_norm else None
+    weights = (rand(HEAD_DIM), rand(HEAD_DIM)) if qk_norm != "rope" else None
     positions = torch.randint(0, MAX_POS, (tokens,), generator=g)
     out_locs = torch.randperm(slots, generator=g)[:tokens]
     check_rope_store_kv(rand(tokens, (hq + 2 * hkv) * HEAD_DIM), heads, positions, rand(slots, hkv, HEAD_DIM),
-                        rand(slots, hkv, HEAD_DIM), out_locs, weights, MAX_POS)
+                        rand(slots, hkv, HEAD_DIM), out_locs, weights, MAX_POS, gemma=qk_norm == "gemma_qk_norm")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("size", [24, 40])
-def test_silu_mul(size, tokens, dtype):
-    """transformers' MLP activation, F.silu(gate) * up in the model dtype: SiLU's fp32 value may differ
-    from torch's by an ulp (another exp), which the half-precision rounding hides unless it lands on a tie."""
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_activation(activation, size, tokens, dtype):
+    """transformers' MLP activations, F.silu(gate) * up and Gemma's F.gelu(gate, approximate="tanh") * up in the
+    model dtype: the fp32 activation may differ from torch's by an ulp or two (another exp, tanh from exp), which
+    the half-precision rounding hides unless it lands on a tie."""
     g = torch.Generator().manual_seed(size + tokens)
     gate_up = (torch.randn(tokens, 2 * size, generator=g) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    want = F.silu(gate) * up
-    got = silu_mul(gate_up)
-    if dtype == torch.float32:
+    want = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+    got = gated_activation(gate_up, activation)
+    if activation == "gelu_tanh":  # for large negative gates 1 + tanh cancels, in torch's GELU as in ours: the
+        # tiny values there differ by more than their own ulp, so an ulp of the values' magnitude bounds them
+        bound = 8 * torch.finfo(dtype).eps * float(want.float().abs().max())
+        assert got.dtype == want.dtype and ((got.float() - want.float()).abs() <= bound).all()
+    elif dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=4 * torch.finfo(dtype).eps, atol=1e-6)
     else:
         assert_within_an_ulp(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_gemma_norm_rounds_once(dtype):
+    """Gemma's RMSNorm, normalised and scaled by (1 + weight) in float32 and rounded once (`round_normed` off,
+    the weight given as 1 + weight in float32), against transformers' Gemma2RMSNorm, after the residual add."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    g = torch.Generator().manual_seed(7)
+    x, residual = (torch.randn(5, 40, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.randn(40, generator=g) * 0.5).to(dtype)
+    norm = Gemma2RMSNorm(40, eps=EPS).to(dtype)
+    norm.weight.data = weight
+    with torch.no_grad():
+        want = norm(residual + x)
+    out, total = add_rms_norm(x, residual, 1.0 + weight.float(), EPS, round_normed=False)
+    assert torch.equal(total, residual + x)
+    assert_within_an_ulp(out, want)
 
 
 STEPS = {"decode": ([1, 1], [9, 4]), "mixed": ([1, 4, 3], [9, 7, 3])}  # (q_lens, kv_lens)
@@ -180,15 +216,17 @@ def test_backend_attends_over_what_the_fused_kernel_stored(step, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "gemma2", "gemma3", "mistral_window"])
 def test_engine_runs_the_fused_kernels_and_matches_transformers(checkpoints, hf, family):
     """On the Triton backend the model takes the fused path (its residual adds inside the next norm, RoPE
     and the KV store in one kernel, the backend attending without storing): greedy output token-identical
-    to transformers, with Qwen3's q/k norms, Qwen2's q/k/v bias and tied embeddings, chunked prefill over
-    cached prefixes and CUDA-graph-padded decode (run without capture on a CPU)."""
+    to transformers, with Qwen3's q/k norms, Qwen2's q/k/v bias and tied embeddings, Gemma's (1 + weight) norms
+    around both halves, GELU, capped scores (Gemma 2) and two RoPE bases (Gemma 3), sliding windows on some
+    layers or all (prompts past the window of 12), chunked prefill over cached prefixes and CUDA-graph-padded
+    decode (run without capture on a CPU)."""
     path = checkpoints[family]
     llm = LLM(str(path), attention_backend="triton", max_prefill_tokens=12, page_size=4, max_running_requests=4)
-    assert_matches_hf(llm, path, hf, mixed_prompts(5, seed=3, max_len=16), max_tokens=4)
+    assert_matches_hf(llm, path, hf, mixed_prompts(5, seed=3, max_len=20), max_tokens=4)
     assert llm.model.triton is not None and llm.model.triton.backend is llm.runner.backend
 
 

@@ -42,10 +42,10 @@ def make_step(q_lens: list[int], kv_lens: list[int], heads: tuple[int, int], dty
     return build_metadata(q_lens, kv_lens, rows, table), q, k, v, k_cache, v_cache
 
 
-def reference(meta, q, k_cache, v_cache) -> torch.Tensor:
+def reference(meta, q, k_cache, v_cache, window=None, softcap=None) -> torch.Tensor:
     """The naive per-request attention in fp32 over the (already stored) cache."""
     return naive_attention(q.float(), k_cache.float(), v_cache.float(), meta.table, meta.rows, meta.q_lens,
-                           meta.kv_lens, HEAD_DIM**-0.5)
+                           meta.kv_lens, HEAD_DIM**-0.5, window, softcap)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -116,6 +116,35 @@ def test_decode_attention(split, kernel, dtype):
     got = decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, HEAD_DIM**-0.5, block_n=16,
                            grouped=grouped, **SPLITS[split])
     assert_close(got, reference(meta, q, k_cache, v_cache), dtype)
+
+
+WINDOW_CASES = {
+    "decode": ([1, 1, 1], [6, 19, 40]),  # inside the window, past it, several windows past it
+    "extend": ([17, 3, 20], [17, 21, 40]),  # two query blocks of a fresh prompt; chunks over cached prefixes
+    "mixed": ([1, 9, 2, 1], [33, 9, 20, 2]),
+}
+WINDOW_OPTIONS = {"window": (7, None), "softcap": (None, 3.0), "both": (5, 2.0)}
+
+
+@pytest.mark.parametrize(("case", "option", "dtype"), alternate_dtypes(list(WINDOW_CASES), list(WINDOW_OPTIONS)))
+def test_windows_and_capped_scores(case, option, dtype):
+    """The decode (split-KV, per-head and grouped) and extend kernels under a sliding window, Gemma 2's capped
+    scores, or both, against the naive reference: splits cover only the window, a query block's rows each see
+    their own window (some tiles wholly outside a row's window), over the cached prefix and the new tokens."""
+    window, softcap = WINDOW_OPTIONS[option]
+    q_lens, kv_lens = WINDOW_CASES[case]
+    meta, q, k, v, k_cache, v_cache = make_step(q_lens, kv_lens, GROUPS["group2"], dtype, seed=3)
+    q = q * 3  # scores large enough for the cap to matter
+    store_kv(k, v, k_cache, v_cache, meta.out_locs)
+    want = reference(meta, q, k_cache, v_cache, window, softcap)
+    got = extend_attention(q, k, v, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                           max(q_lens), HEAD_DIM**-0.5, window=window, softcap=softcap)
+    assert_close(got, want, dtype)
+    if case == "decode":
+        for grouped in (False, True):
+            got = decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, HEAD_DIM**-0.5, block_n=16,
+                                   num_splits=4, min_split_len=2, grouped=grouped, window=window, softcap=softcap)
+            assert_close(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -75,6 +75,20 @@ def start_cause(error: str) -> str:
     return exceptions[-1] if exceptions else lines[-1] if lines else error
 
 
+def model_summary(info: Info) -> list[str]:
+    """What the console says of the model besides its name, in a few words each: its family, experts and window
+    (the engine's `model_info`, shortened), the format and memory of its weights ("Q4_1+Q8_0, 92.1 MiB")."""
+    model = info.model_info
+    parts = [model["family"]] if "family" in model else []
+    if "experts" in model:
+        total, per_token = model["experts"].split(" (")[0].split(", ")
+        parts.append(f"{total} experts, {per_token}")
+    if model.get("window", "none") != "none":
+        parts.append("window " + model["window"].split(" tokens")[0])
+    weights = info.execution.get("weights")
+    return parts + ([weights] if weights else [])
+
+
 def restart_options(info: Info) -> tuple[str, dict[str, Any]]:
     """The model and `minichat serve` options an engine reported, to start it again as it was."""
     names = {f.name for f in dataclasses.fields(EngineConfig)} | {"max_waiting_requests", "max_message_bytes",
@@ -238,8 +252,7 @@ class EngineLink:
             self.info = await self.client.info(timeout=5.0)
         except EngineUnavailable:
             return f"the engine at {self.address} did not answer"
-        weights = self.info.execution.get("weights")  # the format and memory of the weights: "Q4_1+Q8_0, 92.1 MiB"
-        connected = " · ".join([model_id(self.info.model), *([weights] if weights else []), f"pid {self.info.pid}",
+        connected = " · ".join([model_id(self.info.model), *model_summary(self.info), f"pid {self.info.pid}",
                                 self.address])
         self._set("connected", connected)
         self._ready.set()

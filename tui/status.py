@@ -24,6 +24,8 @@ def summary(stats: Stats, info: Info | None = None) -> list[str]:
     lines = [head]
     if info is not None:
         lines = [f"minichat {info.version} at {info.address} (pid {info.pid}): {head}, max {info.max_seq_len} tokens"]
+        if info.model_info:
+            lines.append("model: " + "; ".join(f"{k} {v}" for k, v in info.model_info.items()))
         if info.execution:
             lines.append("running: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in info.execution.items()))
     return [

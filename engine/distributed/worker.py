@@ -28,7 +28,7 @@ from engine.distributed.handshake import HANDSHAKE_LIMIT, HandshakeFailed, hands
 from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.kv.pool import KVPool
-from engine.model.llama import ModelSpec
+from engine.model.decoder import ModelSpec
 from engine.model.loader import TORCH_DTYPES, LoadOptions, attention_shape, build_model, resolve_checkpoint
 from engine.threads import wait_policy
 from kernels.attention import make_backend
@@ -76,7 +76,8 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     num_pages = conn.recv()
     kv = KVPool(model.spec.num_layers, num_pages, spec.page_size, model.num_kv_heads, model.spec.head_dim,
                 TORCH_DTYPES[spec.load.dtype], device)
-    backend = make_backend(spec.attention_backend, spec.load.device, spec.load.dtype, spec.load.cpu_kernels)
+    backend = make_backend(spec.attention_backend, spec.load.device, spec.load.dtype, spec.load.cpu_kernels,
+                           spec.model.full_attention)
     backend.setup(attention_shape(model, spec.load.dtype), device)
     model.use_attention_backend(backend)
     conn.send(("ready",))

@@ -39,7 +39,7 @@ from engine.distributed.handshake import HANDSHAKE_LIMIT, HandshakeFailed, hands
 from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.distributed.worker import WorkerSpec
-from engine.model.llama import ModelSpec
+from engine.model.decoder import ModelSpec
 from engine.model.loader import LoadOptions
 
 TIMEOUT = 120.0

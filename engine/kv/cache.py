@@ -3,7 +3,9 @@
 The scheduler never touches the page allocator directly. It asks the cache manager to match a
 prompt prefix, lock what it matched while the request runs, allocate fresh pages (evicting cached
 ones when the free list runs dry) and, at cleanup, take the request's pages back. A prefix-reusing
-policy (radix tree) plugs in behind the same methods.
+policy (radix tree) plugs in behind the same methods. A model whose every layer attends within a sliding
+window gives back a running request's pages as the window passes them (`release_front`), so a long chat holds
+only about a window of pages.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from engine.kv.allocator import PageAllocator
 
 @dataclass
 class PrefixMatch:
-    """A page-aligned cached prefix: `pages` hold the first `len(pages) * page_size` prompt tokens."""
+    """A request's leading pages that are the cache's, not its own: a page-aligned cached prefix (`pages` hold the
+    first `len(pages) * page_size` tokens), locked through `handle` while the request runs. The first `handed` of
+    them are pages the request gave back early (`release_front`): unlocked, perhaps evicted since."""
 
     handle: object = None
     pages: list[int] = field(default_factory=list)
+    handed: int = 0
 
 
 class CacheManager(ABC):
@@ -45,6 +50,13 @@ class CacheManager(ABC):
     def release(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> None:
         """Take back a finished request's pages: `pages[i]` holds tokens [i*page_size, (i+1)*page_size)
         of `token_ids` (the tokens whose K/V were written). The request's own lock is released here."""
+
+    @abstractmethod
+    def release_front(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> PrefixMatch:
+        """Take back the first `len(token_ids) // page_size` pages of a running request that will never read them
+        again (every layer's sliding window has passed them), more than `match` covers: `pages[i]` holds tokens
+        [i*page_size, (i+1)*page_size) of `token_ids`. Returns the match the request holds instead, covering them
+        (`handed`): the request keeps their places in its page list but no longer owns them."""
 
     def share(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> PrefixMatch:
         """Offer a running request's full pages of `token_ids` to other requests now, not at its release

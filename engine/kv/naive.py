@@ -18,7 +18,12 @@ class NaiveCacheManager(CacheManager):
         pass
 
     def release(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> None:
-        self.allocator.free(pages)
+        self.allocator.free(pages[len(match.pages) :])
+
+    def release_front(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> PrefixMatch:
+        passed = len(token_ids) // self.page_size
+        self.allocator.free(pages[len(match.pages) : passed])
+        return PrefixMatch(pages=pages[:passed], handed=passed)
 
     def evict(self, num_pages: int) -> int:
         return 0

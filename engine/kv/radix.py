@@ -4,6 +4,13 @@ keyed by token content, and a new prompt that starts the same way reuses them in
 Each node holds one page (`page_size` tokens). A request locks the path it matched, which pins
 every page on it; eviction takes least-recently-used unlocked leaves first, so a prefix outlives the
 longer continuations that share it.
+
+Sliding windows: a running request of a model whose every layer attends within a window hands the pages the
+window has passed to the tree early (`release_front`), unlocked, so they are evictable while it runs. The tree
+stays a tree of whole prefixes (a node's page holds its tokens' K/V in every layer, and eviction takes leaves
+only), so any match is a complete prefix and its window intact. The request's later pages join under the path of
+the tokens it handed over if that path is still there when they are inserted (another request's pages for the same
+tokens serve as well); if it was evicted meanwhile, they are freed instead.
 """
 
 from __future__ import annotations
@@ -69,15 +76,21 @@ class RadixCacheManager(CacheManager):
                 self.allocator.mark([node.page])
             node = node.parent
 
-    def _insert(self, keys: list[tuple[int, ...]], pages: list[int]) -> tuple[Node, list[int], list[int]]:
-        """Put full pages along `keys` in the tree (ours become the cache's where the path is new); the last
-        node, the tree's pages along the path, and ours that duplicate pages cached first by someone else."""
+    def _insert(self, keys: list[tuple[int, ...]], pages: list[int],
+                match: PrefixMatch) -> tuple[Node | None, list[int], list[int]]:
+        """Put a request's full pages along `keys` in the tree (ours become the cache's where the path is new); the
+        last node, the tree's pages along the path, and ours that duplicate pages cached first by someone else. The
+        first `match.handed` pages are no longer the request's: their tokens' path must still be there (None, and
+        nothing inserted, if it was evicted)."""
         node, now = self.root, next(self._clock)
         path: list[int] = []
         duplicates: list[int] = []
-        for key, page in zip(keys, pages, strict=False):
+        for i, (key, page) in enumerate(zip(keys, pages, strict=False)):
             child = node.children.get(key)
-            if child is None:
+            if i < match.handed:
+                if child is None:
+                    return None, [], []
+            elif child is None:
                 child = Node(node, key, page)
                 node.children[key] = child
                 self.by_page[page] = child
@@ -90,21 +103,33 @@ class RadixCacheManager(CacheManager):
         return node, path, duplicates
 
     def release(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> None:
-        """Insert the request's full pages (its matched prefix is already there), free the rest."""
+        """Insert the request's full pages (its matched prefix is already there), free the rest; everything it owns
+        if the path of the pages it handed over early was evicted."""
         keys = self._pages_of(token_ids)
-        _, _, duplicates = self._insert(keys, pages)
-        self.allocator.free(duplicates + pages[len(keys) :])  # and the partly filled tail page
+        node, _, duplicates = self._insert(keys, pages, match)
+        if node is None:
+            self.allocator.free(pages[len(match.pages) :])
+        else:
+            self.allocator.free(duplicates + pages[max(len(keys), len(match.pages)) :])  # and the partly filled tail
         self.unlock(match.handle)
+
+    def release_front(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> PrefixMatch:
+        """Insert the passed pages unlocked (evictable at once); ours that duplicate cached ones are freed."""
+        keys = self._pages_of(token_ids)
+        node, _, duplicates = self._insert(keys, pages, match)
+        self.allocator.free(pages[len(match.pages) : len(keys)] if node is None else duplicates)
+        self.unlock(match.handle)
+        return PrefixMatch(pages=pages[: len(keys)], handed=len(keys))
 
     def share(self, token_ids: list[int], pages: list[int], match: PrefixMatch) -> PrefixMatch:
         """Put the request's full pages in the tree and lock the whole path. Where the tokens are cached
         already the tree's page stays, and ours stays the request's until release frees it as a duplicate."""
-        node, path, _ = self._insert(self._pages_of(token_ids), pages)
-        if not path:
+        node, path, _ = self._insert(self._pages_of(token_ids), pages, match)
+        if node is None or not path:
             return match
         self.lock(node)
         self.unlock(match.handle)
-        return PrefixMatch(handle=node, pages=path)
+        return PrefixMatch(handle=node, pages=path, handed=match.handed)
 
     def evict(self, num_pages: int) -> int:
         leaves = [(n.last_access, n.page, n) for n in self.by_page.values() if not n.children and n.lock_ref == 0]

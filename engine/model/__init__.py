@@ -1,6 +1,7 @@
-"""HF checkpoint loading and the decoder-only model family (Llama, Qwen2, Qwen3, Mistral)."""
+"""HF checkpoint loading and the decoder families (engine/model/families.py lists them)."""
 
-from engine.model.llama import SUPPORTED_ARCHITECTURES, CausalLM, ModelSpec
+from engine.model.decoder import CausalLM, ModelSpec
+from engine.model.families import SUPPORTED_ARCHITECTURES
 from engine.model.loader import load_model, resolve_model_path
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "ModelSpec", "load_model", "resolve_model_path"]

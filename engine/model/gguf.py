@@ -12,7 +12,9 @@ Weights come out under their Hugging Face names, as the safetensors loader yield
 (F32, F16, BF16) as torch tensors, block formats as `BlockSource` rows left as the file has them. llama.cpp
 stores Llama's q and k rows permuted for its RoPE layout; they are put back in Hugging Face's order here
 (a permutation of whole rows, so block data moves unchanged). A Llama 3 file's `rope_freqs` (llama.cpp's
-form of the llama3 RoPE scaling) divides the inverse frequencies, as llama.cpp applies it.
+form of the llama3 RoPE scaling) divides the inverse frequencies, as llama.cpp applies it. A mixture of experts
+(Qwen3-MoE) stores each projection of all experts stacked ([experts, rows, columns]); each expert's rows are
+read from its stretch of the stack, under the per-expert name the model asks for.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -31,7 +34,6 @@ import numpy as np
 import torch
 
 from engine.config import model_id
-from engine.model.llama import MODEL_TYPES
 from engine.model.quantized import BlockSource
 from kernels.cpu.build import cache_dir
 from kernels.quant import BLOCK_TYPES, QTYPES
@@ -39,9 +41,15 @@ from kernels.quant import BLOCK_TYPES, QTYPES
 log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
+GGUF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+"""The families whose GGUF tensors the loader maps onto its own (model_type -> architecture); other GGUF files are
+refused naming these."""
 PERMUTED_ARCHS = ("llama",)
 """GGUF architectures whose q/k rows llama.cpp permuted (its converter's LlamaModel.permute)."""
 INDEX_VERSION = 1
+EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+\.weight)")
+"""A per-expert HF name (prefix, expert, projection), which GGUF stores in one stacked tensor per projection."""
 
 
 def is_gguf(path: Path) -> bool:
@@ -118,10 +126,13 @@ def _convert_metadata(path: Path, meta: Path) -> None:
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None and hasattr(config, "head_dim"):  # transformers' Qwen3 mapping leaves it at a default
         config.head_dim = int(key_length.contents())
-    if config.model_type not in MODEL_TYPES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} ({config.model_type}); minichat runs "
-                         f"{', '.join(sorted(MODEL_TYPES))}")
-    config.architectures = [MODEL_TYPES[config.model_type]]
+    expert_rows = reader.fields.get(f"{arch}.expert_feed_forward_length")
+    if expert_rows is not None and hasattr(config, "moe_intermediate_size"):  # ... and Qwen3-MoE's expert size
+        config.moe_intermediate_size = int(expert_rows.contents())
+    if config.model_type not in GGUF_MODEL_TYPES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} ({config.model_type}); minichat runs GGUF files of "
+                         f"{', '.join(sorted(GGUF_MODEL_TYPES))}")
+    config.architectures = [GGUF_MODEL_TYPES[config.model_type]]
     meta.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=meta.parent, prefix=".convert-"))
     try:
@@ -144,25 +155,28 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows[order]
 
 
-def _hf_to_gguf_names(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int) -> dict[str, str]:
+def _hf_to_gguf_names(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int) -> dict[str, tuple[str, int | None]]:
+    """HF name -> the file's tensor holding it, and for an expert its index in that tensor's stack."""
     import gguf
 
     arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == ckpt.architecture), None)
     if arch is None:
         raise ValueError(f"{ckpt.path}: unknown GGUF architecture {ckpt.architecture!r}")
     names = gguf.get_tensor_name_map(arch, num_layers)
-    mapping = {}
+    mapping: dict[str, tuple[str, int | None]] = {}
     for hf in hf_names:
-        g = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        expert = EXPERT.fullmatch(hf)
+        stacked = f"{expert[1]}.{expert[3]}" if expert else hf
+        g = names.get_name(stacked, try_suffixes=(".weight", ".bias"))
         if g is not None:
-            mapping[hf] = g
+            mapping[hf] = (g, int(expert[2]) if expert else None)
     return mapping
 
 
 def block_tensor_names(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int) -> set[str]:
     """Those of `hf_names` whose tensor the file stores in a block format."""
     mapping = _hf_to_gguf_names(ckpt, hf_names, num_layers)
-    return {hf for hf, g in mapping.items() if g in ckpt.tensors and ckpt.tensors[g].qtype in BLOCK_TYPES}
+    return {hf for hf, (g, _) in mapping.items() if g in ckpt.tensors and ckpt.tensors[g].qtype in BLOCK_TYPES}
 
 
 def read_tensors(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int, num_heads: int,
@@ -171,18 +185,21 @@ def read_tensors(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int, num
     `BlockSource` rows straight from the mapped file, float ones as float32/bf16 tensors."""
     data = np.memmap(ckpt.path, dtype=np.uint8, mode="r")
     permuted = ckpt.architecture in PERMUTED_ARCHS
-    for hf, name in _hf_to_gguf_names(ckpt, hf_names, num_layers).items():
+    for hf, (name, expert) in _hf_to_gguf_names(ckpt, hf_names, num_layers).items():
         info = ckpt.tensors.get(name)
         if info is None:
             continue
-        raw = data[info.offset : info.offset + info.nbytes]
+        raw, shape = data[info.offset : info.offset + info.nbytes], info.shape
+        if expert is not None:  # one expert's stretch of the stacked [experts, rows, columns] tensor
+            size = info.nbytes // shape[0]
+            raw, shape = raw[expert * size : (expert + 1) * size], shape[1:]
         heads = num_heads if ".q_proj." in hf else (num_kv_heads if ".k_proj." in hf else 0)
         if info.qtype in BLOCK_TYPES:
             qtype = QTYPES[info.qtype]
-            rows = raw.reshape(info.shape[0], -1)
-            yield hf, BlockSource(qtype, _unpermute(rows, heads) if permuted and heads else rows, info.shape[1])
+            rows = raw.reshape(shape[0], -1)
+            yield hf, BlockSource(qtype, _unpermute(rows, heads) if permuted and heads else rows, shape[1])
             continue
-        dense = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[info.qtype]).reshape(info.shape)
+        dense = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[info.qtype]).reshape(shape)
         if permuted and heads:
             dense = _unpermute(dense, heads)
         tensor = torch.from_numpy(np.array(dense))

@@ -1,5 +1,5 @@
-"""How a decoder layer's pieces run: the one block `DecoderLayer.forward` (engine/model/llama.py) writes, on three
-sets of kernels that differ only in what they fuse.
+"""How a decoder layer's pieces run: the blocks `DecoderLayer` (engine/model/decoder.py) and the families' layers
+write, on three sets of kernels that differ only in what they fuse.
 
 The block carries the residual stream as `x` + `residual` (`residual` None: `x` alone). `EagerOps` (torch, with
 minichat's C norms, RoPE and activation where the layer has them, and oneDNN's add inside the GEMM) and `BlockOps`
@@ -10,8 +10,8 @@ stream for the next norm, which adds it in the same kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property, partial
+from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
@@ -26,7 +26,8 @@ from kernels.quant import BlockMatrix
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from engine.model.llama import DecoderLayer, RMSNorm, Scratch
+    from engine.model.decoder import DecoderLayer, RMSNorm, Scratch
+    from engine.model.moe import SparseMoE
     from kernels.attention.triton import TritonBackend, TritonStep
     from kernels.cpu import CpuKernels
 
@@ -56,18 +57,46 @@ class LayerStep:
     kv: KVPool
     backend: AttentionBackend
     meta: object  # the backend's prepared state for this step
-    cos_sin: torch.Tensor  # the RoPE table of every position: cos, signed sin (see `apply_rope`)
+    cos_sin: list[torch.Tensor]  # the RoPE tables of every position: cos, signed sin (see `apply_rope`)
     kernels: CpuKernels | None  # minichat's C kernels, for RoPE on the CPU
     triton: TritonOps | None  # the fused Triton kernels, on the Triton backend
+    ropes: dict[int, Rope] = field(default_factory=dict)
 
-    @cached_property
-    def rope(self) -> Rope:
-        """RoPE over this step's positions, made once for all layers (the CPU ops'; Triton's rotates as it stores)."""
-        if self.kernels is not None:
-            return partial(rope_in_place, self.kernels, positions=self.positions, cos=self.cos_sin[0],
-                           signed_sin=self.cos_sin[1])
-        cos_sin = self.cos_sin[:, self.positions, None, :]
-        return partial(apply_rope, cos=cos_sin[0], signed_sin=cos_sin[1])
+    def rope(self, table: int) -> Rope:
+        """RoPE by table `table` over this step's positions, made once for all layers (the CPU ops'; Triton's
+        rotates as it stores)."""
+        if table not in self.ropes:
+            cos_sin = self.cos_sin[table]
+            if self.kernels is not None:
+                self.ropes[table] = partial(rope_in_place, self.kernels, positions=self.positions, cos=cos_sin[0],
+                                            signed_sin=cos_sin[1])
+            else:
+                rows = cos_sin[:, self.positions, None, :]
+                self.ropes[table] = partial(apply_rope, cos=rows[0], signed_sin=rows[1])
+        return self.ropes[table]
+
+
+class Activated(Protocol):
+    """What runs an MLP's activation: a layer, or a layer's experts."""
+
+    @property
+    def activation(self) -> str: ...  # "silu" or "gelu_tanh"
+
+    mlp_kernels: CpuKernels | None  # the C SiLU * up between float32 GEMMs, where taken
+    scratch: Scratch | None  # the buffer it writes into
+
+
+def activate(layer: Activated, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The MLP's act(gate) * up of a [rows, 2 * inter] gate/up output, in `dtype`: SiLU (in one C pass into the
+    layers' shared buffer, with the roundings of `dtype`, where the layer has the C activation) or GELU's tanh
+    form (Gemma)."""
+    if layer.mlp_kernels is not None and layer.scratch is not None:
+        return layer.mlp_kernels.silu_mul(gate_up, dtype, out=layer.scratch.take(gate_up.shape[0],
+                                                                                 gate_up.shape[1] // 2))
+    gate, up = gate_up.chunk(2, dim=-1)
+    if layer.activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
 
 
 Projection = ColumnParallelLinear | RowParallelLinear
@@ -92,7 +121,15 @@ class LayerOps(Protocol):
     def add_linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, residual: torch.Tensor,
                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stream after adding proj(x) to `residual`, in the block's form. `gated`: x is [gate, up], and
-        proj takes SiLU(gate) * up."""
+        proj takes act(gate) * up."""
+        ...
+
+    def linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, gated: bool = False) -> torch.Tensor:
+        """proj(x) in the model dtype, added to nothing (Gemma's post-norms come between). `gated` as above."""
+        ...
+
+    def experts(self, moe: SparseMoE, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for each row of h (engine/model/moe.py), this rank's part of it."""
         ...
 
 
@@ -107,7 +144,7 @@ class EagerOps:
     def norm_linear(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                     proj: Projection, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         h, stream = self.norm(x, residual, norm)
-        if gated and self._c_activation(layer) is not None:  # float32 into the C activation, which rounds as
+        if gated and layer.mlp_kernels is not None:  # float32 into the C activation, which rounds as
             return linear(h, proj.weight, proj.bias, torch.float32), stream  # transformers does
         return proj(h), stream
 
@@ -115,16 +152,18 @@ class EagerOps:
         spec, tokens = layer.spec, qkv.shape[0]
         qk_size = layer.q_size + layer.kv_size
         v = qkv[:, qk_size:].view(tokens, layer.num_kv_heads, spec.head_dim)
+        rope = step.rope(layer.rope_index)
         if layer.q_norm is None or layer.k_norm is None:  # no per-head norms: one RoPE pass over q and k heads
-            qk = step.rope(qkv[:, :qk_size].view(tokens, -1, spec.head_dim))
+            qk = rope(qkv[:, :qk_size].view(tokens, -1, spec.head_dim))
             q, k = qk[:, : layer.num_heads], qk[:, layer.num_heads :]
-        else:  # Qwen3 normalises q and k per head, with separate weights, before RoPE
+        else:  # Qwen3 (and Gemma 3) normalise q and k per head, with separate weights, before RoPE
             rows = self._head_rows(tokens, spec.head_dim)
             q = layer.q_norm(qkv[:, : layer.q_size].reshape(rows)).view(tokens, layer.num_heads, spec.head_dim)
             k = layer.k_norm(qkv[:, layer.q_size : qk_size].reshape(rows)).view(tokens, layer.num_kv_heads,
                                                                                 spec.head_dim)
-            q, k = step.rope(q), step.rope(k)
-        out = step.backend.forward(q, k, v, step.kv.k(index), step.kv.v(index), step.meta, layer.scale)
+            q, k = rope(q), rope(k)
+        out = step.backend.forward(q, k, v, step.kv.k(index), step.kv.v(index), step.meta, layer.scale,
+                                   window=layer.window, softcap=layer.softcap)
         return out.reshape(tokens, layer.q_size)
 
     def _head_rows(self, tokens: int, head_dim: int) -> tuple[int, ...]:
@@ -136,26 +175,16 @@ class EagerOps:
         """residual + proj(x), rounded to the residual's dtype first (x may be a float32 activation of a bf16
         model); inside the GEMM where `residual_in_gemm` allows."""
         if gated:
-            x = self._silu_mul(layer, x, residual.dtype)
+            x = activate(layer, x, residual.dtype)
         if layer.residual_in_gemm:
             return linear_add(x, residual, proj.weight), None
         return residual + proj(x).to(residual.dtype), None
 
-    def _silu_mul(self, layer: DecoderLayer, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """SiLU(gate) * up in `dtype`."""
-        c_activation = self._c_activation(layer)
-        if c_activation is not None:  # bf16 roundings in one C pass, into the layers' shared buffer
-            kernels, scratch = c_activation
-            return kernels.silu_mul(gate_up, dtype, out=scratch.take(gate_up.shape[0], gate_up.shape[1] // 2))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, gated: bool = False) -> torch.Tensor:
+        return proj(activate(layer, x, layer.dtype) if gated else x).to(layer.dtype)
 
-    @staticmethod
-    def _c_activation(layer: DecoderLayer) -> tuple[CpuKernels, Scratch] | None:
-        """The C activation and its buffer, where the layer has them (float32 GEMMs on one rank)."""
-        if layer.mlp_kernels is None or layer.activation is None:
-            return None
-        return layer.mlp_kernels, layer.activation
+    def experts(self, moe: SparseMoE, h: torch.Tensor) -> torch.Tensor:
+        return moe.grouped(h)
 
 
 class BlockOps(EagerOps):
@@ -167,7 +196,7 @@ class BlockOps(EagerOps):
                     proj: Projection, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         stream = x if residual is None else residual + x
         out = self._kernels(layer).q_linear(stream, cast(BlockMatrix, proj.weight), proj.bias,
-                                            norm=(norm.weight, norm.eps), dense=layer.dense_buffer)
+                                            norm=(norm.gain, norm.eps), dense=layer.dense_buffer)
         return out, stream
 
     def _head_rows(self, tokens: int, head_dim: int) -> tuple[int, ...]:
@@ -196,17 +225,19 @@ class TritonOps:
     attention. Made only when the model runs on that backend, since the engine imports without Triton."""
 
     def __init__(self, backend: TritonBackend) -> None:
-        from kernels.triton.activation import silu_mul
+        from kernels.triton.activation import gated_activation
+        from kernels.triton.moe import fused_moe
         from kernels.triton.norm import add_rms_norm
         from kernels.triton.rope import rope_store_kv
 
         self.backend = backend
         self.add_rms_norm = add_rms_norm
         self.rope_store_kv = rope_store_kv
-        self.silu_mul = silu_mul
+        self.gated_activation = gated_activation
+        self.fused_moe = fused_moe
 
     def norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.add_rms_norm(x, residual, norm.gain, norm.eps, round_normed=norm.rounds_normed)
 
     def norm_linear(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                     proj: Projection, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,12 +248,28 @@ class TritonOps:
         """q/k norms, RoPE and the K/V store in one kernel; the backend attends without storing."""
         state = cast("TritonStep", step.meta)
         k_cache, v_cache = step.kv.k(index), step.kv.v(index)
-        qk_norm = None if layer.q_norm is None or layer.k_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
-        q, k, v = self.rope_store_kv(qkv, layer.num_heads, layer.num_kv_heads, step.positions, step.cos_sin,
-                                     k_cache, v_cache, state.meta.out_locs, qk_norm, layer.spec.rms_norm_eps)
-        return self.backend.attend(q, k, v, k_cache, v_cache, state, layer.scale).reshape(qkv.shape[0], layer.q_size)
+        q_norm, k_norm = layer.q_norm, layer.k_norm
+        qk_norm = None if q_norm is None or k_norm is None else (q_norm.gain, k_norm.gain)
+        q, k, v = self.rope_store_kv(qkv, layer.num_heads, layer.num_kv_heads, step.positions,
+                                     step.cos_sin[layer.rope_index], k_cache, v_cache, state.meta.out_locs, qk_norm,
+                                     layer.spec.rms_norm_eps, round_normed=q_norm is None or q_norm.rounds_normed)
+        out = self.backend.attend(q, k, v, k_cache, v_cache, state, layer.scale, window=layer.window,
+                                  softcap=layer.softcap)
+        return out.reshape(qkv.shape[0], layer.q_size)
 
     def add_linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, residual: torch.Tensor,
                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """proj(x) left beside the stream: the next norm adds it."""
-        return proj(self.silu_mul(x) if gated else x), residual
+        return self.linear(layer, x, proj, gated), residual
+
+    def linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, gated: bool = False) -> torch.Tensor:
+        return proj(self.gated_activation(x, layer.activation) if gated else x)
+
+    def experts(self, moe: SparseMoE, h: torch.Tensor) -> torch.Tensor:
+        """Every expert in one fused Triton launch per projection (tokens sorted by expert), where the experts'
+        weights are float tensors; block-format experts go one by one."""
+        stacked = moe.stacked()
+        if stacked is None:
+            return moe.grouped(h)
+        weights, experts = moe.route(h)
+        return moe.finish(h, self.fused_moe(h, stacked[0], stacked[1], weights, experts, moe.activation))

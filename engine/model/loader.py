@@ -17,6 +17,8 @@ from safetensors import safe_open
 
 from engine.config import DTYPES, EngineConfig, model_id
 from engine.distributed import TensorParallel
+from engine.model.decoder import CausalLM, ModelSpec
+from engine.model.families import build, read_spec
 from engine.model.gguf import (
     SUFFIX,
     GGUFCheckpoint,
@@ -26,7 +28,6 @@ from engine.model.gguf import (
     read_tensors,
     rope_factors,
 )
-from engine.model.llama import CausalLM, ModelSpec
 from engine.model.ops import resolve_linear_dtype
 from engine.model.parallel import QUANTIZABLE, Source, TensorSlice, prepack_linear_weights, set_linear_dtype
 from engine.model.quantized import QUANTIZATIONS, plan_block_weights
@@ -140,13 +141,14 @@ def load_hf_config(checkpoint: Checkpoint) -> PretrainedConfig:
 
 def model_spec(checkpoint: Checkpoint, hf_config: PretrainedConfig) -> ModelSpec:
     """The model's shape from its config, with a GGUF file's RoPE divisors applied (engine/model/gguf.py)."""
-    spec = ModelSpec.from_hf_config(hf_config)
+    spec = read_spec(hf_config)
     factors = rope_factors(checkpoint.gguf) if checkpoint.gguf is not None else None
     if factors is not None:
-        if factors.shape != spec.inv_freq.shape:
+        rope = spec.ropes[0]
+        if factors.shape != rope.inv_freq.shape:
             raise ValueError(f"{checkpoint.path}: rope_freqs has {factors.numel()} values for "
-                             f"{spec.inv_freq.numel()} frequencies")
-        spec.inv_freq = spec.inv_freq / factors
+                             f"{rope.inv_freq.numel()} frequencies")
+        rope.inv_freq = rope.inv_freq / factors
     return spec
 
 
@@ -174,7 +176,7 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
     """Raise ValueError if the model's heads, intermediate size or vocabulary do not split over `size`
     ranks (before any process is started for them)."""
     with torch.device("meta"):
-        CausalLM(spec, TensorParallel(rank=0, size=size))
+        build(spec, TensorParallel(rank=0, size=size))
 
 
 def load_model(checkpoint: Checkpoint, options: LoadOptions,
@@ -190,7 +192,7 @@ def build_model(spec: ModelSpec, checkpoint: Checkpoint, options: LoadOptions,
     """The model `spec` describes (this rank's shard), filled from the checkpoint, as `options` say."""
     dtype = TORCH_DTYPES[options.dtype]
     with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
-        model = CausalLM(spec, tp).to(dtype)
+        model = build(spec, tp).to(dtype)
     targets = model.weight_targets()
     gguf = checkpoint.gguf
     if gguf is not None:
@@ -236,4 +238,4 @@ def attention_shape(model: CausalLM, dtype: str) -> AttentionShape:
     """What an attention backend must know of a loaded model (this rank's heads under tensor parallelism)."""
     spec = model.spec
     return AttentionShape(model.layers[0].num_heads, model.num_kv_heads, spec.head_dim, TORCH_DTYPES[dtype],
-                          spec.head_dim**-0.5)
+                          spec.scale, windows=frozenset(spec.windows), softcap=spec.softcap)

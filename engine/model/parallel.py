@@ -127,10 +127,16 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
         self.bias = nn.Parameter(torch.empty(sum(self.sizes))) if bias else None
 
-    def target(self, part: int, bias: bool = False) -> WeightTarget:
+    def target(self, part: int, bias: bool = False, fused: bool = False) -> WeightTarget:
+        """Where this rank's rows of part `part` go: from that part's own checkpoint tensor, or (`fused`) from
+        one tensor holding every part in order (Phi-3's qkv_proj and gate_up_proj), split here at load."""
         start, size = self.shards[part]
         param = self.bias if bias else self.weight
         assert param is not None  # a bias is asked for only where the config gave the layer one
+        if fused:
+            before = sum(p.full for p in self.parts[:part])
+            return WeightTarget(param, row=self.offsets[part], start=before + start, size=size,
+                                full=sum(p.full for p in self.parts))
         return WeightTarget(param, row=self.offsets[part], start=start, size=size, full=self.parts[part].full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,6 +165,22 @@ class RowParallelLinear(nn.Module):
             return linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T, the whole weight on every rank: a mixture-of-experts router, whose scores every rank needs whole
+    to pick the same experts."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias: torch.Tensor | None = None
+
+    def target(self) -> WeightTarget:
+        return WeightTarget(self.weight, full=self.weight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class VocabParallel(nn.Module):
@@ -195,7 +217,10 @@ class ParallelLMHead(VocabParallel):
 
 
 QUANTIZABLE = (ColumnParallelLinear, RowParallelLinear, VocabParallel)
-"""The layers whose weight may be kept in block formats (engine/model/quantized.py)."""
+"""The layers whose weight may be kept in block formats (engine/model/quantized.py); a router stays float (an
+expert's choice should not move with its rounding, as llama.cpp's quantizer keeps ffn_gate_inp in F32)."""
+PROJECTIONS = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)
+"""The layers whose weight a GEMM reads: stored in the linear dtype and prepacked for oneDNN."""
 
 
 @torch.no_grad()
@@ -206,7 +231,7 @@ def set_linear_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     casts its lookups back to the activation dtype (exact, since the values came from there).
     """
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+        if isinstance(module, PROJECTIONS):
             for param in (module.weight, getattr(module, "bias", None)):
                 if isinstance(param, torch.Tensor):  # a weight in block formats keeps them
                     param.data = param.data.to(dtype)
@@ -218,6 +243,5 @@ def prepack_linear_weights(model: nn.Module) -> None:
 
     The dense weight is dropped, except where a tied embedding still looks rows up in it."""
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and \
-                isinstance(module.weight, torch.Tensor) and can_prepack(module.weight):
+        if isinstance(module, PROJECTIONS) and isinstance(module.weight, torch.Tensor) and can_prepack(module.weight):
             module.weight = nn.Parameter(prepack(module.weight.data), requires_grad=False)

@@ -13,7 +13,7 @@ row-parallel one) and `finish_block_weights` puts the joined `BlockMatrix` in it
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -121,7 +121,7 @@ def quantize(weight: torch.Tensor, qtype: QType) -> BlockSource:
     return BlockSource(qtype, data, weight.shape[1])
 
 
-def plan_block_weights(model: nn.Module, targets: Mapping[str, object], block_names: set[str],
+def plan_block_weights(model: nn.Module, targets: Mapping[str, Sequence[object]], block_names: set[str],
                        quantize_to: QType | None, quantizable: tuple[type[nn.Module], ...],
                        kernels: CpuKernels, device: torch.device) -> None:
     """Give every `quantizable` module one of whose checkpoint tensors is in `block_names` (or all of them,
@@ -129,10 +129,11 @@ def plan_block_weights(model: nn.Module, targets: Mapping[str, object], block_na
     their WeightTargets (whose `param` tells the module)."""
     owners = {id(m.weight): m for m in model.modules() if isinstance(m, quantizable)}
     chosen: dict[int, nn.Module] = {}
-    for name, target in targets.items():
-        module = owners.get(id(getattr(target, "param", None)))
-        if module is not None and (quantize_to is not None or name in block_names):
-            chosen[id(module)] = module
+    for name, parts in targets.items():
+        for target in parts:
+            module = owners.get(id(getattr(target, "param", None)))
+            if module is not None and (quantize_to is not None or name in block_names):
+                chosen[id(module)] = module
     if quantize_to is not None:  # rows that are not whole blocks stay float, as llama.cpp's quantizer falls back
         odd = {i: m for i, m in chosen.items() if cast(torch.Tensor, m.weight).shape[1] % quantize_to.block}
         if odd:

@@ -73,9 +73,10 @@ class Scheduler:
 
     def __init__(self, runner: ModelRunner | None, cache: CacheManager, table: RequestTable, eos_ids: set[int],
                  config: EngineConfig, token_text: Callable[[int], str] = str,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, kv_window: int | None = None) -> None:
         self.runner = runner
         self.speculator = speculator  # drafts for running requests to verify (engine/speculative); None: off
+        self.kv_window = kv_window  # every layer attends within this many positions (ModelSpec.kv_window)
         self.token_text = token_text  # a token id's text, for log-probabilities
         self.mixed_batches = config.mixed_batches
         self.cache = cache
@@ -380,9 +381,12 @@ class Scheduler:
         self.prefill_manager.put_back(req)
 
     def _allocate_kv(self, reqs: list[Req]) -> None:
-        """Claim pages for the positions this step writes (room was made for them, so this cannot fail)."""
+        """Claim pages for the positions this step writes (room was made for them, so this cannot fail), after
+        giving back those a sliding window has passed."""
         ps = self.page_size
         for req in reqs:
+            if self.kv_window is not None:
+                self._release_outside_window(req, self.kv_window)
             need = pages_for(req.cached_len + req.extend_len, ps) - len(req.pages)
             if need <= 0:
                 continue
@@ -390,6 +394,15 @@ class Scheduler:
             assert req.slot is not None  # a scheduled request holds a slot
             self.table.write_pages(req.slot, len(req.pages), new, ps)
             req.pages += new
+
+    def _release_outside_window(self, req: Req, window: int) -> None:
+        """Give the cache the request's pages that every layer's window has passed: this step's first query
+        (position cached_len) reads keys from cached_len - window + 1 on, and later ones read later keys. The pages
+        keep their places in `req.pages`; the request's prefix match covers them now (CacheManager.release_front).
+        A batch still in flight may write them, but runs before any step that could reuse them."""
+        passed = min(req.cached_len - window + 1, req.total_len) // self.page_size
+        if passed > len(req.prefix.pages):
+            req.prefix = self.cache.release_front(req.tokens(0, passed * self.page_size), req.pages, req.prefix)
 
     # -- process ----------------------------------------------------------------------------------
     def process(self, batch: ForwardBatch, output: ForwardOutput) -> StepResult:

@@ -154,7 +154,8 @@ class Pong(_EngineMsg, tag="pong"):
 
 class Info(_EngineMsg, tag="info"):
     """What the engine runs: `config` holds every engine option plus the server's limits; `execution`
-    what the options resolved to here (`LLM.execution`: `auto` choices and fallbacks)."""
+    what the options resolved to here (`LLM.execution`: `auto` choices and fallbacks); `model_info` what the model
+    is (`LLM.model_info`: family, architecture, layers, attention, experts, window)."""
 
     version: str
     pid: int
@@ -166,6 +167,7 @@ class Info(_EngineMsg, tag="info"):
     num_pages: int
     config: dict[str, Any]
     execution: dict[str, str] = msgspec.field(default_factory=dict)
+    model_info: dict[str, str] = msgspec.field(default_factory=dict)
     tool_format: str | None = None  # how the model writes tool calls (engine/tools.py); None: it does not
 
 

@@ -19,7 +19,7 @@ import torch
 from engine.kv.allocator import PageAllocator
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
-from engine.model.llama import CausalLM
+from engine.model.decoder import CausalLM
 from engine.scheduler.budget import pages_for
 from kernels.attention.base import AttentionBackend, build_metadata
 

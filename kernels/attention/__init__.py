@@ -24,12 +24,14 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16", cpu_kernels: bool = True) -> str:
+def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16", cpu_kernels: bool = True,
+                         full_attention: bool = True) -> str:
     """`auto` is the best backend the device can run (FlashInfer, then Triton on CUDA; on the CPU, minichat's
     C kernels where they build, unless `cpu_kernels` is off; torch elsewhere); other names pass through
-    after checking that this device, dtype and environment can run them."""
+    after checking that this device, dtype and environment can run them. A model with sliding windows or capped
+    scores (`full_attention` False) is not FlashInfer's."""
     if name == "auto":
-        return _best_backend(device, dtype, cpu_kernels)
+        return _best_backend(device, dtype, cpu_kernels, full_attention)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
     check = _CHECKS.get(name)
@@ -38,9 +40,9 @@ def resolve_backend_name(name: str, device: str, dtype: str = "bfloat16", cpu_ke
     return name
 
 
-def _best_backend(device: str, dtype: str, cpu_kernels: bool) -> str:
+def _best_backend(device: str, dtype: str, cpu_kernels: bool, full_attention: bool) -> str:
     if device.startswith("cuda"):
-        if dtype != "float32" and _installed("flashinfer"):  # FlashInfer's kernels take bf16/fp16 only
+        if dtype != "float32" and full_attention and _installed("flashinfer"):  # FlashInfer takes bf16/fp16 only
             return "flashinfer"
         return "triton" if _installed("triton") else "torch"
     from kernels.cpu import cpu_kernels_available, supported
@@ -86,9 +88,10 @@ _CHECKS: dict[str, Callable[[str, str], None]] = {"cpu": _check_cpu, "flashinfer
 """backend name -> raise ValueError saying why this device, dtype or environment cannot run it (torch runs anywhere)."""
 
 
-def make_backend(name: str, device: str, dtype: str = "bfloat16", cpu_kernels: bool = True) -> AttentionBackend:
+def make_backend(name: str, device: str, dtype: str = "bfloat16", cpu_kernels: bool = True,
+                 full_attention: bool = True) -> AttentionBackend:
     """Instantiate the backend registered under `name` (or picked by `auto`) for `device` and `dtype`."""
-    module, cls = BACKENDS[resolve_backend_name(name, device, dtype, cpu_kernels)].split(":")
+    module, cls = BACKENDS[resolve_backend_name(name, device, dtype, cpu_kernels, full_attention)].split(":")
     return getattr(importlib.import_module(module), cls)()
 
 

@@ -102,13 +102,16 @@ def build_metadata(q_lens: list[int], kv_lens: list[int], rows: torch.Tensor, ta
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """What a backend that plans ahead (FlashInfer) must know about the model before the first step."""
+    """What a backend that plans ahead (FlashInfer) must know about the model before the first step: its heads,
+    dtype and scale, the layers' windows (None: a layer that sees every position) and any score cap."""
 
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     scale: float
+    windows: frozenset[int | None] = frozenset({None})
+    softcap: float | None = None
 
 
 class AttentionBackend(ABC, Generic[StateT]):
@@ -137,8 +140,13 @@ class AttentionBackend(ABC, Generic[StateT]):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, state: StateT, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens; caches: [locations, Hkv, D]. Returns [T, Hq, D]."""
+                v_cache: torch.Tensor, state: StateT, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens; caches: [locations, Hkv, D]. Returns [T, Hq, D].
+
+        A query at position p attends to the keys at positions p - window < j <= p (`window` None: j <= p), as
+        transformers' sliding-window mask does; `softcap` caps each score s * scale as softcap * tanh(s / softcap)
+        (Gemma 2) before the softmax."""
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

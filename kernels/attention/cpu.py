@@ -1,9 +1,10 @@
 """The CPU backend: attention straight from the paged pool in minichat's C kernel (kernels/cpu/attention.c).
 
 Every query token is one item of the kernel: token i of a request whose step ends with kv_len keys
-attends to that request's first kv_len - q_len + 1 + i keys, read through its request-table row. That
-one rule covers decode tokens, fresh prompts, chunks continuing over a cached prefix and mixed steps,
-with no gather into padded tensors, no mask and no float32 copies.
+attends to that request's first kv_len - q_len + 1 + i keys, read through its request-table row (a
+layer with a sliding window of W reads only the last W of them). That one rule covers decode tokens,
+fresh prompts, chunks continuing over a cached prefix and mixed steps, with no gather into padded
+tensors, no mask and no float32 copies.
 
 The kernel scores one query at a time, so a long prompt chunk re-reads its keys once per token; past
 `max_per_token_queries` queries in one request SDPA's tiled kernel wins (a 1,024-token prompt: 32 vs
@@ -14,7 +15,7 @@ the prompt chunks through one padded SDPA call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,11 +26,13 @@ from kernels.cpu import CpuKernels, load_cpu_kernels, require_supported
 
 @dataclass
 class PagedMeta:
-    """Query token t attends to the first kv_lens[t] KV locations of request-table row rows[t]."""
+    """Query token t attends to the first kv_lens[t] KV locations of request-table row rows[t] (the last `window`
+    of them, for the layers of that window)."""
 
     table: torch.Tensor  # int64 [slots, max_len]
     rows: torch.Tensor  # int64 [T]
     kv_lens: torch.Tensor  # int64 [T]
+    window: int | None = field(default=None, kw_only=True)
 
 
 @dataclass
@@ -64,15 +67,18 @@ class CpuBackend(ReferenceLayout[PagedStep | TorchRefMeta[PagedMeta], PagedMeta]
         return PagedStep(batch.table, rows, kv_lens, batch.out_locs)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: PagedStep | TorchRefMeta[PagedMeta], scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: PagedStep | TorchRefMeta[PagedMeta], scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         if isinstance(meta, TorchRefMeta):
-            return self._forward_layout(q, k, v, k_cache, v_cache, meta, scale)
+            return self._forward_layout(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         return self.kernels.paged_attention(q, k_cache, v_cache, meta.table, meta.rows, meta.kv_lens, scale,
-                                            new=(k, v, meta.out_locs))
+                                            new=(k, v, meta.out_locs), window=window, softcap=softcap)
 
-    def _prepare_decode(self, kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor) -> PagedMeta:
-        return PagedMeta(table, rows.contiguous(), torch.tensor(kv_lens, dtype=torch.int64))
+    def _prepare_decode(self, kv_lens: list[int], rows: torch.Tensor, table: torch.Tensor,
+                        window: int | None) -> PagedMeta:
+        return PagedMeta(table, rows.contiguous(), torch.tensor(kv_lens, dtype=torch.int64), window=window)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMeta,
-                scale: float) -> torch.Tensor:
-        return self.kernels.paged_attention(q, k_cache, v_cache, meta.table, meta.rows, meta.kv_lens, scale)
+                scale: float, softcap: float | None) -> torch.Tensor:
+        return self.kernels.paged_attention(q, k_cache, v_cache, meta.table, meta.rows, meta.kv_lens, scale,
+                                            window=meta.window, softcap=softcap)

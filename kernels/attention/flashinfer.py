@@ -42,6 +42,9 @@ class FlashInferBackend(AttentionBackend[FlashInferStep]):
         self.shape: AttentionShape | None = None
 
     def setup(self, shape: AttentionShape, device: torch.device) -> None:
+        if shape.windows != {None} or shape.softcap is not None:
+            raise ValueError("the flashinfer backend runs full attention without capped scores; this model has "
+                             "sliding windows or capped scores: use attention_backend='triton'")
         self.shape = shape
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.use_tensor_cores = shape.num_qo_heads // shape.num_kv_heads >= 4
@@ -82,7 +85,8 @@ class FlashInferBackend(AttentionBackend[FlashInferStep]):
         self._plan(state.wrapper, meta, state.last_page_len, decode=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, state: FlashInferStep, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, state: FlashInferStep, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, state.out_locs)
         paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # [locations, page_size=1, Hkv, D]
         return state.wrapper.run(q.contiguous(), paged)

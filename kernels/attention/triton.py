@@ -58,22 +58,25 @@ class TritonBackend(AttentionBackend[TritonStep]):
         return TritonStep(meta, 1, True, partial)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, state: TritonStep, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, state: TritonStep, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         k, v = k.contiguous(), v.contiguous()
         store_kv(k, v, k_cache, v_cache, state.meta.out_locs)
-        return self.attend(q, k, v, k_cache, v_cache, state, scale)
+        return self.attend(q, k, v, k_cache, v_cache, state, scale, window, softcap)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, state: TritonStep, scale: float) -> torch.Tensor:
+               v_cache: torch.Tensor, state: TritonStep, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """`forward` without the store, for K/V already in the pool at `out_locs`; this step's k and v are
         still read (by the extend kernel) and may be strided views (unit stride along head_dim)."""
         meta = state.meta
         if not state.decode:
             return extend_attention(q, k, v, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                    state.max_q_len, scale)
+                                    state.max_q_len, scale, window=window, softcap=softcap)
         if state.partial is None:
             batch, heads, dim = q.shape
             state.partial = (q.new_empty(batch, heads, self.num_splits, dim, dtype=torch.float32),
                              q.new_empty(batch, heads, self.num_splits, dtype=torch.float32))
         return decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, scale,
-                                num_splits=self.num_splits, min_split_len=self.min_split_len, partial=state.partial)
+                                num_splits=self.num_splits, min_split_len=self.min_split_len, partial=state.partial,
+                                window=window, softcap=softcap)

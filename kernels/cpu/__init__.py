@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P, _I, _P, _I, _P],
+    "paged_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _F, _P, _I, _P, _I, _P],
     "rms_norm": [_P, _P, _I, _P, _I, _I, _F],
     "rope": [_P, _I, _I, _I, _P, _P, _P, _I],
     "silu_mul": [_P, _P, _I, _I],  # by the model dtype whose roundings it keeps; always float32 data
@@ -140,11 +140,13 @@ class CpuKernels:
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                         rows: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                        new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                        new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
         """softmax(q K^T * scale) V for each query token b over keys 0..kv_lens[b]-1 of the request whose
-        positions sit in slots table[rows[b]] (a causal mask is a token's kv_lens). q: [B, Hq, D];
-        caches: [locations, Hkv, D]. `new` = (k, v, out_locs): this step's keys and values ([B, Hkv, D], heads
-        contiguous), written to their slots first."""
+        positions sit in slots table[rows[b]] (a causal mask is a token's kv_lens; a sliding window, its last
+        `window` keys only). q: [B, Hq, D]; caches: [locations, Hkv, D]. `new` = (k, v, out_locs): this step's keys
+        and values ([B, Hkv, D], heads contiguous), written to their slots first. `softcap` caps each score as
+        softcap * tanh(score / softcap)."""
         batch, num_heads, dim = q.shape
         num_kv_heads = k_cache.shape[1]
         if q.stride(2) != 1 or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -172,7 +174,7 @@ class CpuKernels:
         self._fn("paged_attention", q)(
             out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
             table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), batch, num_heads, num_kv_heads, dim, scale,
-            k_new, k_stride, v_new, v_stride, slots)
+            window or 0, softcap or 0.0, k_new, k_stride, v_new, v_stride, slots)
         return out
 
     def segments(self, w: BlockMatrix) -> ctypes.Array[_Segment]:

@@ -2,10 +2,11 @@
  * no mask. A decode step has one token per request; a prompt chunk's tokens are items of their own,
  * each with its causal key count (kernels/attention/cpu.py).
  *
- * For item b and KV head h the keys are pool rows table[rows[b], 0 .. kv_lens[b]-1], taken in blocks
- * of KEY_BLOCK rows: float32 rows are read where they lie, bfloat16 rows are widened into a small buffer
+ * For item b and KV head h the keys are pool rows table[rows[b], 0 .. kv_lens[b]-1] (under a sliding window of
+ * `window` positions only the last `window` of them), taken in blocks of KEY_BLOCK rows: float32 rows are read where they lie, bfloat16 rows are widened into a small buffer
  * first; each block serves every query head of h's group. Scores are eight keys at a time, softmax runs
- * online across blocks in float32, and the output is rounded to the activation dtype at the end.
+ * online across blocks in float32 (each score first capped as softcap * tanh(s / softcap) where softcap > 0, Gemma 2),
+ * and the output is rounded to the activation dtype at the end.
  *
  * Compiled with -ffast-math so that expf vectorises through glibc's libmvec; the running maximum
  * starts at the first block's instead of -inf, so no infinity is ever computed (fast math assumes none).
@@ -109,23 +110,26 @@ static float block_softmax(float *s, int64_t n, float *max, float *sum, int firs
     return correction;
 }
 
-/* One block for one query head: scores, online softmax, values. head_dim is a compile-time constant
- * for the common sizes, so that the per-key loops over it unroll. */
+/* One block for one query head: scores (capped where softcap > 0), online softmax, values. head_dim is a
+ * compile-time constant for the common sizes, so that the per-key loops over it unroll. */
 static inline __attribute__((always_inline)) void attend_block_dim(
         float *s, const float *q, float *acc, const float *const *k, const float *const *v, int64_t n,
-        int64_t n_pad, int64_t head_dim, float *max, float *sum, int first) {
+        int64_t n_pad, int64_t head_dim, float *max, float *sum, int first, float softcap) {
     block_scores(s, q, k, n_pad, head_dim);
+    if (softcap > 0.0f)
+        for (int64_t j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] / softcap);
     const float correction = block_softmax(s, n, max, sum, first);
     block_values(acc, s, v, n, head_dim, correction);
 }
 
 static void attend_block(float *s, const float *q, float *acc, const float *const *k, const float *const *v,
-                         int64_t n, int64_t n_pad, int64_t head_dim, float *max, float *sum, int first) {
+                         int64_t n, int64_t n_pad, int64_t head_dim, float *max, float *sum, int first,
+                         float softcap) {
     switch (head_dim) {
-    case 64: attend_block_dim(s, q, acc, k, v, n, n_pad, 64, max, sum, first); break;
-    case 128: attend_block_dim(s, q, acc, k, v, n, n_pad, 128, max, sum, first); break;
-    case 32: attend_block_dim(s, q, acc, k, v, n, n_pad, 32, max, sum, first); break;
-    default: attend_block_dim(s, q, acc, k, v, n, n_pad, head_dim, max, sum, first);
+    case 64: attend_block_dim(s, q, acc, k, v, n, n_pad, 64, max, sum, first, softcap); break;
+    case 128: attend_block_dim(s, q, acc, k, v, n, n_pad, 128, max, sum, first, softcap); break;
+    case 32: attend_block_dim(s, q, acc, k, v, n, n_pad, 32, max, sum, first, softcap); break;
+    default: attend_block_dim(s, q, acc, k, v, n, n_pad, head_dim, max, sum, first, softcap);
     }
 }
 
@@ -141,14 +145,17 @@ static inline const float *row_bf16(const uint16_t *src, float *buf, int64_t hea
     return buf;
 }
 
-/* One item: query token b's heads of KV head h's group, over keys 0..kv_lens[b]-1 of its request. */
+/* One item: query token b's heads of KV head h's group, over keys 0..kv_lens[b]-1 of its request (the last
+ * `window` of them where window > 0), scores capped where softcap > 0. */
 #define DEFINE_ATTEND_ITEM(NAME, T, LOAD, STORE, ROW)                                                     \
 void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool, const int64_t *table,  \
           int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t b, int64_t h,        \
-          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {                       \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,         \
+          float softcap) {                                                                               \
     const int64_t group = num_heads / num_kv_heads;                                                      \
     const int64_t *locs = table + rows[b] * table_stride;                                               \
     const int64_t len = kv_lens[b];                                                                      \
+    const int64_t begin = window > 0 && len > window ? len - window : 0;                                 \
     float qf[group * head_dim], acc[group * head_dim], max[group], sum[group], s[group * KEY_BLOCK];      \
     float kbuf[KEY_BLOCK * head_dim], vbuf[KEY_BLOCK * head_dim], zeros[head_dim];                         \
     const float *k[KEY_BLOCK], *v[KEY_BLOCK];                                                            \
@@ -161,7 +168,7 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
         }                                                                                                \
         max[g] = sum[g] = 0.0f;                                                                          \
     }                                                                                                    \
-    for (int64_t j0 = 0; j0 < len; j0 += KEY_BLOCK) {                                                    \
+    for (int64_t j0 = begin; j0 < len; j0 += KEY_BLOCK) {                                                \
         const int64_t n = len - j0 < KEY_BLOCK ? len - j0 : KEY_BLOCK;                                   \
         const int64_t n_pad = (n + LANES - 1) / LANES * LANES;                                           \
         for (int64_t j = 0; j < n; j++) {                                                                \
@@ -173,7 +180,7 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
         for (int64_t g = 0; g < group; g++) {                                                            \
             float *sg = s + g * KEY_BLOCK;                                                               \
             attend_block(sg, qf + g * head_dim, acc + g * head_dim, k, v, n, n_pad, head_dim, &max[g],   \
-                         &sum[g], j0 == 0);                                                              \
+                         &sum[g], j0 == begin, softcap);                                                 \
         }                                                                                                \
     }                                                                                                    \
     for (int64_t g = 0; g < group; g++) {                                                                \
@@ -191,8 +198,9 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
 #define DEFINE_PAGED_ATTENTION(NAME, ITEM, T)                                                                   \
 void NAME(T *out, const T *q, int64_t q_stride, T *k_pool, T *v_pool, const int64_t *table,             \
           int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t batch,                \
-          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, const T *k_new,          \
-          int64_t k_stride, const T *v_new, int64_t v_stride, const int64_t *out_locs) {                  \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,          \
+          float softcap, const T *k_new, int64_t k_stride, const T *v_new, int64_t v_stride,               \
+          const int64_t *out_locs) {                                                                      \
     const int64_t width = num_kv_heads * head_dim;                                                        \
     _Pragma("omp parallel")                                                                               \
     {                                                                                                     \
@@ -206,7 +214,7 @@ void NAME(T *out, const T *q, int64_t q_stride, T *k_pool, T *v_pool, const int6
         _Pragma("omp for schedule(static, 1)")                                                            \
         for (int64_t item = 0; item < batch * num_kv_heads; item++)                                       \
             ITEM(out, q, q_stride, k_pool, v_pool, table, table_stride, rows, kv_lens, item / num_kv_heads, \
-                 item % num_kv_heads, num_heads, num_kv_heads, head_dim, scale);                          \
+                 item % num_kv_heads, num_heads, num_kv_heads, head_dim, scale, window, softcap);         \
     }                                                                                                     \
 }
 

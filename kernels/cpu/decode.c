@@ -25,7 +25,8 @@ void rope_token_f32(float *x, int64_t heads, int64_t position, const float *cos,
                     int64_t head_dim);
 void attention_item_f32(float *out, const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
                         const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *kv_lens,
-                        int64_t b, int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale);
+                        int64_t b, int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                        int64_t window, float softcap);
 
 typedef struct { /* one product: its segments and its bias (NULL: none) */
     const segment *segs;
@@ -33,10 +34,11 @@ typedef struct { /* one product: its segments and its bias (NULL: none) */
     const float *bias;
 } product;
 
-typedef struct { /* one layer's weights and its share of the KV pool */
+typedef struct { /* one layer's weights, its share of the KV pool and its attention window (0: none) */
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL but for Qwen3 */
     product qkv, o, gate_up, down;
     float *k_cache, *v_cache;
+    int64_t window;
 } layer_plan;
 
 typedef struct { /* the model's shape and what every layer shares */
@@ -99,7 +101,7 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
         for (int64_t item = 0; item < tokens * plan->kv_heads; item++)
             attention_item_f32(attn, qkv, qkv_width, L->k_cache, L->v_cache, table, table_stride, rows, kv_lens,
                                item / plan->kv_heads, item % plan->kv_heads, plan->heads, plan->kv_heads, head_dim,
-                               plan->scale);
+                               plan->scale, L->window, 0.0f);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < tokens; r++)
             q_prepare_rows(INPUT_AS_IS, attn, q_size, r, r + 1, q_size, NULL, 0.0f, NULL, scratch);

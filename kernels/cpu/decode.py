@@ -25,7 +25,8 @@ class _Product(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Product),
-                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("k_cache", _P), ("v_cache", _P)]
+                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("k_cache", _P), ("v_cache", _P),
+                ("window", _I)]
 
 
 class _Model(ctypes.Structure):
@@ -40,7 +41,7 @@ Projection = tuple[BlockMatrix, torch.Tensor | None]
 @dataclass
 class LayerWeights:
     """What decode.c needs of one layer: float32 norms (Qwen3's q/k norms or None), the four products, the
-    layer's K and V pools ([locations, kv heads, head dim], float32)."""
+    layer's K and V pools ([locations, kv heads, head dim], float32), its attention window (0: none)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -52,6 +53,7 @@ class LayerWeights:
     down: Projection
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    window: int = 0
 
 
 class FusedLayers:
@@ -91,7 +93,7 @@ class FusedLayers:
         return _Layer(self._tensor(w.input_norm), self._tensor(w.post_norm), self._tensor(w.q_norm),
                       self._tensor(w.k_norm), self._product(kernels, w.qkv), self._product(kernels, w.o),
                       self._product(kernels, w.gate_up), self._product(kernels, w.down), self._tensor(w.k_cache),
-                      self._tensor(w.v_cache))
+                      self._tensor(w.v_cache), w.window)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                  kv_lens: torch.Tensor, out_locs: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ one where a program serves a block of query heads that share a KV head, so the s
 
 The grid depends only on the batch size, head counts and `num_splits`, never on sequence lengths, so
 the launch can be captured in a CUDA graph; each request's slice length is computed in the kernel as
-max(ceil(kv_len / num_splits), min_split_len).
+max(ceil(keys / num_splits), min_split_len), over the keys it sees: all kv_len of them, or under a sliding
+`window` the last `window`. Scores may be capped (`softcap` > 0: softcap * tanh(s / softcap), Gemma 2).
 """
 
 from __future__ import annotations
@@ -22,11 +23,39 @@ GROUP_BLOCK_H = 16  # query heads per grouped program: tl.dot's minimum tile dim
 
 
 @triton.jit
-def _split_bounds(kv_len, split, min_split_len, NUM_SPLITS: tl.constexpr):
-    """[start, end) of slice `split` of a request with `kv_len` keys (empty when start >= kv_len)."""
-    split_len = tl.maximum(tl.cdiv(kv_len, NUM_SPLITS), min_split_len)
-    start = split * split_len
+def window_start(kv_len, window):
+    """The first key a request's last query sees: 0, or under a sliding window (window > 0) kv_len - window."""
+    return tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+
+
+@triton.jit
+def _split_bounds(kv_len, split, min_split_len, window, NUM_SPLITS: tl.constexpr):
+    """[start, end) of slice `split` of the keys a request with `kv_len` keys sees (empty when start >= kv_len)."""
+    begin = window_start(kv_len, window)
+    split_len = tl.maximum(tl.cdiv(kv_len - begin, NUM_SPLITS), min_split_len)
+    start = begin + split * split_len
     return start, tl.minimum(start + split_len, kv_len)
+
+
+@triton.jit
+def capped(qk, softcap):
+    """softcap * tanh(qk / softcap), tanh from exp (stable for any magnitude)."""
+    x = qk / softcap
+    t = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - t) / (1.0 + t)
+    return softcap * tl.where(x >= 0, th, -th)
+
+
+@triton.jit
+def online_softmax_step(qk, m_i, l_i, acc, v, PRECISION: tl.constexpr):
+    """Fold one tile of scores qk [rows, keys] (masked ones -inf) and its values v [keys, D] into the running max,
+    sum and accumulator; a row whose keys so far are all masked stays at max -inf, sum 0."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(qk - m_safe[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
@@ -41,33 +70,33 @@ def gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_
 
 
 @triton.jit
-def attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, start, end, kv_head,
-                    stride_ct, stride_ch, sm_scale, d, d_mask, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, start, end, low, kv_head,
+                    stride_ct, stride_ch, sm_scale, softcap, d, d_mask, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr, CAP: tl.constexpr):
     """One online-softmax pass of a query block [rows, BLOCK_D] over keys `start..end` of one request, read
-    from the pool through its `kv_indices` locations (no mask beyond `end`); returns the updated running max,
-    sum and accumulator. Shared by grouped decode and by extend's cached prefix."""
+    from the pool through its `kv_indices` locations, row r seeing keys >= low[r] (its sliding window's first;
+    0 without one); returns the updated running max, sum and accumulator. Shared by grouped decode and by
+    extend's cached prefix. `CAP`: scores capped by `softcap`."""
     for n0 in range(start, end, BLOCK_N):
         n_mask, offs, tile_mask = gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_ch, d,
                                                 d_mask, BLOCK_N)
         k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-        qk = tl.where(n_mask[None, :], qk, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
+        if CAP:
+            qk = capped(qk, softcap)
+        n = n0 + tl.arange(0, BLOCK_N)
+        qk = tl.where(n_mask[None, :] & (n[None, :] >= low[:, None]), qk, -float("inf"))
         v = tl.load(v_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, v, PRECISION)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _decode_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_ptr, part_out_ptr, part_lse_ptr,
-                   sm_scale, min_split_len, stride_qt, stride_qh, stride_ct, stride_ch,
+                   sm_scale, min_split_len, window, softcap, stride_qt, stride_qh, stride_ct, stride_ch,
                    stride_pb, stride_ph, stride_ps,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, CAP: tl.constexpr):
     """Program (request b, query head h, split): partial attention over one KV slice."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -75,7 +104,7 @@ def _decode_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_pt
     kv_head = h // GROUP
     kv_start = tl.load(kv_indptr_ptr + b)
     kv_len = tl.load(kv_indptr_ptr + b + 1) - kv_start
-    start, end = _split_bounds(kv_len, split, min_split_len, NUM_SPLITS)
+    start, end = _split_bounds(kv_len, split, min_split_len, window, NUM_SPLITS)
     if end > start:
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
@@ -88,6 +117,8 @@ def _decode_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_pt
                                                     d, d_mask, BLOCK_N)
             k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
             qk = tl.sum(q[None, :] * k, 1) * sm_scale
+            if CAP:
+                qk = capped(qk, softcap)
             qk = tl.where(n_mask, qk, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 0))
             alpha = tl.exp(m_i - m_new)
@@ -103,11 +134,11 @@ def _decode_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_pt
 
 @triton.jit
 def _decode_grouped_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_ptr, part_out_ptr,
-                           part_lse_ptr, sm_scale, min_split_len, stride_qt, stride_qh, stride_ct, stride_ch,
-                           stride_pb, stride_ph, stride_ps,
+                           part_lse_ptr, sm_scale, min_split_len, window, softcap, stride_qt, stride_qh, stride_ct,
+                           stride_ch, stride_pb, stride_ph, stride_ps,
                            GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                           NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr):
     """Program (request b, block of BLOCK_H query heads of one KV head, split): each K/V tile is loaded
     once for the whole block and both products are `tl.dot`s."""
     b = tl.program_id(0)
@@ -118,7 +149,7 @@ def _decode_grouped_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_in
     split = tl.program_id(2)
     kv_start = tl.load(kv_indptr_ptr + b)
     kv_len = tl.load(kv_indptr_ptr + b + 1) - kv_start
-    start, end = _split_bounds(kv_len, split, min_split_len, NUM_SPLITS)
+    start, end = _split_bounds(kv_len, split, min_split_len, window, NUM_SPLITS)
     if end > start:
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
@@ -127,8 +158,10 @@ def _decode_grouped_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_in
         m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        low = tl.zeros([BLOCK_H], dtype=tl.int32)  # the split's keys are all in the window already
         m_i, l_i, acc = attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, start,
-                                        end, kv_head, stride_ct, stride_ch, sm_scale, d, d_mask, BLOCK_N, PRECISION)
+                                        end, low, kv_head, stride_ct, stride_ch, sm_scale, softcap, d, d_mask, BLOCK_N,
+                                        PRECISION, CAP)
         base = b * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None],
                  mask=h_mask[:, None] & d_mask[None, :])
@@ -136,7 +169,7 @@ def _decode_grouped_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_in
 
 
 @triton.jit
-def _decode_stage2(part_out_ptr, part_lse_ptr, kv_indptr_ptr, out_ptr, min_split_len, stride_ot, stride_oh,
+def _decode_stage2(part_out_ptr, part_lse_ptr, kv_indptr_ptr, out_ptr, min_split_len, window, stride_ot, stride_oh,
                    stride_pb, stride_ph, stride_ps,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Program (request b, query head h): merge the non-empty slices' partial outputs by their LSE."""
@@ -149,7 +182,7 @@ def _decode_stage2(part_out_ptr, part_lse_ptr, kv_indptr_ptr, out_ptr, min_split
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for split in range(NUM_SPLITS):
-        start, end = _split_bounds(kv_len, split, min_split_len, NUM_SPLITS)
+        start, end = _split_bounds(kv_len, split, min_split_len, window, NUM_SPLITS)
         if end > start:
             base = b * stride_pb + h * stride_ph + split * stride_ps
             lse = tl.load(part_lse_ptr + base)
@@ -171,12 +204,14 @@ def dot_precision(dtype: torch.dtype) -> str:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, sm_scale: float, num_splits: int = 8, min_split_len: int = 64,
                      block_n: int = 32, grouped: bool | None = None, out: torch.Tensor | None = None,
-                     partial: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     partial: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one token per request; caches: [locations, Hkv, D]; kv_indptr [B+1], kv_indices int32.
 
     `grouped` picks the GQA kernel (default: when several query heads share a KV head). `out` and
     `partial` (fp32 [B, Hq, num_splits, D] and [B, Hq, num_splits]) may be given so a CUDA graph
-    replays into fixed buffers. Returns out [B, Hq, D] in q's dtype.
+    replays into fixed buffers. `window`: each request sees its last `window` keys only; `softcap` caps the
+    scores. Returns out [B, Hq, D] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -192,16 +227,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = max(16, triton.next_power_of_2(head_dim))
     # part_out is addressed as part_lse's flat index * head_dim: both share the [B, Hq, splits] strides.
     pstrides = part_lse.stride()
-    common = (k_cache, v_cache, kv_indptr, kv_indices, part_out, part_lse, sm_scale, min_split_len,
+    win, cap = window or 0, softcap or 0.0
+    common = (k_cache, v_cache, kv_indptr, kv_indices, part_out, part_lse, sm_scale, min_split_len, win, cap,
               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), *pstrides)
     if grouped:
         head_blocks = triton.cdiv(group, GROUP_BLOCK_H)
         _decode_grouped_stage1[(batch, num_kv_heads * head_blocks, num_splits)](
             q, *common, GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=GROUP_BLOCK_H,
-            BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype))
+            BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
+            CAP=softcap is not None)
     else:
         _decode_stage1[(batch, num_heads, num_splits)](
-            q, *common, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits)
-    _decode_stage2[(batch, num_heads)](part_out, part_lse, kv_indptr, out, min_split_len, out.stride(0), out.stride(1),
-                                       *pstrides, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits)
+            q, *common, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            CAP=softcap is not None)
+    _decode_stage2[(batch, num_heads)](part_out, part_lse, kv_indptr, out, min_split_len, win, out.stride(0),
+                                       out.stride(1), *pstrides, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                                       NUM_SPLITS=num_splits)
     return out

@@ -23,7 +23,7 @@ from kernels.triton.rounding import round_to
 def _rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr,
                        locs_ptr, eps, stride_t, stride_table, stride_pos, stride_ct, stride_ch,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       QK_NORM: tl.constexpr, BLOCK: tl.constexpr):
+                       QK_NORM: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr):
     """Program (token, head): heads 0..NUM_HEADS-1 are q's, the next NUM_KV_HEADS k's (q's and k's heads lie
     back to back in a row of qkv, so head h starts at h * HEAD_DIM either way)."""
     token = tl.program_id(0).to(tl.int64)
@@ -43,8 +43,12 @@ def _rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weig
             w1 = tl.load(k_weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
             w2 = tl.load(k_weight_ptr + half + d, mask=mask, other=0.0).to(tl.float32)
         inv_rms = 1.0 / tl.sqrt_rn((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
-        x1 = round_to(w1 * round_to(x1 * inv_rms, dtype), dtype)
-        x2 = round_to(w2 * round_to(x2 * inv_rms, dtype), dtype)
+        if ROUND_NORMED:
+            x1 = round_to(w1 * round_to(x1 * inv_rms, dtype), dtype)
+            x2 = round_to(w2 * round_to(x2 * inv_rms, dtype), dtype)
+        else:  # Gemma 3's norm: one rounding, after its float32 weight
+            x1 = round_to(w1 * (x1 * inv_rms), dtype)
+            x2 = round_to(w2 * (x2 * inv_rms), dtype)
     # The table holds cos and the signed sin ([-sin, sin] by halves), so both halves rotate as x * cos + x_other * sin.
     cos_ptr = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_pos
     sin_ptr = cos_ptr + stride_table
@@ -68,14 +72,15 @@ def _rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weig
 
 def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
                   cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_locs: torch.Tensor,
-                  qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 1e-6,
+                  round_normed: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prepare a step's q/k/v for attention, in place.
 
     qkv: [T, (Hq + 2 Hkv) * D], q's heads then k's then v's (the fused projection's output; unit column
     stride); positions: [T]; cos_sin: [2, positions, D], cos and the signed sin (see the model's
     `apply_rope`) in qkv's dtype; caches: [locations, Hkv, D] (unit stride along D); out_locs: [T], each
-    token's KV location in the pool. `qk_norm` are the (q, k) RMSNorm weights [D] (Qwen3) and `eps` their epsilon.
+    token's KV location in the pool. `qk_norm` are the (q, k) RMSNorm weights [D] (Qwen3; Gemma 3's 1 + weight in
+    float32, with `round_normed` off: one rounding) and `eps` their epsilon.
     q and k are rotated in qkv (after the norm when given); k and v are written to the pool at `out_locs`.
     Returns q [T, Hq, D], k and v [T, Hkv, D], views of qkv.
     """
@@ -91,6 +96,6 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, position
     _rope_store_kernel[(tokens, num_heads + num_kv_heads)](
         qkv, positions, cos_sin, q_weight, k_weight, k_cache, v_cache, out_locs, eps, qkv.stride(0),
         cos_sin.stride(0), cos_sin.stride(1), k_cache.stride(0), k_cache.stride(1), NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, QK_NORM=qk_norm is not None,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, QK_NORM=qk_norm is not None, ROUND_NORMED=round_normed,
         BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=1, enable_fp_fusion=False)
     return views

@@ -18,6 +18,8 @@ from engine.service.options import ApiOptions
 from engine.service.protocol import Info
 
 T = TypeVar("T")
+MODEL_CARD = ("family", "architecture", "experts", "window")
+"""What /v1/models tells of the model beyond vLLM's fields (the engine's `model_info`)."""
 
 # engine error code -> HTTP status; anything else is our bug or the engine's (500)
 ENGINE_STATUS = {"invalid_request": 400, "invalid_params": 400, "invalid_grammar": 400, "prompt_too_long": 400,
@@ -86,10 +88,12 @@ class ApiState:
         return name
 
     async def model_card(self) -> dict[str, Any]:
-        """The served model as /v1/models lists it (with vLLM's `root` and `max_model_len`)."""
+        """The served model as /v1/models lists it (with vLLM's `root` and `max_model_len`, and what it is: family,
+        experts, window)."""
         info = await self.info()
         return {"id": await self.model_name(), "object": "model", "created": self.created, "owned_by": "minichat",
-                "root": info.model, "max_model_len": info.max_seq_len, "weights": info.execution.get("weights")}
+                "root": info.model, "max_model_len": info.max_seq_len, "weights": info.execution.get("weights"),
+                **{k: v for k, v in info.model_info.items() if k in MODEL_CARD}}
 
 
 async def engine_call(awaitable: Awaitable[T]) -> T:

@@ -1,0 +1,579 @@
+"""The shared decoder: every family minichat runs is this stack of blocks with a few parts changed.
+
+A block is attention behind an RMSNorm, then an MLP behind another, each added into the residual stream (Llama's
+shape). A family (engine/model/families.py lists them, one small module each) reads its config into a `ModelSpec`
+and changes what differs: a norm, the MLP (experts instead of one MLP), where the norms sit, the checkpoint's tensor
+names, a scaled embedding or capped logits. The model runs on a flat token axis (all requests of a step
+concatenated) and reads/writes K/V through an attention backend over the paged pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import TensorParallel
+from engine.kv.pool import KVPool
+from engine.model.layer_ops import BLOCK_OPS, EAGER_OPS, LayerOps, LayerStep, TritonOps
+from engine.model.ops import fuses_add, gemm_dtype
+from engine.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Source,
+    Split,
+    VocabParallelEmbedding,
+    WeightTarget,
+    load_into,
+)
+from engine.model.quantized import finish_block_weights
+from kernels.attention.base import AttentionBackend
+from kernels.attention.cpu import PagedStep
+from kernels.cpu import DENSE_ROWS
+from kernels.quant import BlockMatrix
+
+if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
+    from transformers import PretrainedConfig
+
+    from kernels.attention.triton import TritonBackend
+    from kernels.cpu import CpuKernels
+    from kernels.cpu.decode import FusedLayers
+
+DENSE_BUFFER = 4 * 2**20
+"""Float32 values a block-format model expands its weights into, a chunk of rows at a time, for steps of
+DENSE_ROWS tokens or more (16 MiB: 1,024 rows of a 4,096-wide projection)."""
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+Targets = dict[str, tuple[WeightTarget, ...]]
+"""Checkpoint tensor name -> where this rank's slices of it go (a fused tensor feeds several parts)."""
+
+
+class Scratch:
+    """One float32 buffer the layers take in turn for an intermediate they consume at once (the MLP activation),
+    grown to the largest step's need. A fresh tensor over glibc's mmap threshold (32 MiB) is fresh pages, each
+    faulted in on every call: Qwen2.5-0.5B's activation at 2,048 rows (39 MiB) took 19 ms fresh and 7.5 ms
+    reused, 24 times a prefill step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._buffer = torch.empty(0, dtype=torch.float32, device=device)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        """A [rows, cols] view of the buffer; valid until the next `take`."""
+        if self._buffer.numel() < rows * cols:
+            self._buffer = torch.empty(rows * cols, dtype=torch.float32, device=self._buffer.device)
+        return self._buffer[:rows * cols].view(rows, cols)
+
+
+@dataclass
+class Rope:
+    """One RoPE table's inverse frequencies and its cos/sin scale (most models have one; Gemma 3 a local and a
+    global one)."""
+
+    inv_freq: torch.Tensor
+    scaling: float = 1.0
+
+
+@dataclass
+class ModelSpec:
+    """A decoder's shape, as its family reads it from an HF config; a family with parts of its own subclasses it.
+
+    `windows[i]`: layer i attends to the last `windows[i]` positions (None: to all of them); `layer_ropes[i]`: which
+    of `ropes` rotates its q and k. `scale` multiplies q . k; `softcap` caps the scores (cap * tanh(s / cap))."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    attention_bias: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    ropes: list[Rope]
+    scale: float
+    windows: tuple[int | None, ...]
+    layer_ropes: tuple[int, ...]
+    softcap: float | None = None
+
+    @property
+    def full_attention(self) -> bool:
+        """Every layer attends to every position, scores uncapped (what every attention backend runs)."""
+        return all(w is None for w in self.windows) and self.softcap is None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends within (None where a layer sees every position): no step reads a
+        position older than that, so its page can go early (engine/scheduler: `Scheduler.kv_window`)."""
+        if any(w is None for w in self.windows):
+            return None
+        return max(cast(tuple[int, ...], self.windows))
+
+    def describe(self) -> dict[str, str]:
+        """What the model is, in a few words each (the engine's info: the console, `minichat status`, /v1/models)."""
+        windowed = [w for w in self.windows if w is not None]
+        window = "none" if not windowed else (
+            f"{windowed[0]} tokens on every layer" if len(windowed) == self.num_layers and len(set(windowed)) == 1
+            else f"{max(windowed)} tokens on {len(windowed)} of {self.num_layers} layers (the others see everything)")
+        return {"architecture": self.architecture, "layers": str(self.num_layers),
+                "attention": f"{self.num_heads} heads, {self.num_kv_heads} KV heads of {self.head_dim}",
+                "window": window}
+
+
+def base_spec(config: PretrainedConfig, architecture: str) -> ModelSpec:
+    """The spec as every family reads it (a family replaces what its config says otherwise, or extends it: its own
+    spec class built from these fields, `vars(base_spec(...))`)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    windows = layer_windows(config)
+    return ModelSpec(
+        architecture=architecture,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        intermediate_size=config.intermediate_size,
+        rms_norm_eps=config.rms_norm_eps,
+        attention_bias=attention_bias,
+        qkv_bias=attention_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=False,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_position_embeddings=config.max_position_embeddings,
+        ropes=[rope_frequencies(config, head_dim)],
+        scale=head_dim**-0.5,
+        windows=windows,
+        layer_ropes=(0,) * len(windows),
+    )
+
+
+def require_activation(config: PretrainedConfig, name: str = "silu", key: str = "hidden_act") -> None:
+    """Refuse an MLP activation the family's kernels do not compute."""
+    act = getattr(config, key, name)
+    if act != name:
+        raise ValueError(f"unsupported {key} {act!r}; this family runs {name}")
+
+
+def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's attention window as transformers applies it: where the config lists `layer_types`, the
+    "sliding_attention" layers get `sliding_window`; otherwise every layer does when it is set (Mistral, Mixtral,
+    Phi-3, Qwen3-MoE). A window as long as the context is none."""
+    window = getattr(config, "sliding_window", None) or None
+    if window is not None and window >= config.max_position_embeddings:
+        window = None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return (window,) * config.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+def rope_frequencies(config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> Rope:
+    """Inverse frequencies and cos/sin scale, via transformers' own RoPE initialisers (`layer_type`: the table of
+    one kind of layer, where the config keeps one per kind).
+
+    Accepts transformers-5 `rope_parameters` and older top-level `rope_theta` / `rope_scaling`.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(STATIC_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor {params['partial_rotary_factor']}) are not "
+                         "implemented; minichat rotates whole heads")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return Rope(1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)))
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
+    return Rope(inv_freq.float(), float(scaling))
+
+
+class RMSNorm(nn.Module):
+    """Normalise in float32, scale in the model dtype: the same rounding as transformers.
+
+    `F.rms_norm` is one fused pass on the CPU where the written-out formula is five; a float32 model
+    folds the weight in too (a half-precision one must round before scaling, as transformers does)."""
+
+    rounds_normed = True
+    """Whether the normalised row is rounded to the model dtype before the weight scales it (Gemma's is not)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernels: CpuKernels | None = None  # the one-pass C kernel, same roundings (CausalLM.use_cpu_kernels)
+
+    @property
+    def gain(self) -> torch.Tensor:
+        """What multiplies the normalised row: the weight (Gemma's norm: 1 + weight)."""
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
+
+    def use_kernels(self, kernels: CpuKernels) -> None:
+        """Run through the C kernel (one pass, the same roundings)."""
+        self.kernels = kernels
+
+    def finish_loading(self) -> None:
+        """After the checkpoint's values are in (Gemma's norm folds its 1 + weight here)."""
+
+
+def column_targets(prefix: str, proj: ColumnParallelLinear, names: Sequence[str], bias: bool) -> Targets:
+    """A fused column-parallel projection's parts, part i the checkpoint tensor `prefix + names[i]` (and its bias)."""
+    targets: Targets = {}
+    for part, name in enumerate(names):
+        targets[f"{prefix}{name}.weight"] = (proj.target(part),)
+        if bias:
+            targets[f"{prefix}{name}.bias"] = (proj.target(part, bias=True),)
+    return targets
+
+
+def row_targets(prefix: str, proj: RowParallelLinear, name: str, bias: bool) -> Targets:
+    """A row-parallel projection's checkpoint tensor `prefix + name` (and its bias)."""
+    targets: Targets = {f"{prefix}{name}.weight": (proj.target(),)}
+    if bias:
+        targets[f"{prefix}{name}.bias"] = (proj.target(bias=True),)
+    return targets
+
+
+class DecoderLayer(nn.Module):
+    """One block (layer `index`); under tensor parallelism it holds this rank's heads and intermediate rows only.
+
+    Its halves are `attention_block` and `mlp_block`, each taking and returning the residual stream as
+    `x` + `residual` (`residual` None: `x` alone); a family changes one by overriding it, and names its checkpoint
+    tensors in `targets`."""
+
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
+    activation: ClassVar[str] = "silu"
+    """The MLP's activation of gate, multiplied by up: "silu" or "gelu_tanh" (layer_ops.activate)."""
+    in_one_call: ClassVar[bool] = True
+    """Whether kernels/cpu/decode.c's one-call layers compute this layer (Llama's shape, SiLU, plain norms)."""
+
+    def __init__(self, spec: ModelSpec, index: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.spec = spec
+        heads = Split(spec.num_heads, spec.head_dim, "attention heads")
+        kv_heads = Split(spec.num_kv_heads, spec.head_dim, "KV heads", replicate=True)
+        self.input_layernorm = self.norm_class(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(spec.hidden_size, spec.rms_norm_eps)
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [heads, kv_heads, kv_heads], spec.qkv_bias, tp)
+        self.q_size, self.kv_size = self.qkv_proj.sizes[:2]
+        self.num_heads, self.num_kv_heads = self.q_size // spec.head_dim, self.kv_size // spec.head_dim
+        self.o_proj = RowParallelLinear(heads, spec.hidden_size, spec.attention_bias, tp)
+        self.q_norm = self.norm_class(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = self.norm_class(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.scale, self.window, self.softcap = spec.scale, spec.windows[index], spec.softcap
+        self.rope_index = spec.layer_ropes[index]
+        self.tp = tp
+        self.build_mlp(spec, tp)
+        self.residual_in_gemm = False  # both residual adds as oneDNN post-ops (see fuse_residual_adds)
+        self.mlp_kernels: CpuKernels | None = None  # C activation between float32 GEMMs (use_cpu_kernels)
+        self.scratch: Scratch | None = None  # where that activation goes (shared by the layers)
+        self.block_kernels: CpuKernels | None = None  # every projection in block formats (use_cpu_kernels)
+        self.dense_buffer: torch.Tensor | None = None  # where block weights expand for steps of many rows (shared)
+
+    def build_mlp(self, spec: ModelSpec, tp: TensorParallel) -> None:
+        """The dense MLP: one fused gate/up projection and the down projection."""
+        inter = Split(spec.intermediate_size, 1, "intermediate size")
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [inter, inter], spec.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, tp)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the model's)."""
+        return self.input_layernorm.weight.dtype
+
+    def ops(self, step: LayerStep) -> LayerOps:
+        """The kernels this step's pieces run on (engine/model/layer_ops.py)."""
+        if step.triton is not None:
+            return step.triton
+        return EAGER_OPS if self.block_kernels is None else BLOCK_OPS
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, index: int,
+                step: LayerStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This block (layer `index`) over the residual stream, in and out as `x` + `residual`. The ops decide
+        where each residual add runs: at once, inside the product, or in the next norm's kernel."""
+        ops = self.ops(step)
+        x, res = self.attention_block(ops, x, residual, index, step)
+        return self.mlp_block(ops, x, res)
+
+    def attention_block(self, ops: LayerOps, x: torch.Tensor, residual: torch.Tensor | None, index: int,
+                        step: LayerStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        qkv, stream = ops.norm_linear(self, x, residual, self.input_layernorm, self.qkv_proj)
+        return ops.add_linear(self, ops.attend(self, qkv, index, step), self.o_proj, stream)
+
+    def mlp_block(self, ops: LayerOps, x: torch.Tensor,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        gate_up, stream = ops.norm_linear(self, x, residual, self.post_attention_layernorm, self.gate_up_proj,
+                                          gated=True)
+        return ops.add_linear(self, gate_up, self.down_proj, stream, gated=True)
+
+    def targets(self, prefix: str) -> Targets:
+        """This layer's checkpoint tensors (under `prefix`, "model.layers.{i}.") and where each goes."""
+        targets = {prefix + name + ".weight": (WeightTarget(norm.weight),) for name, norm in self.norms().items()}
+        return targets | self.attention_targets(prefix + "self_attn.") | self.mlp_targets(prefix)
+
+    def attention_targets(self, prefix: str) -> Targets:
+        return column_targets(prefix, self.qkv_proj, ("q_proj", "k_proj", "v_proj"), self.spec.qkv_bias) | \
+            row_targets(prefix, self.o_proj, "o_proj", self.spec.attention_bias)
+
+    def norms(self) -> dict[str, RMSNorm]:
+        """The layer's norms by checkpoint name (under the layer's prefix)."""
+        norms = {"input_layernorm": self.input_layernorm, "post_attention_layernorm": self.post_attention_layernorm}
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3's and Gemma 3's per-head q/k norms
+            norms |= {"self_attn.q_norm": self.q_norm, "self_attn.k_norm": self.k_norm}
+        return norms
+
+    def mlp_targets(self, prefix: str) -> Targets:
+        """The MLP's tensors, under the layer's prefix."""
+        bias = self.spec.mlp_bias
+        return column_targets(prefix + "mlp.", self.gate_up_proj, ("gate_proj", "up_proj"), bias) | \
+            row_targets(prefix + "mlp.", self.down_proj, "down_proj", bias)
+
+    def projections(self) -> list[ColumnParallelLinear | RowParallelLinear]:
+        """The products a step of this layer runs (all in block formats: the block kernels take the layer)."""
+        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
+
+    def residual_projections(self) -> list[RowParallelLinear]:
+        """The projections whose output `add_linear` adds into the stream (the MoE layer's are attention's only)."""
+        return [self.o_proj, self.down_proj]
+
+    def fuse_residual_adds(self) -> None:
+        """Run the residual adds as binary post-ops of the o and down GEMMs (engine/model/ops.py), once
+        their weights are prepacked: for float32 activations (a half-precision model rounds the GEMM's
+        output before adding, as transformers does), one rank (a row-parallel output is all-reduced
+        before the add) and no biases."""
+        adds = self.residual_projections()
+        self.residual_in_gemm = bool(adds) and all(fuses_add(p.weight) and p.bias is None for p in adds) \
+            and self.dtype == torch.float32 and self.tp.size == 1
+
+    def use_cpu_kernels(self, kernels: CpuKernels, scratch: Scratch, dense: torch.Tensor) -> None:
+        """Take minichat's C kernels where this layer can (see CausalLM.use_cpu_kernels): its norms; the MLP's
+        SiLU * up between float32 GEMMs on one rank; with every projection in block formats (one rank, float32),
+        the block kernels that fuse norms, activation and residual adds into the products."""
+        for norm in self.norms().values():
+            norm.use_kernels(kernels)
+        if self.activation != "silu" or self.tp.size != 1:
+            return
+        self.use_mlp_kernels(kernels, scratch)
+        if self.dtype == torch.float32 and all(isinstance(p.weight, BlockMatrix) for p in self.projections()):
+            self.block_kernels, self.dense_buffer = kernels, dense
+
+    def execution(self) -> dict[str, str]:
+        """What this layer runs otherwise than the shared decoder's kernels would, for the engine's `execution`."""
+        return {}
+
+    def use_mlp_kernels(self, kernels: CpuKernels, scratch: Scratch) -> None:
+        """The C activation between float32 GEMMs."""
+        if gemm_dtype(self.gate_up_proj.weight) == torch.float32:
+            self.mlp_kernels, self.scratch = kernels, scratch
+
+
+class CausalLM(nn.Module):
+    """The model, or under tensor parallelism (`tp`) this rank's shard of it; `spec` stays the whole model's.
+    A family subclasses it to build its own layers (`make_layer`) or to change the embedding or the logits."""
+
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        tp = tp if tp is not None else TensorParallel()
+        self.spec = spec
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        # an nn.ModuleList (so the layers register as submodules), whose items torch's stubs type as plain Modules
+        layers = nn.ModuleList(self.make_layer(spec, i, tp) for i in range(spec.num_layers))
+        self.layers = cast(Sequence[DecoderLayer], layers)
+        self.norm = self.layer_class.norm_class(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
+        self.cos_sin: list[torch.Tensor] = []  # a RoPE table per `spec.ropes`: cos, signed sin (layer_ops.apply_rope)
+        self.kernels: CpuKernels | None = None
+        self.backend: AttentionBackend | None = None  # the backend the layers' path was chosen for
+        self.triton: TritonOps | None = None  # the fused Triton kernels, on the Triton backend
+        self._fused: tuple[KVPool, FusedLayers] | None = None  # the layers as one C call, for the pool it was built on
+        self.one_call = True  # run the layers as one C call where `_fused_layers` can (off: layer by layer, as tested)
+
+    def make_layer(self, spec: ModelSpec, index: int, tp: TensorParallel) -> DecoderLayer:
+        return self.layer_class(spec, index, tp)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank stores (its share of the KV pool's width)."""
+        return self.layers[0].num_kv_heads
+
+    def weight_targets(self) -> Targets:
+        """HF tensor name -> where this rank's slices of it go."""
+        targets: Targets = {
+            "model.embed_tokens.weight": (self.embed_tokens.target(),),
+            "model.norm.weight": (WeightTarget(self.norm.weight),),
+        }
+        if not self.spec.tie_word_embeddings:
+            targets["lm_head.weight"] = (self.lm_head.target(),)
+        for i, layer in enumerate(self.layers):
+            targets |= layer.targets(f"model.layers.{i}.")
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, Source]]) -> None:
+        """Copy this rank's slice of each checkpoint tensor into place (ignoring ones we do not use);
+        raise naming any missing. Lazy slices are read only where this rank's slice lies."""
+        targets = self.weight_targets()
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            for target in targets.get(name, ()):
+                load_into(target, name, tensor)
+            if name in targets:
+                loaded.add(name)
+        missing = set(targets) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(missing)[:8])}")
+        finish_block_weights(self)
+        self._finish_loading()
+
+    def _finish_loading(self) -> None:
+        """Tie the output head, let the norms finish, and build the RoPE tables (cos, signed sin; see
+        layer_ops.apply_rope) for every position."""
+        if self.spec.tie_word_embeddings:
+            weight = self.embed_tokens.weight
+            if not isinstance(weight, nn.Parameter):  # block formats (engine/model/quantized.py)
+                self.lm_head._parameters.pop("weight", None)
+            self.lm_head.weight = weight
+        dtype = self.norm.weight.dtype
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.finish_loading()
+        device = self.norm.weight.device
+        pos = torch.arange(self.spec.max_position_embeddings, dtype=torch.float, device=device)
+        self.cos_sin = []
+        for rope in self.spec.ropes:
+            freqs = pos[:, None] * rope.inv_freq.to(device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            sin = emb.sin()
+            signed_sin = torch.cat((-sin[:, : freqs.shape[1]], sin[:, freqs.shape[1] :]), dim=-1)
+            # in the model dtype, as transformers casts it before use (the cast commutes with indexing)
+            self.cos_sin.append((torch.stack((emb.cos(), signed_sin)) * rope.scaling).to(dtype))
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Run RMSNorm and RoPE through minichat's C kernels (kernels/cpu): one pass each instead of five
+        and four eager ops, rounding where transformers rounds, so greedy output stays token-identical.
+        A model whose GEMMs run in float32 (on one rank: a row-parallel down projection is summed across
+        ranks before rounding) also gets the MLP activation in C: for float32 one pass that beat oneDNN's
+        SiLU and multiply post-ops, for bf16 one pass that rounds where transformers' four ops round.
+        A layer whose projections are all in block formats (one rank, float32) runs its norms, the activation
+        and the residual adds inside the quantized products: four C calls a layer besides RoPE and attention
+        (its output is approximate anyway: the products quantize their input). Each layer takes what it can
+        (`DecoderLayer.use_cpu_kernels`)."""
+        self.kernels = kernels
+        device = self.norm.weight.device
+        scratch, dense = Scratch(device), torch.empty(0, dtype=torch.float32, device=device)
+        self.norm.use_kernels(kernels)
+        for layer in self.layers:
+            if dense.numel() == 0 and all(isinstance(p.weight, BlockMatrix) for p in layer.projections()):
+                dense = torch.empty(DENSE_BUFFER, dtype=torch.float32, device=device)
+            layer.use_cpu_kernels(kernels, scratch, dense)
+
+    def use_attention_backend(self, backend: AttentionBackend) -> None:
+        """Choose the layers' path for `backend`, once: on the Triton backend (the GPU path) the fused Triton
+        kernels (`TritonOps`); on any other the eager ops or minichat's C kernels. The engine calls this once
+        it has built its backend (after the model); `forward` calls it for a caller that did not."""
+        self.backend = backend
+        self.triton = TritonOps(cast("TritonBackend", backend)) if backend.name == "triton" else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of the step's tokens, in the model dtype (a tied embedding may be stored upcast)."""
+        return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits of the final hidden states (None on tensor-parallel ranks other than 0)."""
+        logits = self.lm_head(h)
+        return None if logits is None else logits.float()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                kv: KVPool, backend: AttentionBackend, meta: object) -> torch.Tensor | None:
+        """Run the flat batch; returns float32 logits only for the rows in `logits_index`
+        (under tensor parallelism on rank 0 only; other ranks get None)."""
+        x = self.embed(input_ids)
+        if backend is not self.backend:
+            self.use_attention_backend(backend)
+        if not self.cos_sin:
+            raise RuntimeError("CausalLM.load_weights() must run before the first step")
+        residual: torch.Tensor | None = None
+        few_rows = isinstance(meta, PagedStep) and x.shape[0] < DENSE_ROWS  # many rows: torch's GEMM, per layer
+        fused = self._fused_layers(kv) if few_rows and self.triton is None else None
+        if fused is not None and isinstance(meta, PagedStep):  # every layer in one C call (decode.c), x in place
+            x = x.contiguous()
+            fused(x, positions, meta.table, meta.rows, meta.kv_lens, meta.out_locs)
+        else:
+            step = LayerStep(positions, kv, backend, meta, self.cos_sin, self.kernels, self.triton)
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, i, step)
+        if logits_index.numel() != x.shape[0]:  # as many sampled rows as tokens: every row, in order
+            x = x[logits_index]
+            residual = None if residual is None else residual[logits_index]
+        h, _ = (self.triton or EAGER_OPS).norm(x, residual, self.norm)
+        return self.logits(h)
+
+    def execution(self) -> dict[str, str]:
+        """How this model's layers run here, beyond the engine's options (LLM.execution): `layers`, and what a
+        family's layers run otherwise than the shared decoder's (`DecoderLayer.execution`)."""
+        layers = "one C call a step" if self.runs_one_call else "one call each"
+        if self.one_call and not all(layer.in_one_call for layer in self.layers) and \
+                all(layer.block_kernels is not None for layer in self.layers):
+            layers += " (the one-call path runs Llama-shaped dense layers; this model's are not)"
+        entries = {"layers": layers}
+        for layer in self.layers:
+            entries |= layer.execution()
+        return entries
+
+    @property
+    def runs_one_call(self) -> bool:
+        """Whether steps the CPU attention kernel takes whole run every layer in one C call (`_fused_layers`):
+        every layer Llama-shaped (`DecoderLayer.in_one_call`) with its products in block formats."""
+        return self.one_call and all(layer.in_one_call and layer.block_kernels is not None for layer in self.layers)
+
+    def _fused_layers(self, kv: KVPool) -> FusedLayers | None:
+        """The layers as one C call, for a model whose every layer runs its products in block formats
+        (`DecoderLayer.block_kernels`) and steps the CPU attention kernel takes whole; built once per pool."""
+        kernels = self.layers[0].block_kernels
+        if not self.runs_one_call or kernels is None or not self.cos_sin:
+            return None
+        if self._fused is None or self._fused[0] is not kv:
+            from kernels.cpu.decode import FusedLayers, LayerWeights
+
+            def projection(p: nn.Module) -> tuple[BlockMatrix, torch.Tensor | None]:
+                return cast(BlockMatrix, p.weight), cast("torch.Tensor | None", p.bias)
+
+            layers = [LayerWeights(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                None if layer.q_norm is None else layer.q_norm.weight,
+                None if layer.k_norm is None else layer.k_norm.weight,
+                projection(layer.qkv_proj), projection(layer.o_proj), projection(layer.gate_up_proj),
+                projection(layer.down_proj), kv.k(i), kv.v(i), layer.window or 0)
+                for i, layer in enumerate(self.layers)]
+            s = self.spec
+            table = self.cos_sin[0]
+            self._fused = (kv, FusedLayers(kernels, layers, self.layers[0].num_heads, self.num_kv_heads, s.head_dim,
+                                           s.rms_norm_eps, table[0].contiguous(), table[1].contiguous()))
+        return self._fused[1]
