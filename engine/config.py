@@ -60,6 +60,9 @@ class EngineConfig:
     `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
     (when the attention backend supports them and there is one rank; see engine/cuda_graph.py; None:
     every decode batch the request slots allow, up to 256).
+    `reasoning_budget` bounds the think block of requests that split one off (SamplingParams.reasoning)
+    and give no `thinking_token_budget`: after that many tokens inside it the engine closes it (llama.cpp's
+    --reasoning-budget; None: unbounded; engine/reasoning.py).
     """
 
     model: str | None = None
@@ -92,6 +95,7 @@ class EngineConfig:
     max_consecutive_prefills: int = 8
     quantization: str | None = None
     dequantize: bool = False
+    reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -121,6 +125,8 @@ class EngineConfig:
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1 (or None to size the pool automatically); "
                              f"got {self.num_pages}")
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            raise ValueError(f"reasoning_budget must be at least 0 (or None: unbounded); got {self.reasoning_budget}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1 (or None: as many as suit the machine); got {self.threads}")
 

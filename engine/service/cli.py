@@ -60,6 +60,8 @@ ENGINE_HELP = {
     "max_consecutive_prefills": "Without mixed batches: prefill-only steps in a row before running requests decode.",
     "quantization": "Quantize float weights at load: int8 (Q8_0 blocks) or int4 (Q4_1 blocks); CPU only.",
     "dequantize": "Expand a GGUF file's quantized weights to --dtype at load (slower; exact vs transformers).",
+    "reasoning_budget": "Tokens a reply's think block may take before the engine closes it, for requests that "
+                        "set no thinking_token_budget (default: unbounded).",
     "threads": "CPU compute threads (default: up to the usable cores, as many as measure fastest beside other work).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}

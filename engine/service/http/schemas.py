@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import (
     AfterValidator,
@@ -32,7 +32,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from engine.params import MAX_LOGPROBS, MAX_N, InvalidParams, SamplingParams
-from engine.prompt import ChatMessage, Prompt, Tools
+from engine.prompt import ChatMessage, Prompt, Tools, check_template_kwargs
+from engine.service.protocol import Info
 from engine.structured import GrammarSpec, InvalidGrammar
 from engine.tools import InvalidTools, ToolFormat, forced_tool_grammar, tool_functions
 
@@ -73,12 +74,14 @@ def unsupported(*accepted: object) -> AfterValidator:
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One engine request of an HTTP request: a prompt, its sampling, and the choice it fills."""
+    """One engine request of an HTTP request: a prompt, its sampling, and the choice it fills; a chat's
+    `tools` and `template_kwargs` for its template."""
 
     index: int
     prompt: Prompt
     params: SamplingParams
     tools: Tools | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -187,6 +190,14 @@ class GenerationRequest(BaseModel):
         """The tools for the chat template and the grammar forcing calls (tool_choice), if any."""
         return None, None
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """More variables for the chat template (chat only)."""
+        return None
+
+    def reasoning(self, info: Info) -> tuple[bool, int | None]:
+        """Whether the replies' thinking is split off, and its budget (chat only, on a model that thinks)."""
+        return False, None
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v: str | list[str] | None) -> list[str] | None:
@@ -211,9 +222,11 @@ class GenerationRequest(BaseModel):
     def usage_at_the_end(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def params(self, context: int, forced: GrammarSpec | None = None) -> SamplingParams:
+    def params(self, context: int, forced: GrammarSpec | None = None, reasoning: tuple[bool, int | None] = (False, None)
+               ) -> SamplingParams:
         """The engine's sampling parameters (temperature defaults to 1.0, as in the OpenAI API);
-        InvalidParams for values the engine cannot use. `forced`: the grammar of forced tool calls."""
+        InvalidParams for values the engine cannot use. `forced`: the grammar of forced tool calls;
+        `reasoning`: whether the thinking is split off, and its budget."""
         assert not isinstance(self.stop, str)  # `_stop_strings` has made it a list
         logprobs, prompt_logprobs = self.logprob_counts()
         try:
@@ -234,14 +247,16 @@ class GenerationRequest(BaseModel):
                               logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
                               min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, n=self.n,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
-                              ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority)
+                              ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority,
+                              reasoning=reasoning[0], thinking_token_budget=reasoning[1])
 
-    def engine_requests(self, context: int, tool_format: ToolFormat | None = None) -> list[EngineRequest]:
+    def engine_requests(self, info: Info) -> list[EngineRequest]:
         """The engine requests this body stands for, one per prompt (they run concurrently, and batch);
         prompt i's n choices are choices i*n .. i*n + n - 1."""
-        tools, forced = self.tools_for(tool_format)
-        params = self.params(context, forced)
-        return [EngineRequest(i * self.n, prompt, params, tools) for i, prompt in enumerate(self.prompts())]
+        tools, forced = self.tools_for(cast("ToolFormat | None", info.tool_format))
+        params = self.params(info.max_seq_len, forced, self.reasoning(info))
+        kwargs = self.template_kwargs()
+        return [EngineRequest(i * self.n, prompt, params, tools, kwargs) for i, prompt in enumerate(self.prompts())]
 
 
 class TextPart(BaseModel):
@@ -272,6 +287,7 @@ class Message(BaseModel):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's thinking (vLLM's), for templates that render it
 
     def text(self) -> str:
         if self.content is None:
@@ -290,6 +306,8 @@ def _chat(messages: list[Message]) -> list[ChatMessage]:
             turn["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             turn["name"] = m.name
+        if m.reasoning_content is not None:
+            turn["reasoning_content"] = m.reasoning_content
         out.append(turn)
     return out
 
@@ -323,6 +341,23 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # calls are parsed however many there are
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
+    thinking_token_budget: Annotated[int, Field(ge=0), Wire] | None = None  # vLLM's: the think block's budget
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            check_template_kwargs(v)
+        except ValueError as e:  # its sentence names the field, as errors.py will
+            raise ValueError(str(e).removeprefix("chat_template_kwargs ")) from None
+        return v
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
+
+    def reasoning(self, info: Info) -> tuple[bool, int | None]:
+        return thinking(info, self.thinking_token_budget, "thinking_token_budget")
 
     def tools_for(self, tool_format: ToolFormat | None) -> tuple[Tools | None, GrammarSpec | None]:
         """The tools (for the template, unless tool_choice is "none") and, for "required" or a named
@@ -357,6 +392,14 @@ class ChatCompletionRequest(GenerationRequest):
 
     def prompts(self) -> list[Prompt]:
         return [_chat(self.messages)]
+
+
+def thinking(info: Info, budget: int | None, field: str) -> tuple[bool, int | None]:
+    """A chat's reasoning on this model (split off wherever the model thinks) and the budget asked for in
+    `field`; InvalidParams naming it for a model without a think block."""
+    if budget is not None and info.think_markers is None:
+        raise InvalidParams(f"{field}: this model's chat template has no think block")
+    return info.think_markers is not None, budget
 
 
 def _grammar(field: str, kind: str, value: str | list[str]) -> GrammarSpec:
