@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -244,7 +244,7 @@ class Body(Protocol):
     """A generation request's body, in any API's shape (schemas.py, anthropic.py, responses.py)."""
 
     model: str | None
-    stream: bool
+    model_fields: ClassVar[dict[str, Any]]
 
     def engine_requests(self, info: Info) -> list[EngineRequest]:
         """The engine requests the body stands for; InvalidParams or InvalidGrammar for what the engine
@@ -280,7 +280,8 @@ async def prepare(state: ApiState, body: Body) -> Prepared:
         requests = body.engine_requests(info)
     except (InvalidParams, InvalidGrammar) as e:
         field = re.split(r"[ :]", str(e), maxsplit=1)[0]  # a sentence that starts with a field's name names it
-        raise ApiError(400, str(e), param=field if field.split(".")[0] in type(body).model_fields else None,
+        head = re.match(r"\w*", field)
+        raise ApiError(400, str(e), param=field if head and head.group() in type(body).model_fields else None,
                        code="invalid_grammar" if isinstance(e, InvalidGrammar) else "invalid_params") from e
     return Prepared(model, info, requests)
 
@@ -379,8 +380,10 @@ async def _events(generations: list[Generation], reply: Reply, shape: Shape, chu
         yield event
 
 
-def sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse(payload: dict[str, Any] | str, event: str | None = None) -> str:
+    """One server-sent event; `event` names its type (Anthropic's and the Responses API's streams do)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"event: {event}\ndata: {data}\n\n" if event is not None else f"data: {data}\n\n"
 
 
 class EventStream(StreamingResponse):

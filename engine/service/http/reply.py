@@ -21,7 +21,8 @@ from engine.tools import StreamDelta, ToolCall, ToolCallDelta, ToolCallStreamPar
 @dataclass
 class Piece:
     """What one output adds to a choice: thinking, answer text (from character `offset` of the choice's
-    text), tool-call deltas, the log-probabilities of its tokens, and the finish reason once it ends."""
+    text), tool-call deltas, the log-probabilities of its tokens, and the finish reason once it ends (with
+    the stop string that ended it, if one did)."""
 
     reasoning: str = ""
     text: str = ""
@@ -29,6 +30,7 @@ class Piece:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     offset: int = 0
+    stop_string: str | None = None
 
     @property
     def empty(self) -> bool:
@@ -38,13 +40,14 @@ class Piece:
 @dataclass
 class Whole:
     """A whole choice: its thinking, its answer (None: only tool calls), the calls, log-probabilities, and
-    why it ended ("stop", "length", "tool_calls", "abort")."""
+    why it ended ("stop", "length", "tool_calls", "abort"; `stop_string`: the stop string that ended it)."""
 
     reasoning: str
     text: str | None
     tool_calls: list[ToolCall]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
+    stop_string: str | None = None
 
 
 class Tally:
@@ -114,6 +117,7 @@ class ChoiceWriter:
         self.reasoning = ""
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None
 
     def feed(self, out: Output) -> list[Piece]:
         """The pieces `out` adds (the finish reason comes in a piece of its own)."""
@@ -129,6 +133,12 @@ class ChoiceWriter:
             self.logprobs = (self.logprobs or [])
             self.logprobs += entries
         self.finish_reason = out.finish_reason or self.finish_reason
+        if isinstance(out, Final):
+            self.stop_string = out.stop_string
+
+    def _ending(self, finish_reason: str | None) -> Piece:
+        """The piece that ends the choice."""
+        return Piece(finish_reason=finish_reason, stop_string=self.stop_string)
 
 
 class TextChoice(ChoiceWriter):
@@ -145,11 +155,11 @@ class TextChoice(ChoiceWriter):
         self.text += text
         self._note(out, entries)
         if out.finish_reason:
-            pieces.append(Piece(finish_reason=out.finish_reason))
+            pieces.append(self._ending(out.finish_reason))
         return pieces
 
     def finish(self) -> Whole:
-        return Whole(self.reasoning, self.text, [], self.logprobs, self.finish_reason)
+        return Whole(self.reasoning, self.text, [], self.logprobs, self.finish_reason, self.stop_string)
 
     def _shown(self, out: Output) -> tuple[str, list[TokenLogprob] | None]:
         """The text and log-probabilities of `out` that the choice shows."""
@@ -195,13 +205,15 @@ class ToolCallChoice(ChoiceWriter):
 
     def finish(self) -> Whole:
         content, calls = assemble(self._parsed)
-        return Whole(self.reasoning, content, calls, self.logprobs, _with_calls(self.finish_reason, bool(calls)))
+        return Whole(self.reasoning, content, calls, self.logprobs, _with_calls(self.finish_reason, bool(calls)),
+                     self.stop_string)
 
     def _piece(self, parsed: StreamDelta, reasoning: str, finish_reason: str | None,
                entries: list[TokenLogprob] | None) -> Piece:
         self._parsed.append(parsed)
         return Piece(reasoning, parsed.content, parsed.tool_calls, entries,
-                     _with_calls(finish_reason, bool(self._parser.calls)))
+                     _with_calls(finish_reason, bool(self._parser.calls)),
+                     stop_string=self.stop_string if finish_reason else None)
 
 
 def _with_calls(finish_reason: str | None, called: bool) -> str | None:

@@ -14,7 +14,10 @@ bounded to what its messages carry (`Wire`: MessagePack's 64 bits), and token id
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -400,6 +403,20 @@ def thinking(info: Info, budget: int | None, field: str) -> tuple[bool, int | No
     if budget is not None and info.think_markers is None:
         raise InvalidParams(f"{field}: this model's chat template has no think block")
     return info.think_markers is not None, budget
+
+
+@contextlib.contextmanager
+def renamed(fields: dict[str, str]) -> Iterator[None]:
+    """InvalidParams raised inside, with the engine's name of a field (its sentence starts with it) replaced
+    by the body's (Anthropic's `stop_sequences` is the engine's `stop`)."""
+    try:
+        yield
+    except InvalidParams as e:
+        text = str(e)
+        for engine_name, body_name in fields.items():
+            if re.match(rf"{engine_name}\b", text):
+                raise InvalidParams(body_name + text[len(engine_name):]) from None
+        raise
 
 
 def _grammar(field: str, kind: str, value: str | list[str]) -> GrammarSpec:
