@@ -105,6 +105,17 @@ def _message(error: dict[str, Any], path: list[str | int], kinds: list[str]) -> 
     if kind == "literal_error":
         expected = ctx["expected"]  # pydantic's: "'system', 'user' or 'assistant'"
         return must(f"must be {'one of ' if ' or ' in expected else ''}{expected}")
+    if kind in _LENGTHS:
+        return _length(kind, ctx, quoted, path)
+    msg = str(error.get("msg", "is invalid"))  # our own errors (PydanticCustomError) and pydantic's rarer ones
+    return must(msg[:1].lower() + msg[1:])
+
+
+_LENGTHS = ("string_too_short", "string_too_long", "too_short", "too_long")
+
+
+def _length(kind: str, ctx: dict[str, Any], quoted: str, path: list[str | int]) -> str:
+    """The sentence for a string or list of the wrong length."""
     if kind == "string_too_short":
         least = ctx["min_length"]
         return f"{quoted} must not be empty" if least == 1 else f"{quoted} must be at least {least} characters long"
@@ -113,10 +124,7 @@ def _message(error: dict[str, Any], path: list[str | int], kinds: list[str]) -> 
     if kind == "too_short":
         least = ctx["min_length"]
         return f"{quoted} must contain at least {'one ' + _noun(path) if least == 1 else _count(least, _noun(path))}"
-    if kind == "too_long":
-        return f"{quoted} must contain at most {_count(ctx['max_length'], _noun(path))}"
-    msg = str(error.get("msg", "is invalid"))  # our own errors (PydanticCustomError) and pydantic's rarer ones
-    return must(msg[:1].lower() + msg[1:])
+    return f"{quoted} must contain at most {_count(ctx['max_length'], _noun(path))}"
 
 
 def _path(loc: Sequence[str | int], body: Any, kind: str) -> list[str | int]:
