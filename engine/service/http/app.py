@@ -22,11 +22,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.service.client import AsyncEngineClient, EngineUnavailable
 from engine.service.http import messages as messages_api
+from engine.service.http import responses as responses_api
 from engine.service.http.edge import EdgeGuard
 from engine.service.http.errors import ApiError, validation_error
 from engine.service.http.generation import ClientGone, respond
 from engine.service.http.messages.schemas import MessagesInput, MessagesRequest
 from engine.service.http.metrics import CONTENT_TYPE, Metrics, endpoint_label
+from engine.service.http.responses.schemas import ResponsesRequest
 from engine.service.http.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from engine.service.http.shapes import CHAT, COMPLETION
 from engine.service.http.state import ApiState, engine_call
@@ -123,6 +125,10 @@ def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesInput, request: Request) -> dict[str, int]:
         return await messages_api.count_tokens(_api(request), body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await responses_api.respond(_api(request), request, body)
 
 
 async def _watch_stats(state: ApiState) -> None:
