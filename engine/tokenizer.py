@@ -171,7 +171,11 @@ class IncrementalDetokenizer:
             return
         backend, stream = self._decoder
         piece = stream.step(backend, token_id)
-        if not piece or part is Part.MARKER:
+        if not piece:
+            return
+        if part is Part.MARKER:  # dropped, but not the bytes of thinking it completed (as "\ufffd" if cut)
+            marker = backend.id_to_token(token_id) or ""
+            self.reasoning += piece[:-len(marker)] if marker and piece.endswith(marker) else ""
             return
         if part is Part.THINKING:
             self.reasoning += piece
