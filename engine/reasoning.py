@@ -10,9 +10,11 @@ the same text with one "/" more as its end (`<think>` / `</think>`, `<seed:think
 and the engine splits the text exactly where the model switched.
 
 Whether a reply starts inside the block is the prompt's to say: open when the prompt's last start marker
-comes after its last end marker (DeepSeek-R1's prompt, or Qwen3-2507's), else the reply's first token may
-open one (Qwen3 with thinking on writes `<think>` itself) and any other first token starts the answer.
-After the end marker everything is the answer; a second `<think>` there is just text.
+comes after its last end marker (DeepSeek-R1's prompt, or Qwen3-2507's); closed for good when the prompt
+ends as the template ends a generation prompt with thinking off (Qwen3's `<think>\n\n</think>\n\n`:
+`ThinkMarkers.closed`); else the reply's first token may open one (Qwen3 with thinking on writes `<think>`
+itself, also after a tool result) and any other first token starts the answer. After the end marker
+everything is the answer; a second `<think>` there is just text.
 
 A budget (`thinking_token_budget`, `--reasoning-budget`) bounds the thinking: after that many tokens
 inside the block the engine makes the request emit the template's own close (`ThinkMarkers.close`, e.g.
@@ -46,15 +48,17 @@ class Part(enum.Enum):
 
 @dataclass(frozen=True)
 class ThinkMarkers:
-    """A model's think block: its start and end markers (one token each) and `close`, the tokens the
-    engine emits to end a block whose budget is spent (the template's whitespace before the end marker,
-    then the marker)."""
+    """A model's think block: its start and end markers (one token each), `close`, the tokens the engine
+    emits to end a block whose budget is spent (the template's whitespace before the end marker, then the
+    marker), and `closed`, how a generation prompt with thinking off ends (from the end marker on; None
+    when the template has no such switch)."""
 
     start: str
     end: str
     start_id: int
     end_id: int
     close: tuple[int, ...]
+    closed: tuple[int, ...] | None = None
 
 
 def think_markers(tokenizer: PreTrainedTokenizerBase | None) -> ThinkMarkers | None:
@@ -76,7 +80,20 @@ def think_markers(tokenizer: PreTrainedTokenizerBase | None) -> ThinkMarkers | N
     close = tokenizer.encode(_lead(tokenizer, end) + end, add_special_tokens=False)
     if not close or close[-1] != written[end]:
         return None
-    return ThinkMarkers(start, end, written[start], written[end], tuple(close))
+    return ThinkMarkers(start, end, written[start], written[end], tuple(close), _closed(tokenizer, written[end]))
+
+
+def _closed(tokenizer: PreTrainedTokenizerBase, end_id: int) -> tuple[int, ...] | None:
+    """How the template ends a generation prompt with `enable_thinking` false, from its end marker on."""
+    try:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=True,
+                                            tokenize=True, enable_thinking=False)
+    except Exception:  # a template may refuse any conversation it was not written for
+        return None
+    ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+    if end_id not in ids:
+        return None
+    return tuple(ids[len(ids) - 1 - ids[::-1].index(end_id):])
 
 
 def _lead(tokenizer: PreTrainedTokenizerBase, end: str) -> str:
@@ -100,7 +117,7 @@ class ThinkBlock:
     def __init__(self, markers: ThinkMarkers, prompt: list[int], budget: int | None) -> None:
         self.markers = markers
         self.budget = budget
-        self.state = Part.THINKING if _opened(prompt, markers) else None  # None: the first token decides
+        self.state = _start(prompt, markers)  # None: the reply's first token decides
         self.tokens = 0
         self._inside = 0  # tokens inside the block before the close began
         self._closing = 0  # tokens of the close emitted so far
@@ -153,11 +170,15 @@ class ThinkBlock:
         return self.budget is not None and index >= self.budget and not self.answering
 
 
-def _opened(prompt: list[int], markers: ThinkMarkers) -> bool:
-    """The prompt leaves a think block open: its last start marker comes after its last end marker."""
+def _start(prompt: list[int], markers: ThinkMarkers) -> Part | None:
+    """Where a reply to `prompt` starts: inside the block the prompt left open, in the answer when the
+    prompt closed the block as a generation prompt with thinking off does, else undecided (None)."""
+    closed = markers.closed
+    if closed is not None and tuple(prompt[-len(closed):]) == closed:
+        return Part.ANSWER
     for token in reversed(prompt):
         if token == markers.end_id:
-            return False
+            return None
         if token == markers.start_id:
-            return True
-    return False
+            return Part.THINKING
+    return None

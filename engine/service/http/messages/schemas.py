@@ -148,10 +148,14 @@ class MessagesInput(BaseModel):
     thinking: ThinkingConfig | None = None
 
     @model_validator(mode="after")
-    def _no_prefill(self) -> MessagesInput:
+    def _honourable(self) -> MessagesInput:
         if self.messages[-1].role == "assistant":
             raise ValueError(f"messages[{len(self.messages) - 1}]: a last assistant turn to continue (a prefill) "
                              f"is not supported; end with a user turn")
+        if self.thinking is not None and self.thinking.type == "enabled" and self.tool_choice is not None and \
+                self.tool_choice.type in ("any", "tool"):  # as Anthropic's API refuses it
+            raise ValueError("tool_choice: a forced tool call cannot go with thinking enabled (the thinking would "
+                             "come first); use 'auto', or disable thinking")
         return self
 
     def chat(self) -> list[ChatMessage]:
