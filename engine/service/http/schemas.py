@@ -75,6 +75,20 @@ def unsupported(*accepted: object) -> AfterValidator:
     return AfterValidator(check)
 
 
+def _token_id_keys(v: dict[str, float]) -> dict[str, float]:
+    if not all(k.isascii() and k.isdigit() and _below_2_64(k.lstrip("0")) for k in v):
+        raise ValueError("keys must be token ids (strings of digits, below 2**64)")
+    return {k.lstrip("0") or "0": b for k, b in v.items()}  # int() of each is cheap
+
+
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], AfterValidator(_token_id_keys)]
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """A checked `logit_bias` as the engine takes it."""
+    return {int(k): v for k, v in bias.items()} if bias else None
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One engine request of an HTTP request: a prompt, its sampling, and the choice it fills; a chat's
@@ -135,7 +149,7 @@ class GenerationRequest(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: LogitBias | None = None
     min_tokens: Annotated[int, Field(ge=0), Wire] = 0
     stop_token_ids: list[TokenId] | None = None
     response_format: ResponseFormat | None = None
@@ -151,13 +165,6 @@ class GenerationRequest(BaseModel):
         if v is not None and not info.data.get("stream"):  # OpenAI and vLLM refuse it too
             raise ValueError("stream_options is only allowed when 'stream' is true")
         return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v is not None and not all(k.isascii() and k.isdigit() and _below_2_64(k.lstrip("0")) for k in v):
-            raise ValueError("keys must be token ids (strings of digits, below 2**64)")
-        return {k.lstrip("0") or "0": b for k, b in v.items()} if v is not None else None  # int() of each is cheap
 
     def structured(self) -> GrammarSpec | None:
         """The one structure the output must follow, from whichever field asked for it (a 400 for two)."""
@@ -247,7 +254,7 @@ class GenerationRequest(BaseModel):
                               top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,
-                              logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                              logit_bias=logit_bias(self.logit_bias),
                               min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, n=self.n,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
                               ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority,

@@ -251,6 +251,7 @@ class MessagesRequest(MessagesInput):
     container: Annotated[Any, unsupported(None)] = None
     mcp_servers: Annotated[Any, unsupported(None)] = None
     context_management: Annotated[Any, unsupported(None)] = None
+    ignore_eos: bool = False  # an extension, as on the OpenAI routes (`minichat bench` sends it)
 
     def params(self, info: Info, forced: GrammarSpec | None) -> SamplingParams:
         structured = None
@@ -267,4 +268,5 @@ class MessagesRequest(MessagesInput):
             return SamplingParams(max_tokens=self.max_tokens, top_p=1.0 if self.top_p is None else self.top_p,
                                   temperature=1.0 if self.temperature is None else self.temperature,
                                   top_k=-1 if not self.top_k else self.top_k, stop=self.stop_sequences or None,
-                                  structured=structured or forced, reasoning=reasoning, thinking_token_budget=budget)
+                                  structured=structured or forced, reasoning=reasoning, thinking_token_budget=budget,
+                                  ignore_eos=self.ignore_eos)

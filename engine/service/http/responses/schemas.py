@@ -8,7 +8,8 @@ effort on (the engine has no finer grades of effort).
 Nothing is stored: `store: true`, `previous_response_id`, `conversation`, `background` and `include` are
 refused with a 400 naming the field (a response kept only in this process's memory would be lost at
 every restart, and no client could tell), and so are other item and tool types, `truncation: "auto"`,
-`max_tool_calls` and `top_logprobs`. Unknown fields are ignored, as the OpenAI routes do.
+`max_tool_calls` and `top_logprobs`. Unknown fields are ignored, as the OpenAI routes do; `logit_bias` and
+`ignore_eos` are taken as on chat and completions.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import ChatMessage, Tools
-from engine.service.http.schemas import EngineRequest, Wire, renamed, thinking, unsupported
+from engine.service.http.schemas import EngineRequest, LogitBias, Wire, logit_bias, renamed, thinking, unsupported
 from engine.service.protocol import Info
 from engine.structured import ANY_OBJECT_SCHEMA, GrammarSpec, InvalidGrammar
 from engine.tools import InvalidTools, ToolFormat, forced_tool_grammar, tool_functions
@@ -149,6 +150,8 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None  # calls are parsed however many there are, as on chat
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None  # given back in the response
+    logit_bias: LogitBias | None = None  # extensions, as on chat and completions
+    ignore_eos: bool = False
     store: Annotated[bool | None, unsupported(False, None)] = None
     previous_response_id: Annotated[str | None, unsupported(None)] = None
     conversation: Annotated[Any, unsupported(None)] = None
@@ -233,7 +236,8 @@ class ResponsesRequest(BaseModel):
             params = SamplingParams(max_tokens=self.max_output_tokens or info.max_seq_len,
                                     temperature=1.0 if self.temperature is None else self.temperature,
                                     top_p=1.0 if self.top_p is None else self.top_p, structured=structured or forced,
-                                    reasoning=reasoning, thinking_token_budget=budget)
+                                    reasoning=reasoning, thinking_token_budget=budget,
+                                    logit_bias=logit_bias(self.logit_bias), ignore_eos=self.ignore_eos)
         return [EngineRequest(0, self.chat(), params, tools, self.template_kwargs())]
 
 
