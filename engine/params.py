@@ -87,8 +87,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise InvalidParams(f"max_tokens must be an integer >= 0; got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidParams(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            raise InvalidParams(f"top_k must be -1 (disabled) or an integer >= 1; got {self.top_k!r}")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1) or self.top_k >= 2**63:
+            raise InvalidParams(f"top_k must be -1 (disabled) or an integer in [1, 2**63); got {self.top_k!r}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidParams(f"top_p must be in (0, 1]; got {self.top_p!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:

@@ -235,6 +235,48 @@ def test_client_disconnect_aborts_the_engine_request(server, engine, stream):
     assert rid not in paint(snap.pages.total, snap.pages.runs, snap.pages.owners)[1] and snap.pages.held == 0
 
 
+NEW_ENDPOINTS = {  # each new API's long request, and its metrics label
+    "/messages": ({"model": "tiny", "messages": [{"role": "user", "content": "Continuous batching"}],
+                   "max_tokens": 10_000, "ignore_eos": True}, "messages"),
+    "/responses": ({"model": "tiny", "input": "Continuous batching", "max_output_tokens": 10_000,
+                    "ignore_eos": True}, "responses"),
+}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("path", sorted(NEW_ENDPOINTS))
+def test_client_disconnect_aborts_the_new_apis_requests(server, engine, path, stream):
+    """Anthropic's Messages and OpenAI's Responses: a client that leaves aborts its engine request too."""
+    aborted = engine.stats().counters.aborted
+
+    async def leave_mid_request() -> str:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            request = asyncio.ensure_future(http.post(server.url + path, json={**NEW_ENDPOINTS[path][0],
+                                                                               "stream": stream}))
+            rid = await asyncio.to_thread(running_http_request, engine)
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+            return rid
+
+    rid = asyncio.run(leave_mid_request())
+    snap = engine.wait_stats(lambda s: s.counters.aborted > aborted and all(r.rid != rid for r in s.running), 15)
+    assert snap.pages.held == 0
+
+
+@pytest.mark.parametrize("path", sorted(NEW_ENDPOINTS))
+def test_the_new_apis_are_counted_in_the_metrics(server, path):
+    label = NEW_ENDPOINTS[path][1]
+    body = {**NEW_ENDPOINTS[path][0], "max_tokens" if path == "/messages" else "max_output_tokens": 3}
+    before = metric_values(server)
+    assert server.post("/v1" + path, body).status_code == 200
+    assert server.post("/v1" + path, {**body, "model": "other"}).status_code == 404
+    after = metric_values(server)
+    for outcome, added in (("length", 1), ("404", 1)):
+        name = f'minichat_http_requests_total{{"endpoint": "{label}", "outcome": "{outcome}"}}'
+        assert after[name] == before.get(name, 0) + added, name
+    assert after["minichat_generation_tokens_total"] - before["minichat_generation_tokens_total"] == 3
+
+
 def metric_values(server: Server) -> dict[str, float]:
     text = server.get("/metrics").text
     return {f"{s.name}{json.dumps(s.labels, sort_keys=True) if s.labels else ''}": s.value
