@@ -30,7 +30,7 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -90,10 +90,10 @@ def _closed(tokenizer: PreTrainedTokenizerBase, end_id: int) -> tuple[int, ...] 
                                             tokenize=True, enable_thinking=False)
     except Exception:  # a template may refuse any conversation it was not written for
         return None
-    ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-    if end_id not in ids:
+    tokens = cast("list[int]", list(ids["input_ids"] if isinstance(ids, Mapping) else ids))
+    if end_id not in tokens:
         return None
-    return tuple(ids[len(ids) - 1 - ids[::-1].index(end_id):])
+    return tuple(tokens[len(tokens) - 1 - tokens[::-1].index(end_id):])
 
 
 def _lead(tokenizer: PreTrainedTokenizerBase, end: str) -> str:

@@ -329,6 +329,22 @@ def test_bench_openai_backend_reports_every_metric(server, tmp_path):
         assert 0 < report["engine"][m]["median"] <= report["engine"][m]["p99"], m
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "messages", "responses"])
+def test_bench_streams_the_other_apis(server, tmp_path, endpoint):
+    """--endpoint: the same workload through chat, Anthropic's Messages or the Responses API, counted from
+    each one's usage (the chat template's tokens are the prompt's too)."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run(minichat("bench", "--backend", "openai", "--base-url", server.url, "--model", "tiny",
+                                  "--api-key", KEY, "--num-requests", "3", "--concurrency", "2", "--input-len", "12",
+                                  "--output-len", "4", "--warmup", "0", "--endpoint", endpoint, "--json", str(out)),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["endpoint"] == endpoint and report["engine"]["completed"] == 3
+    assert all(r["output_len"] == 4 and r["prompt_len"] > 12 and r["error"] is None for r in report["records"])
+    assert 0 < report["engine"]["ttft_ms"]["median"]
+
+
 @pytest.fixture(scope="module")
 def attached(llama_ckpt: Path) -> Iterator[tuple[str, subprocess.Popen, object]]:
     """`minichat api` (no key) attached to an engine of its own, which a test may stop."""

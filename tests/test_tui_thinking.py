@@ -7,7 +7,6 @@ is the reply's text alone; `/think off` switches it off (the template closes the
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from textual.widgets import Static

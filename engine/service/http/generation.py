@@ -28,10 +28,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from engine.outputs import Final, Output
@@ -244,7 +245,6 @@ class Body(Protocol):
     """A generation request's body, in any API's shape (schemas.py, anthropic.py, responses.py)."""
 
     model: str | None
-    model_fields: ClassVar[dict[str, Any]]
 
     def engine_requests(self, info: Info) -> list[EngineRequest]:
         """The engine requests the body stands for; InvalidParams or InvalidGrammar for what the engine
@@ -281,7 +281,8 @@ async def prepare(state: ApiState, body: Body) -> Prepared:
     except (InvalidParams, InvalidGrammar) as e:
         field = re.split(r"[ :]", str(e), maxsplit=1)[0]  # a sentence that starts with a field's name names it
         head = re.match(r"\w*", field)
-        raise ApiError(400, str(e), param=field if head and head.group() in type(body).model_fields else None,
+        known = type(body).model_fields if isinstance(body, BaseModel) else {}
+        raise ApiError(400, str(e), param=field if head and head.group() in known else None,
                        code="invalid_grammar" if isinstance(e, InvalidGrammar) else "invalid_params") from e
     return Prepared(model, info, requests)
 

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.prompt import is_chat
 from engine.service.http.errors import ApiError, anthropic_body
 from engine.service.http.generation import EventStream, Generation, collect, pieces, prepare, sse, start_all
 from engine.service.http.messages.schemas import MessagesInput, MessagesRequest
@@ -53,7 +54,7 @@ async def count_tokens(state: ApiState, body: MessagesInput) -> dict[str, int]:
     prepared = await prepare(state, body)
     req = prepared.requests[0]
     await state.require_engine()
-    assert isinstance(req.prompt, list)
+    assert is_chat(req.prompt)
     ids = await engine_call(state.client.tokenize(req.prompt, tools=req.tools, template_kwargs=req.template_kwargs))
     return {"input_tokens": len(ids)}
 
