@@ -10,22 +10,18 @@ blocks, a tool round trip, count_tokens against the engine's own count, and erro
 from __future__ import annotations
 
 import json
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
 
-from engine.service.client import EngineClient, probe
+from engine.service.client import EngineClient
 from tests.checkpoints import with_context
 from tests.real_templates import DEEPSEEK_R1, QWEN3, real_template
-from tests.test_http_api import wait_http
+from tests.served import serve_http
 from tests.test_reasoning import thinking_checkpoint
-from tui.bench.fleet import free_port, minichat, stop
 
 KEY = "anthropic-test-key"
 ASK = [{"role": "user", "content": "To be, or not to be"}]
@@ -35,33 +31,17 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"]
 TOOLS = [{"name": "get_weather", "description": "Weather forecast.", "input_schema": WEATHER}]
 
 
-def serve(model: Path, key: str | None) -> Iterator[tuple[str, str]]:
-    """(root URL, engine address) of `minichat serve --http` on `model`."""
-    address = f"ipc://{tempfile.mkdtemp(prefix='mca')}/engine.sock"
-    port = free_port()
-    process = subprocess.Popen(minichat("serve", "--http", f"127.0.0.1:{port}", "--address", address, "--model",
-                                        str(model), "--served-model-name", "m", "--num-pages", "160",
-                                        *(("--api-key", key) if key else ())),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    root = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(process, root + "/health")
-        yield root, address
-    finally:
-        stop(process)
-    assert probe(address) is None
-
-
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     root = tmp_path_factory.mktemp("aq")
     path = with_context(thinking_checkpoint(root / "ckpt", real_template(QWEN3)), root / "long", 2048)  # tools
-    yield from serve(path, KEY)
+    yield from serve_http(path, "--num-pages", "160", "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")
 def r1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    yield from serve(thinking_checkpoint(tmp_path_factory.mktemp("ar"), real_template(DEEPSEEK_R1)), None)
+    yield from serve_http(thinking_checkpoint(tmp_path_factory.mktemp("ar"), real_template(DEEPSEEK_R1)),
+                          "--num-pages", "160")
 
 
 def client(server: tuple[str, str], key: str = KEY) -> anthropic.Anthropic:

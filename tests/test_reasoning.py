@@ -13,8 +13,6 @@ after the thinking; what cannot be honoured refused."""
 from __future__ import annotations
 
 import json
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,12 +22,10 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.reasoning import think_markers
-from engine.service.client import probe
 from engine.structured import GrammarSpec
 from tests.checkpoints import THINKING_VOCAB, make_checkpoint, make_thinking_tokenizer
 from tests.real_templates import DEEPSEEK_R1, QWEN3, real_template
-from tests.test_http_api import wait_http
-from tui.bench.fleet import free_port, minichat, stop
+from tests.served import serve_http
 
 ASK = [{"role": "user", "content": "To be, or not to be"}]
 THINK, END = 384, 385  # the markers' ids in the test tokenizer (after its 382 tokens and two specials)
@@ -107,24 +103,15 @@ def test_the_grammar_starts_after_the_block(qwen3):
 
 @pytest.fixture(scope="module")
 def sdk(qwen3) -> Iterator[openai.OpenAI]:
-    address = f"ipc://{tempfile.mkdtemp(prefix='mcr')}/engine.sock"
-    port = free_port()
-    process = subprocess.Popen(minichat("serve", "--http", f"127.0.0.1:{port}", "--address", address, "--model",
-                                        str(qwen3), "--served-model-name", "q", "--num-pages", "64"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_http(process, f"http://127.0.0.1:{port}/health")
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        stop(process)
-    assert probe(address) is None
+    for root, _ in serve_http(qwen3, "--num-pages", "64"):
+        yield openai.OpenAI(base_url=f"{root}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 FORCED = {"logit_bias": {str(THINK): 100}, "thinking_token_budget": 4}
 
 
 def test_reasoning_content_and_content_split_exactly(sdk):
-    resp = sdk.chat.completions.create(model="q", messages=ASK, max_tokens=12, temperature=0, extra_body=FORCED)
+    resp = sdk.chat.completions.create(model="m", messages=ASK, max_tokens=12, temperature=0, extra_body=FORCED)
     message = resp.choices[0].message
     # <think>, 4 thinking tokens, "\n" and </think> (forced), then 5 tokens of answer
     assert message.reasoning_content == "<think>" * 4 + "\n"
@@ -134,10 +121,10 @@ def test_reasoning_content_and_content_split_exactly(sdk):
 
 
 def test_streamed_deltas_add_up_to_the_whole_reply(sdk):
-    whole = sdk.chat.completions.create(model="q", messages=ASK, max_tokens=20, temperature=0, extra_body=FORCED)
+    whole = sdk.chat.completions.create(model="m", messages=ASK, max_tokens=20, temperature=0, extra_body=FORCED)
     reasoning = content = ""
     usage = None
-    for chunk in sdk.chat.completions.create(model="q", messages=ASK, max_tokens=20, temperature=0, stream=True,
+    for chunk in sdk.chat.completions.create(model="m", messages=ASK, max_tokens=20, temperature=0, stream=True,
                                              stream_options={"include_usage": True}, extra_body=FORCED):
         for choice in chunk.choices:
             reasoning += getattr(choice.delta, "reasoning_content", None) or ""
@@ -149,7 +136,7 @@ def test_streamed_deltas_add_up_to_the_whole_reply(sdk):
 
 def test_thinking_off_is_all_content(sdk):
     """enable_thinking false: Qwen3's template closes an empty block in the prompt, so the reply is the answer."""
-    resp = sdk.chat.completions.create(model="q", messages=ASK, max_tokens=8, temperature=0,
+    resp = sdk.chat.completions.create(model="m", messages=ASK, max_tokens=8, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     message = resp.choices[0].message
     assert message.reasoning_content is None and message.content
@@ -158,7 +145,7 @@ def test_thinking_off_is_all_content(sdk):
 
 def test_json_schema_output_parses_after_the_thinking(sdk):
     resp = sdk.chat.completions.create(
-        model="q", messages=ASK, max_tokens=80, temperature=0,
+        model="m", messages=ASK, max_tokens=80, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
         extra_body={**FORCED, "thinking_token_budget": 2})
     message = resp.choices[0].message
@@ -172,7 +159,7 @@ def test_json_schema_output_parses_after_the_thinking(sdk):
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(sdk, body, param):
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.chat.completions.create(model="q", messages=ASK, max_tokens=4, extra_body=body)
+        sdk.chat.completions.create(model="m", messages=ASK, max_tokens=4, extra_body=body)
     assert e.value.body["param"] == param, e.value.body
 
 

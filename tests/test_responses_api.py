@@ -6,8 +6,6 @@ tool round trip, reasoning items, and what is not kept (store, previous_response
 from __future__ import annotations
 
 import json
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from typing import Literal
 
@@ -16,12 +14,10 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from engine.service.client import probe
 from tests.checkpoints import with_context
 from tests.real_templates import QWEN3, real_template
-from tests.test_http_api import wait_http
+from tests.served import serve_http
 from tests.test_reasoning import THINK, thinking_checkpoint
-from tui.bench.fleet import free_port, minichat, stop
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
            "properties": {"city": {"enum": ["Paris", "Rome"]}}}
@@ -33,17 +29,8 @@ GREEDY = {"temperature": 0}
 def sdk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     root = tmp_path_factory.mktemp("resp")
     path = with_context(thinking_checkpoint(root / "ckpt", real_template(QWEN3)), root / "long", 2048)
-    address = f"ipc://{tempfile.mkdtemp(prefix='mco')}/engine.sock"
-    port = free_port()
-    process = subprocess.Popen(minichat("serve", "--http", f"127.0.0.1:{port}", "--address", address, "--model",
-                                        str(path), "--served-model-name", "m", "--num-pages", "160"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_http(process, f"http://127.0.0.1:{port}/health")
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        stop(process)
-    assert probe(address) is None
+    for url, _ in serve_http(path, "--num-pages", "160"):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def test_plain(sdk):

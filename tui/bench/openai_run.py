@@ -19,6 +19,8 @@ from tui.bench.metrics import RequestRecord
 from tui.bench.runner import run_workload
 from tui.bench.workload import BenchRequest
 
+COMPLETIONS = ENDPOINTS["completions"]  # what every OpenAI-compatible server and gateway streams
+
 
 class OpenAIError(RuntimeError):
     """The server answered with an error status; the message is its error body's."""
@@ -38,7 +40,7 @@ def client(base_url: str, api_key: str | None, timeout: float, connections: int 
 
 
 async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eos: bool, temperature: float,
-               seed: int | None, json_schema: str | None, endpoint: Endpoint) -> RequestRecord:
+               seed: int | None, json_schema: str | None, endpoint: Endpoint = COMPLETIONS) -> RequestRecord:
     body = endpoint.body(model, req.prompt_ids if req.text is None else req.text, req.output_len, temperature,
                          ignore_eos, seed, json_schema)
     record = RequestRecord(prompt_len=len(req.prompt_ids))

@@ -370,23 +370,11 @@ class ChatCompletionRequest(GenerationRequest):
         return thinking(info, self.thinking_token_budget, "thinking_token_budget")
 
     def tools_for(self, tool_format: ToolFormat | None) -> tuple[Tools | None, GrammarSpec | None]:
-        """The tools (for the template, unless tool_choice is "none") and, for "required" or a named
-        function, the grammar that makes the reply those calls; InvalidParams naming what is wrong."""
-        if not self.tools or self.tool_choice == "none":
-            return None, None
-        if tool_format is None:
-            raise InvalidParams("tools: this model's chat template has no tool calling")
-        tools = [t.model_dump(exclude_none=True) for t in self.tools]
-        try:
-            names = tool_functions(tools)
-            if isinstance(self.tool_choice, NamedToolChoice):
-                if self.tool_choice.function.name not in names:
-                    raise InvalidTools(f"tool_choice names {self.tool_choice.function.name!r}, which is not among "
-                                       f"the tools ({', '.join(names)})")
-                return tools, forced_tool_grammar(tool_format, tools, self.tool_choice.function.name)
-            return tools, forced_tool_grammar(tool_format, tools) if self.tool_choice == "required" else None
-        except InvalidTools as e:
-            raise InvalidParams(str(e)) from e
+        choice = self.tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
+        if isinstance(choice, NamedToolChoice):
+            return tool_setup(tools, tool_format, "named", choice.function.name)
+        return tool_setup(tools, tool_format, choice or "auto")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -402,6 +390,26 @@ class ChatCompletionRequest(GenerationRequest):
 
     def prompts(self) -> list[Prompt]:
         return [_chat(self.messages)]
+
+
+def tool_setup(tools: Tools, fmt: ToolFormat | None, choice: str, name: str | None = None
+               ) -> tuple[Tools | None, GrammarSpec | None]:
+    """A request's OpenAI function `tools` for the template (none when `choice` is "none") and, for
+    "required" or "named" (the function `name`), the grammar that makes the reply those calls;
+    InvalidParams naming what is wrong. Every API's tool choice comes down to one of these."""
+    if not tools or choice == "none":
+        return None, None
+    if fmt is None:
+        raise InvalidParams("tools: this model's chat template has no tool calling")
+    try:
+        names = tool_functions(tools)
+        if choice == "named":
+            if name not in names:
+                raise InvalidTools(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
+            return tools, forced_tool_grammar(fmt, tools, name)
+        return tools, forced_tool_grammar(fmt, tools) if choice == "required" else None
+    except InvalidTools as e:
+        raise InvalidParams(str(e)) from e
 
 
 def thinking(info: Info, budget: int | None, field: str) -> tuple[bool, int | None]:

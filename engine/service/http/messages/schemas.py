@@ -20,10 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import ChatMessage, Tools
-from engine.service.http.schemas import EngineRequest, Wire, renamed, thinking, unsupported
+from engine.service.http.schemas import EngineRequest, Wire, renamed, thinking, tool_setup, unsupported
 from engine.service.protocol import Info
 from engine.structured import GrammarSpec, InvalidGrammar
-from engine.tools import InvalidTools, ToolFormat, forced_tool_grammar, tool_functions
+from engine.tools import ToolFormat
 
 
 class _Block(BaseModel):
@@ -171,21 +171,8 @@ class MessagesInput(BaseModel):
     def tools_for(self, fmt: ToolFormat | None) -> tuple[Tools | None, GrammarSpec | None]:
         """The tools for the template and the grammar forcing calls (`any`, a named tool), if any."""
         choice = self.tool_choice
-        if not self.tools or (choice is not None and choice.type == "none"):
-            return None, None
-        if fmt is None:
-            raise InvalidParams("tools: this model's chat template has no tool calling")
-        tools = [t.to_openai() for t in self.tools]
-        try:
-            names = tool_functions(tools)
-            if choice is not None and choice.type == "tool":
-                if choice.name not in names:
-                    raise InvalidTools(f"tool_choice names {choice.name!r}, which is not among the tools "
-                                       f"({', '.join(names)})")
-                return tools, forced_tool_grammar(fmt, tools, choice.name)
-            return tools, forced_tool_grammar(fmt, tools) if choice is not None and choice.type == "any" else None
-        except InvalidTools as e:
-            raise InvalidParams(str(e)) from e
+        kind = "auto" if choice is None else {"any": "required", "tool": "named"}.get(choice.type, choice.type)
+        return tool_setup([t.to_openai() for t in self.tools or ()], fmt, kind, choice.name if choice else None)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """`thinking` for templates that switch it (Qwen3's `enable_thinking`); adaptive leaves the default."""

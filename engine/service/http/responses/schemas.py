@@ -21,10 +21,19 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import ChatMessage, Tools
-from engine.service.http.schemas import EngineRequest, LogitBias, Wire, logit_bias, renamed, thinking, unsupported
+from engine.service.http.schemas import (
+    EngineRequest,
+    LogitBias,
+    Wire,
+    logit_bias,
+    renamed,
+    thinking,
+    tool_setup,
+    unsupported,
+)
 from engine.service.protocol import Info
 from engine.structured import ANY_OBJECT_SCHEMA, GrammarSpec, InvalidGrammar
-from engine.tools import InvalidTools, ToolFormat, forced_tool_grammar, tool_functions
+from engine.tools import ToolFormat
 
 NO_THINKING = ("none", "minimal")  # the efforts that switch thinking off
 
@@ -187,21 +196,10 @@ class ResponsesRequest(BaseModel):
 
     def tools_for(self, fmt: ToolFormat | None) -> tuple[Tools | None, GrammarSpec | None]:
         """The tools for the template and the grammar forcing calls ("required", a named function), if any."""
-        if not self.tools or self.tool_choice == "none":
-            return None, None
-        if fmt is None:
-            raise InvalidParams("tools: this model's chat template has no tool calling")
-        tools = [t.to_openai() for t in self.tools]
-        try:
-            names = tool_functions(tools)
-            if isinstance(self.tool_choice, NamedFunction):
-                if self.tool_choice.name not in names:
-                    raise InvalidTools(f"tool_choice names {self.tool_choice.name!r}, which is not among the tools "
-                                       f"({', '.join(names)})")
-                return tools, forced_tool_grammar(fmt, tools, self.tool_choice.name)
-            return tools, forced_tool_grammar(fmt, tools) if self.tool_choice == "required" else None
-        except InvalidTools as e:
-            raise InvalidParams(str(e)) from e
+        choice, tools = self.tool_choice, [t.to_openai() for t in self.tools or ()]
+        if isinstance(choice, NamedFunction):
+            return tool_setup(tools, fmt, "named", choice.name)
+        return tool_setup(tools, fmt, choice or "auto")
 
     def structured(self) -> GrammarSpec | None:
         """`text.format` as a grammar (None for plain text)."""
