@@ -23,18 +23,19 @@ from kernels.attention.base import AttentionMetadata
 class ForwardBatch:
     """One step's flat token axis (all requests' new tokens concatenated) and where its outputs go.
 
-    The first `num_decode` requests decode (one token each); the rest feed prompt tokens. Prompt
-    tokens are known to the host: they travel in `input_ids`. A decode token is the one the previous
-    step sampled, which the host may not have seen yet (overlap), so `run` reads it from the token
-    table at `input_index` (flat `slot * max_len + position`), where that step's sampler wrote it.
-    Either way the batch carries all a runner needs besides the token table its own `run` fills.
+    The first `num_decode` requests decode (one token each); the rest feed tokens the host knows: first
+    the requests verifying drafts (`drafts`: their last token and drafts, one sampled row per position),
+    then prompt chunks. Known tokens travel in `input_ids`. A decode token is the one the previous step
+    sampled, which the host may not have seen yet (overlap), so `run` reads it from the token table at
+    `input_index` (flat `slot * max_len + position`), where that step's sampler wrote it. Either way the
+    batch carries all a runner needs besides the token table its own `run` fills.
     """
 
     kind: str  # "prefill", "decode" or "mixed" (decode requests first, then prompt chunks)
     reqs: list[Req] = field(repr=False)  # host side, read by `process` only
-    sample_rows: list[int]  # indices into `reqs` of the requests that sample this step
+    sample_rows: list[int]  # for each sampled row, its request's index into `reqs` (a verifying one has 1 + k)
     num_decode: int  # leading requests (and tokens) that decode
-    input_ids: torch.Tensor | None  # int64 [T - num_decode]: the prompt tokens; None when there are none
+    input_ids: torch.Tensor | None  # int64 [T - num_decode]: the known tokens; None when there are none
     input_index: torch.Tensor  # int64 [T]: flat token-table index of each input token
     positions: torch.Tensor  # int64 [T]
     logits_index: torch.Tensor  # int64 [S]: flat token rows whose logits are sampled
@@ -47,10 +48,17 @@ class ForwardBatch:
     # position order: `logits_select` lists the sampled rows' places, then the prompt rows'.
     logits_select: torch.Tensor | None = None
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (index in reqs, positions scored)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # index in reqs -> the drafts it verifies
+    propose_time: float = 0.0  # of schedule_time, seconds the proposer spent on the drafts
+
+    @property
+    def num_verify_tokens(self) -> int:
+        """Query tokens of the requests verifying drafts (their last token and the drafts)."""
+        return sum(1 + len(d) for d in self.drafts.values())
 
     @property
     def sampled_reqs(self) -> list[Req]:
-        """The requests that sample this step, in sampling-row order (host side)."""
+        """The request of each sampled row, in row order (host side; a verifying request once per row)."""
         return [self.reqs[i] for i in self.sample_rows]
 
 

@@ -10,6 +10,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LINEAR_DTYPES = ("auto", "model", "float32")
 ADMISSIONS = ("optimistic", "reserve")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
+SPECULATIVE = ("ngram", "draft")
 QUANTIZATIONS = {"int8": "Q8_0", "int4": "Q4_1"}
 """`quantization` -> the GGML block format float weights are quantized to at load (engine/model/quantized.py)."""
 
@@ -60,6 +61,12 @@ class EngineConfig:
     `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
     (when the attention backend supports them and there is one rank; see engine/cuda_graph.py; None:
     every decode batch the request slots allow, up to 256).
+    `speculative` proposes tokens for running requests to verify in one step (engine/speculative):
+    "ngram" looks the last `speculative_ngram_max` .. `speculative_ngram_min` tokens up in the request's
+    own prompt and output, "draft" runs `speculative_model` (a small model with the same tokenizer; giving
+    it implies "draft"). At most `num_speculative_tokens` per request and step; how many a request gets,
+    down to none, is decided each step from its acceptance and the measured cost of a longer step
+    (`speculative_adaptive`; off, every request gets as many as the proposer has, up to that many).
     `reasoning_budget` bounds the think block of requests that split one off (SamplingParams.reasoning)
     and give no `thinking_token_budget`: after that many tokens inside it the engine closes it (llama.cpp's
     --reasoning-budget; None: unbounded; engine/reasoning.py).
@@ -95,12 +102,19 @@ class EngineConfig:
     max_consecutive_prefills: int = 8
     quantization: str | None = None
     dequantize: bool = False
+    speculative: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_adaptive: bool = True
+    speculative_ngram_max: int = 4
+    speculative_ngram_min: int = 2
     reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         self._check_choices()
         self._check_counts()
         self._check_nodes()
+        self._check_speculation()
         if self.quantization is not None and self.dequantize:
             raise ValueError("quantization and dequantize contradict each other: choose one")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -140,6 +154,22 @@ class EngineConfig:
                              f"{self.nnodes} (each node runs the same number of ranks)")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT: where node 0 meets the others")
+
+    def _check_speculation(self) -> None:
+        """The proposer and its sizes (a draft model alone means "draft")."""
+        if self.speculative_model is not None and self.speculative is None:
+            self.speculative = "draft"
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)} (or None); got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative 'draft' needs speculative_model (a checkpoint), and speculative_model "
+                             f"goes with speculative 'draft' only; got speculative {self.speculative!r}, "
+                             f"speculative_model {self.speculative_model!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16]; got {self.num_speculative_tokens}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= 16:
+            raise ValueError("speculative_ngram_min and speculative_ngram_max must satisfy 1 <= min <= max <= 16; "
+                             f"got {self.speculative_ngram_min} and {self.speculative_ngram_max}")
 
     @property
     def request_slots(self) -> int:

@@ -16,7 +16,7 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, model_id
 from engine.cuda_graph import DecodeGraphs
 from engine.distributed import TensorParallel
 from engine.distributed.workers import WorkerPool, launch
@@ -44,6 +44,9 @@ from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.budget import pages_for
 from engine.scheduler.snapshot import RequestDetail, SchedulerSnapshot
+from engine.speculative.draft import DraftModel, check_same_tokens
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.speculator import Proposer, Speculator
 from engine.structured import GrammarCompiler, GrammarMatcher, GrammarSpec, InvalidGrammar
 from engine.threads import ThreadGovernor, usable_cores, wait_policy
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
@@ -160,7 +163,8 @@ class LLM:
                                   capture=self.device.type == "cuda")
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, tp=self.tp,
                                   workers=self.workers, graphs=graphs, governor=self.governor)
-        self.scheduler = Scheduler(self.runner, self.cache, self.table, self.eos_ids, cfg, self._token_text)
+        self.scheduler = Scheduler(self.runner, self.cache, self.table, self.eos_ids, cfg, self._token_text,
+                                   self._speculator(num_pages))
         self.loop = StepLoop(self.scheduler, self.runner)
         # requests without a seed draw one from here: from `seed` (reproducible runs), else from the OS, so
         # replicas behind a gateway do not sample in lockstep
@@ -168,6 +172,27 @@ class LLM:
         self._uid = 0
         self._live: dict[str, Req] = {}
         self._token_texts: dict[int, str] = {}
+
+    def _speculator(self, num_pages: int) -> Speculator | None:
+        """The proposer `speculative` asks for, if any: prompt lookup, or a draft model loaded beside the target
+        (on rank 0, whole: it is small) with a pool of as many pages, and one per slot for its drafts."""
+        cfg = self.config
+        if cfg.speculative == "ngram":
+            proposer: Proposer = NgramProposer(cfg.request_slots, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+        elif cfg.speculative == "draft":
+            assert cfg.speculative_model is not None  # checked by EngineConfig
+            checkpoint = resolve_checkpoint(cfg.speculative_model)
+            model, _ = load_model(checkpoint, LoadOptions.of(cfg))
+            check_same_tokens(self.tokenizer, load_tokenizer(checkpoint.meta), self.model.spec.vocab_size,
+                              model.spec.vocab_size)
+            backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels)
+            backend.setup(attention_shape(model, cfg.dtype), self.device)
+            model.use_attention_backend(backend)
+            proposer = DraftModel(model, backend, num_pages + cfg.request_slots, cfg.page_size, cfg.request_slots,
+                                  self.max_seq_len, self.device, self.model.spec.vocab_size, cfg.max_prefill_tokens)
+        else:
+            return None
+        return Speculator(proposer, cfg.num_speculative_tokens, cfg.speculative_adaptive)
 
     def _token_text(self, token: int) -> str:
         """One token's text, as log-probabilities show it (remembered: the same tokens come back)."""
@@ -344,6 +369,12 @@ class LLM:
                      "cpu_kernels": "on" if self.model.kernels is not None else "off",
                      "layers": "one C call a step" if self.model.runs_one_call else "one call each",
                      "overlap": "on" if self.config.use_overlap else "off"}
+        cfg = self.config
+        if cfg.speculative is not None:
+            source = "prompt lookup" if cfg.speculative == "ngram" else \
+                f"draft model {model_id(str(cfg.speculative_model))}"
+            execution["speculative"] = (f"{source}, up to {cfg.num_speculative_tokens} drafts a step (as many as "
+                                        "measure faster)")
         if self.device.type == "cuda":
             graphed = f"decode batches up to {self.config.graph_max_bs}"
             execution["cuda_graph"] = graphed if self.runner.graphs else "off"

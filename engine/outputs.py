@@ -13,12 +13,15 @@ import msgspec
 
 
 class Usage(msgspec.Struct, kw_only=True):
-    """Token counts; `reasoning_tokens` are the completion's think block's (engine/reasoning.py), markers
-    included."""
+    """A request's tokens: `draft_tokens` were proposed for it and verified (speculative decoding), and
+    `accepted_tokens` of them accepted (they are among its completion tokens); `reasoning_tokens` are the
+    completion's think block's (engine/reasoning.py), markers included."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     reasoning_tokens: int = 0
 
 
@@ -97,8 +100,9 @@ class StepResult:
 
     `rids` lists the batch members in batch order (decoding ones first); `finished` the requests that
     ended during the step (including aborts since the previous step); `outputs` the streamed output,
-    a request's Final last. Of `num_tokens`, `num_decode_tokens` were decode tokens (one per running
-    request), the rest prompt.
+    a request's Final last. Of its `num_tokens` query tokens, `num_prefill_tokens` were prompt tokens;
+    `num_decode_tokens` is what its decoding requests generated (one each, and a verifying request its
+    accepted drafts too).
     """
 
     kind: str
@@ -108,10 +112,9 @@ class StepResult:
     num_tokens: int = 0
     duration: float = 0.0
     num_decode_tokens: int = 0
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_tokens
+    num_prefill_tokens: int = 0
+    num_draft_tokens: int = 0  # drafts it verified
+    num_accepted_tokens: int = 0  # of them accepted
 
 
 class RequestOutput(_Ended):

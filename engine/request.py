@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.kv.cache import PrefixMatch
 from engine.outputs import Final, Timings, TokenLogprob, Usage
 from engine.params import SamplingParams
 from engine.reasoning import ThinkBlock
+from engine.speculative.policy import SpecState
 from engine.structured import GrammarMatcher
 from engine.tokenizer import IncrementalDetokenizer
 
@@ -58,6 +60,8 @@ class Req:
     on `seed` and the position only (engine/sampling.py), so it samples what it would have.
     `prompt_logprobs` collects the prompt's log-probabilities chunk by chunk (`scored`: prompt tokens
     done, the first needs none) when the params ask for them (a group's first choice alone scores).
+    `spec` is its speculation (engine/speculative): acceptance so far, created when it first decodes with a
+    proposer on; a step verifying its drafts counts them in `sampled` and `cached_len` until processed.
     """
 
     rid: str
@@ -92,6 +96,7 @@ class Req:
     grammar: GrammarMatcher | None = None  # params.structured's matcher: what may come next
     think: ThinkBlock | None = None  # the reply's think block, with params.reasoning on a model that has one
     client: str = ""  # who sent it, in a few words ("bench", "client 3"): what an operator sees it by
+    spec: SpecState | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -152,13 +157,15 @@ class Req:
             return self.output_ids[start - n : end - n]
         return self.input_ids[start:] + self.output_ids[: end - n]
 
-    def final(self, token_ids: list[int], text: str, reasoning: str = "", choices: list[Req] | None = None) -> Final:
+    def final(self, token_ids: list[int], text: str, choices: Sequence[Req] = (), reasoning: str = "") -> Final:
         """The request's last output (it has finished): new tokens, answer and thinking text, usage and
-        timings. `choices`: a group's, whose tokens the usage counts together."""
+        timings. `choices`: a group's, whose tokens its usage counts together."""
         arrival = self.arrival_time
-        counted = choices or [self]
-        usage = Usage(prompt_tokens=self.input_len, completion_tokens=sum(len(r.output_ids) for r in counted),
-                      cached_tokens=self.prefix_len,
+        counted = choices or (self,)
+        spec = [r.spec for r in counted if r.spec is not None]
+        completion = sum(len(r.output_ids) for r in counted)
+        usage = Usage(prompt_tokens=self.input_len, completion_tokens=completion, cached_tokens=self.prefix_len,
+                      draft_tokens=sum(s.proposed for s in spec), accepted_tokens=sum(s.accepted for s in spec),
                       reasoning_tokens=sum(r.think.tokens for r in counted if r.think is not None))
         return Final(rid=self.client_rid, index=self.index, text=text, token_ids=token_ids,
                      finish_reason=self.finish_reason or "", usage=usage, reasoning=reasoning,

@@ -52,7 +52,7 @@ class ModelRunner:
             input_ids = sampled if input_ids is None else torch.cat((sampled, input_ids))
         assert input_ids is not None  # a batch without decode tokens has prompt tokens
         graphs = self.graphs  # never set under tensor parallelism
-        if graphs is not None and batch.kind == "decode" and graphs.bucket(len(batch.attn.q_lens)) is not None:
+        if graphs is not None and batch.num_decode == batch.num_tokens and graphs.bucket(batch.num_tokens) is not None:
             return graphs.run(input_ids, batch.positions, batch.attn)
         with self.workers.guard() if self.workers else contextlib.nullcontext():
             if self.workers:

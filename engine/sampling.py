@@ -17,7 +17,7 @@ not yet seen the previous token.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,18 +72,21 @@ class PromptLogprobs:
 
 @dataclass
 class Grammars:
-    """The rows' grammar matchers (None: unconstrained) and the step's token bitmask. `ready` returns
-    once the previous step's tokens are accepted into the matchers: under overlap this step was
-    scheduled before they were known, so the mask is filled at sampling time, while the host processes
-    the previous step and the model runs this one."""
+    """The rows' grammar matchers (None: unconstrained, or filled already) and the step's token bitmask.
+    `ready` returns once the previous step's tokens are accepted into the matchers: under overlap this
+    step was scheduled before they were known, so the mask is filled at sampling time, while the host
+    processes the previous step and the model runs this one. `filled` rows were filled when the batch
+    was built: a request verifying drafts has nothing in flight, and its rows follow the drafts."""
 
     matchers: list[GrammarMatcher | None]
     bitmask: torch.Tensor  # int32 [S, ceil(vocab / 32)], on the host
     ready: Callable[[], None]
+    filled: list[int] = field(default_factory=list)
 
     def apply(self, logits: torch.Tensor) -> None:
         self.ready()
-        apply_bitmask(logits, self.bitmask, fill_bitmask(self.bitmask, self.matchers))
+        rows = fill_bitmask(self.bitmask, self.matchers) + self.filled
+        apply_bitmask(logits, self.bitmask, sorted(rows))
 
 
 @dataclass
@@ -131,10 +134,14 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, reqs: Sequence[Req], eos_ids: set[int], device: torch.device,
-              prompt_targets: list[int] | None = None, prompt_top: int = 0) -> SamplingBatch:
-        """The batch for sampled requests `reqs` (scheduled, their `sampled` not yet counted), and the
-        prompt tokens whose log-probabilities the step's extra logits rows predict."""
+              prompt_targets: list[int] | None = None, prompt_top: int = 0,
+              offsets: Sequence[int] | None = None) -> SamplingBatch:
+        """The batch for sampled rows of requests `reqs` (scheduled, their `sampled` not yet counted), and the
+        prompt tokens whose log-probabilities the step's extra logits rows predict. Row i samples the output
+        token `offsets[i]` past its request's `sampled` (0 but for a request verifying drafts, whose rows
+        sample as if its drafts before them had been accepted)."""
         params = [r.params for r in reqs]
+        ahead = list(offsets) if offsets is not None else [0] * len(reqs)
         batch = cls(params)
         if prompt_targets:
             batch.prompt_logprobs = PromptLogprobs(torch.tensor(prompt_targets, device=device), prompt_top)
@@ -148,7 +155,8 @@ class SamplingBatch:
             return batch
         batch.greedy_only = False
         floats = torch.tensor([[max(p.temperature, MIN_TEMPERATURE) if not p.greedy else 1.0, p.top_p, p.min_p,
-                                draw(r.seed, r.input_len + r.sampled)] for p, r in zip(params, reqs, strict=True)],
+                                draw(r.seed, r.input_len + r.sampled + a)]
+                               for p, r, a in zip(params, reqs, ahead, strict=True)],
                               dtype=torch.float32).to(device, non_blocking=True)
         batch.temperature, top_p, min_p, batch.uniform = floats.split(1, dim=1)
         batch.greedy = torch.tensor([p.greedy for p in params]).to(device, non_blocking=True)
@@ -163,14 +171,15 @@ class SamplingBatch:
             rows, tokens, values = zip(*bias, strict=True)
             batch.bias = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device),
                           torch.tensor(values, dtype=torch.float32, device=device))
-        ban = [(i, t) for i, (p, r) in enumerate(zip(params, reqs, strict=True)) if r.sampled < p.min_tokens
+        ban = [(i, t) for i, (p, r, a) in enumerate(zip(params, reqs, ahead, strict=True))
+               if r.sampled + a < p.min_tokens
                for t in sorted((set() if p.ignore_eos else eos_ids) | set(p.stop_token_ids or ()))]
         if ban:
             rows, tokens = zip(*ban, strict=True)
             batch.ban = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
-            lens = [reqs[i].input_len + reqs[i].sampled for i in penalized]
+            lens = [reqs[i].input_len + reqs[i].sampled + ahead[i] for i in penalized]
             table = torch.tensor([[i, reqs[i].slot or 0, reqs[i].input_len, n] for i, n in zip(penalized, lens,
                                                                                            strict=True)],
                                  device=device)

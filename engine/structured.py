@@ -234,6 +234,27 @@ class GrammarMatcher:
             self._m.rollback(num_tokens)
             self._accepted -= num_tokens
 
+    def allowed(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order from the current state, the grammar accepts (none after one that
+        completes it); the state is left as it was."""
+        count = 0
+        for token in tokens:
+            if self.is_terminated or not self.accept(token):
+                break
+            count += 1
+        self.rollback(count)
+        return count
+
+    def fill_ahead(self, bitmask: torch.Tensor, first: int, tokens: list[int]) -> None:
+        """Rows `first` .. `first + len(tokens)` of `bitmask`: row j what may follow `tokens[:j]` (which the
+        grammar must accept: see `allowed`); the state is left as it was."""
+        for j, token in enumerate(tokens):
+            self.fill(bitmask, first + j)
+            if not self.accept(token):
+                raise ValueError(f"token {token} does not follow the grammar here (cut the drafts with allowed())")
+        self.fill(bitmask, first + len(tokens))
+        self.rollback(len(tokens))
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (only the stop tokens once terminated)."""
         block = self.after

@@ -59,23 +59,29 @@ def test_the_markers_are_the_templates_own(qwen3, r1):
         llm.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_the_budget_closes_the_block_and_the_rest_is_transformers_greedy(r1, hf, overlap):
+@pytest.mark.parametrize(("overlap", "speculative"), [(False, None), (True, None), (False, "ngram"),
+                                                     (True, "ngram")])
+def test_the_budget_closes_the_block_and_the_rest_is_transformers_greedy(r1, hf, overlap, speculative):
     """R1's prompt opens the block (enable_thinking): 6 thinking tokens, the forced close, then the answer;
-    each side of the close is transformers' greedy continuation of what came before."""
-    llm = LLM(str(r1), num_pages=64, overlap=overlap)
+    each side of the close is transformers' greedy continuation of what came before, with or without
+    overlap and speculative decoding (whose drafts wait until the close is written)."""
+    llm = LLM(str(r1), num_pages=64, overlap=overlap, speculative=speculative, speculative_adaptive=False)
     prompt = llm.encode_prompt(ASK, template_kwargs={"enable_thinking": True})
     assert llm.tokenizer.decode(prompt).endswith("<think>\n")
-    out = llm.generate([prompt], SamplingParams(max_tokens=16, reasoning=True, thinking_token_budget=6,
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, reasoning=True, thinking_token_budget=6,
                                                 ignore_eos=True))[0]
     markers = llm.think_markers
     assert markers is not None and list(markers.close) == [END]
     ids = out.token_ids
     hf.check_greedy(ids[:6], r1, prompt, 6)
     assert ids[6] == END
-    hf.check_greedy(ids[7:], r1, prompt + ids[:7], 9)
-    assert out.reasoning == llm.tokenizer.decode(ids[:6]) and out.text == llm.tokenizer.decode(ids[7:])
+    hf.check_greedy(ids[7:], r1, prompt + ids[:7], 17)
+    assert out.reasoning == llm.tokenizer.decode(ids[:6])
+    # the answer's text, but for the bytes of a character max_tokens cut (the detokenizer never shows those)
+    assert out.text == llm.tokenizer.decode(ids[7:]).rstrip("\ufffd")
     assert out.usage.reasoning_tokens == 7  # the thinking and its end marker (the start was the prompt's)
+    if speculative is not None and not overlap:  # the answer's repeats are drafted (the random model loops)
+        assert out.usage.draft_tokens > 0
     llm.close()
 
 
@@ -88,10 +94,12 @@ def test_without_a_budget_nothing_is_forced(r1, hf):
     llm.close()
 
 
-def test_the_grammar_starts_after_the_block(qwen3):
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_the_grammar_starts_after_the_block(qwen3, speculative):
     """Every free token is `<think>` (logit_bias), so the thinking is `<think>` x budget, then the close, and
-    the answer is JSON following the schema: the grammar masked `<think>` only after the block."""
-    llm = LLM(str(qwen3), num_pages=64)
+    the answer is JSON following the schema: the grammar masked `<think>` only after the block (with
+    speculative decoding too: the `<think>`s repeat, so the ngram proposer drafts them)."""
+    llm = LLM(str(qwen3), num_pages=64, speculative=speculative, speculative_adaptive=False)
     params = SamplingParams(max_tokens=80, reasoning=True, thinking_token_budget=3, logit_bias={THINK: 100.0},
                             structured=GrammarSpec(kind="json_schema", value=json.dumps(SCHEMA)))
     out = llm.generate([ASK], params)[0]

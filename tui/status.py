@@ -36,6 +36,10 @@ def summary(stats: Stats, info: Info | None = None) -> list[str]:
         f"{c.steps_per_s:.1f} steps/s",
         f"totals: {c.submitted} submitted, {c.finished} finished, {c.aborted} aborted, {c.errors} errors, "
         f"{c.steps} steps ({c.prefill_tokens} prefill + {c.decode_tokens} decode tokens)",
+        *([f"speculative: {c.spec_accepted_tokens} of {c.spec_draft_tokens} draft tokens accepted "
+           f"({c.spec_acceptance:.0%}) in {c.spec_drafts} verifications, {c.spec_mean_accepted_length:.2f} tokens "
+           f"each; now {c.spec_accepted_tokens_per_s:.1f} of {c.spec_draft_tokens_per_s:.1f} draft tok/s accepted"]
+          if c.spec_drafts else []),
     ]
 
 
@@ -49,7 +53,9 @@ def requests(stats: Stats) -> list[str]:
     if stats.running:
         lines.append("running set:")
         lines += [f"  slot {r.slot:>3}  {r.rid}  {r.state}: prefilled {r.prefilled}/{r.prompt_tokens}, "
-                  f"generated {r.generated}/{r.max_tokens}, {r.pages} pages" for r in stats.running]
+                  f"generated {r.generated}/{r.max_tokens}, {r.pages} pages"
+                  + (f", drafts {r.spec.accepted_tokens}/{r.spec.draft_tokens} accepted" if r.spec else "")
+                  for r in stats.running]
     if stats.steps:
         lines.append("last steps:")
         lines += [f"  #{s.index} {s.kind:<7} {len(s.rids)} req, {s.num_tokens} tokens, {s.duration * 1e3:.1f} ms"

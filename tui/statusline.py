@@ -50,6 +50,9 @@ def engine_pieces(stats: Stats, stats_at: float) -> list[Piece]:
     pieces += [(0, 0, Text(f"slots {busy}/{len(stats.slots)}", "dim")),
                (0, 4, Text(f"prefill {c.prefill_tokens_per_s:.0f}", "dim")),
                (0, 3, Text(f"decode {c.decode_tokens_per_s:.0f} tok/s", "dim"))]
+    if c.spec_drafts:
+        pieces.append((0, 5, Text(f"spec {c.spec_acceptance:.0%} · {c.spec_mean_accepted_length:.1f} tok/verify",
+                                  "dim")))
     if (age := time.monotonic() - stats_at) > STALE_AFTER:
         pieces.append((1, 1, Text(f"stale: {age:.0f} s old", "bold yellow")))
     return pieces

@@ -76,6 +76,11 @@ class CacheManager(ABC):
         """Pages a new request could get: free plus evictable (the seed's `available_size`, in pages)."""
         return self.allocator.num_free + self.evictable_size
 
+    def free(self, pages: list[int]) -> None:
+        """Take back pages a running request no longer needs: they held only positions it wrote
+        speculatively, which verification rejected (never cached: no one else can have matched them)."""
+        self.allocator.free(pages)
+
     def allocate(self, n: int, owner: str) -> list[int]:
         """Fresh pages for `owner`, evicting cached pages first if the free list is short."""
         short = n - self.allocator.num_free

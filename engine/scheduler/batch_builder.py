@@ -24,20 +24,23 @@ from kernels.attention.base import build_metadata
 
 @dataclass(frozen=True)
 class Plan:
-    """One step as the scheduler chose it: running requests decoding one token each, then prompt chunks
-    (admitted requests, the chunked one first). Either list may be empty, not both."""
+    """One step as the scheduler chose it: running requests decoding one token each, running requests
+    verifying drafts (`verify`: each with its drafts), then prompt chunks (admitted requests, the chunked
+    one first). Any of them may be empty, not all."""
 
     decode: list[Req]
     prefill: list[Req]
+    verify: dict[Req, list[int]] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
-        """The step's kind: "decode", "prefill" or "mixed" (both, the decode tokens first)."""
-        return "decode" if not self.prefill else "prefill" if not self.decode else "mixed"
+        """The step's kind: "decode" (verifying included), "prefill" or "mixed" (both, the decode tokens first)."""
+        decoding = self.decode or self.verify
+        return "decode" if not self.prefill else "prefill" if not decoding else "mixed"
 
     @property
     def reqs(self) -> list[Req]:
-        return self.decode + self.prefill
+        return self.decode + list(self.verify) + self.prefill
 
 
 @dataclass
@@ -51,32 +54,40 @@ class _TokenAxis:
     positions: list[int] = field(default_factory=list)
     q_lens: list[int] = field(default_factory=list)  # tokens each request feeds
     kv_lens: list[int] = field(default_factory=list)  # tokens each request attends to
-    sample_rows: list[int] = field(default_factory=list)  # the requests that sample
+    sample_rows: list[int] = field(default_factory=list)  # each sampled row's request
+    sample_offsets: list[int] = field(default_factory=list)  # each sampled row's position past its `sampled`
     logits_at: list[int] = field(default_factory=list)  # the axis row each of them samples from
     out_index: list[int] = field(default_factory=list)  # flat token-table index its token is written to
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (request, positions scored)
     prompt_at: list[int] = field(default_factory=list)  # the axis rows whose logits score prompt tokens
     prompt_targets: list[int] = field(default_factory=list)  # the prompt tokens they score
 
-    def add(self, row: int, req: Req, feeds_ids: bool) -> None:
-        """Request `row` of the batch: its `extend_len` tokens from `cached_len` on."""
+    def add(self, row: int, req: Req, feeds_ids: bool, drafts: list[int] | None = None) -> None:
+        """Request `row` of the batch: its `extend_len` tokens from `cached_len` on (with `drafts`: its last
+        token and the drafts, every position sampled)."""
         start, end = req.cached_len, req.cached_len + req.extend_len
         assert req.slot is not None  # a scheduled request holds a slot
         base = req.slot * self.width
         self.slots.append(req.slot)
         self.input_index += range(base + start, base + end)
-        if feeds_ids:
+        if drafts:
+            self.input_ids += req.tokens(start, start + 1) + drafts
+        elif feeds_ids:
             self.input_ids += req.tokens(start, end)
         self.positions += range(start, end)
         self.q_lens.append(req.extend_len)
         self.kv_lens.append(end)
         if req.scoring_prompt:
             self._score_prompt(row, req, start, end)
-        # A request samples when this step reaches the end of its tokens; mid-chunk ones do not.
-        if end == req.input_len + req.sampled:
-            self.sample_rows.append(row)
-            self.logits_at.append(len(self.positions) - 1)
-            self.out_index.append(base + end)
+        # A request samples when this step reaches the end of its tokens; mid-chunk ones do not. A verifying
+        # one samples after each of its tokens: row i the token after draft i (its last token for i = 0).
+        first = end - 1 - len(drafts or ())
+        if first == req.input_len + req.sampled - 1:
+            count = end - first
+            self.sample_rows += [row] * count
+            self.sample_offsets += range(count)
+            self.logits_at += range(len(self.positions) - count, len(self.positions))
+            self.out_index += range(base + first + 1, base + end + 1)
 
     def _score_prompt(self, row: int, req: Req, start: int, end: int) -> None:
         """The logits rows of the prompt positions in [start, end) not scored yet: position q's logits
@@ -113,7 +124,7 @@ def build_batch(plan: Plan, table: RequestTable, eos_ids: set[int]) -> ForwardBa
     reqs = plan.reqs
     axis = _TokenAxis(table.max_len)
     for row, req in enumerate(reqs):
-        axis.add(row, req, feeds_ids=row >= len(plan.decode))
+        axis.add(row, req, feeds_ids=row >= len(plan.decode), drafts=plan.verify.get(req))
     logits_at, select = _logits_rows(axis.logits_at, axis.prompt_at) if axis.prompt_rows else (axis.logits_at, [])
     device = table.table.device
     input_index, positions, logits_index, out_index, rows, input_ids, select_t = _to_device(
@@ -127,6 +138,7 @@ def build_batch(plan: Plan, table: RequestTable, eos_ids: set[int]) -> ForwardBa
         logits_index=logits_index, out_index=out_index,
         attn=build_metadata(axis.q_lens, axis.kv_lens, rows, table.table, out_locs),
         sampling=SamplingBatch.build([reqs[i] for i in axis.sample_rows], eos_ids, device, axis.prompt_targets,
-                                     prompt_top),
+                                     prompt_top, axis.sample_offsets),
         num_tokens=len(axis.positions), logits_select=select_t if axis.prompt_rows else None,
-        prompt_rows=axis.prompt_rows)
+        prompt_rows=axis.prompt_rows, drafts={row: plan.verify[req] for row, req in enumerate(reqs)
+                                              if req in plan.verify})

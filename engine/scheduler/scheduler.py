@@ -57,8 +57,10 @@ from engine.scheduler.snapshot import (
     RunningEntry,
     SchedulerCounters,
     SchedulerSnapshot,
+    Speculation,
     WaitingEntry,
 )
+from engine.speculative.speculator import Speculator, accepted
 from engine.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -71,8 +73,10 @@ class Scheduler:
     max_wait_steps, max_consecutive_prefills); the KV page size is the cache's."""
 
     def __init__(self, runner: ModelRunner | None, cache: CacheManager, table: RequestTable, eos_ids: set[int],
-                 config: EngineConfig, token_text: Callable[[int], str] = str) -> None:
+                 config: EngineConfig, token_text: Callable[[int], str] = str,
+                 speculator: Speculator | None = None) -> None:
         self.runner = runner
+        self.speculator = speculator  # drafts for running requests to verify (engine/speculative); None: off
         self.token_text = token_text  # a token id's text, for log-probabilities
         self.mixed_batches = config.mixed_batches
         self.cache = cache
@@ -97,7 +101,8 @@ class Scheduler:
         self.inflight_batches = 0
         self.pages: PageMap | None = None  # what each KV page is, for snapshots (made by the first one)
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
-                         "retractions": 0}
+                         "retractions": 0, "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self._propose_time = 0.0  # of the step being scheduled, seconds the proposer took
 
     # -- public -----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -154,7 +159,7 @@ class Scheduler:
                          prompt_tokens=r.input_len, prefilled=min(r.cached_len, r.input_len),
                          generated=len(r.output_ids), max_tokens=r.max_output, pages=len(r.pages),
                          claimed_pages=self.admission.claim(r), priority=r.params.priority,
-                         retractions=r.retractions)
+                         retractions=r.retractions, spec=_speculation(r))
             for r, slot in admitted)
         pages = PageSnapshot(page_size=self.page_size, total=alloc.num_pages, free=alloc.num_free, held=held,
                              cached=cached, locked=cached - self.cache.evictable_size,
@@ -190,7 +195,7 @@ class Scheduler:
             max_tokens=req.max_output, retractions=req.retractions, choices=req.params.n,
             age=time.monotonic() - req.arrival_time, ttft=req.ttft,
             queue=None if req.admit_time is None else req.admit_time - req.arrival_time,
-            output=text[max(0, text_from):], output_chars=len(text))
+            output=text[max(0, text_from):], output_chars=len(text), spec=_speculation(req))
 
     def step(self) -> StepResult:
         """One step in sequence: schedule, run, process."""
@@ -202,7 +207,7 @@ class Scheduler:
 
     def idle(self) -> StepResult:
         """The result of a step with nothing to run (it still carries aborts' final deltas)."""
-        return self._result("idle", [], 0, 0.0, 0)
+        return self._result(StepResult(kind="idle"))
 
     # -- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> ForwardBatch | None:
@@ -213,6 +218,7 @@ class Scheduler:
         retracting requests if need be (see the module docstring), or returning None while a batch in
         flight holds pages they need."""
         start = time.perf_counter()
+        self._propose_time = 0.0
         plan = self._prefill_first() if self._make_room() else None
         if plan is None:
             return None
@@ -223,6 +229,7 @@ class Scheduler:
         self._attach_forcing(batch)
         self._commit(batch)
         batch.schedule_time = time.perf_counter() - start
+        batch.propose_time = self._propose_time
         return batch
 
     def _prefill_first(self) -> Plan | None:
@@ -232,38 +239,84 @@ class Scheduler:
         With `mixed_batches` (the default) the running requests ride along in a prefill step, one
         decode token each ahead of the prompt tokens ("mixed"), so a request arriving never stalls the
         ones already generating (and the weights are read once for both). Without, the step is prefill
-        only, as in the seed, or decode, and `_decode_due` bounds the prefill-only steps in a row."""
-        running = list(self.decode_manager.running.values())  # batched in arrival order, sorted once
-        prefill = None if self._decode_due(running) else self._admit(running)
-        decode = self.decode_manager.schedule_next_batch() if prefill is None or self.mixed_batches else None
-        if prefill is None and decode is None:
+        only, as in the seed, or decode, and `_decode_due` bounds the prefill-only steps in a row.
+
+        With a proposer, decoding requests may carry drafts to verify (`_propose`): in a mixed step they are
+        proposed before admission, which then counts their tokens and pages; without mixed batches, only in
+        a decode step."""
+        running = list(self.decode_manager.running.values())
+        decoding = self.decode_manager.schedule_next_batch() or []  # arrival order, one token each
+        drafts: dict[Req, list[int]] = {}
+        if self.mixed_batches:
+            decoding, drafts = self._propose(decoding)
+            prefill = self._admit(running, decoding, drafts)
+        else:
+            prefill = None if self._decode_due(running) else self._admit(running, decoding, drafts)
+            if prefill is None:
+                decoding, drafts = self._propose(decoding)
+        decode = decoding if prefill is None or self.mixed_batches else []
+        if not prefill and not decode:
             return None
-        self._prefill_streak = self._prefill_streak + 1 if decode is None and running else 0
-        return Plan(decode=decode or [], prefill=prefill or [])
+        self._prefill_streak = self._prefill_streak + 1 if not decode and running else 0
+        return Plan(decode=[r for r in decode if r not in drafts], prefill=prefill or [],
+                    verify={r: drafts[r] for r in decode if r in drafts})
 
     def _decode_due(self, running: list[Req]) -> bool:
         """Without mixed batches, running requests that sat out `max_consecutive_prefills` prefill steps
         in a row decode now, however many requests wait."""
         return bool(running) and not self.mixed_batches and self._prefill_streak >= self.max_consecutive_prefills
 
-    def _admit(self, running: list[Req]) -> list[Req] | None:
+    def _admit(self, running: list[Req], decoding: list[Req], drafts: dict[Req, list[int]]) -> list[Req] | None:
         """The waiting requests that fit beside the running set (PrefillAdder's three limits); None if
-        none. The running set's claims count against the KV estimate, and in a mixed step its decode
-        tokens against the token budget (the prompts get what is left)."""
+        none. The running set's claims (with this step's drafts) count against the KV estimate, and in a
+        mixed step the decoding requests' tokens against the token budget (the prompts get what is left)."""
         if not self.prefill_manager.runnable:
             return None
-        budget = self.prefill_budget - (len(running) if self.mixed_batches else 0)
-        claimed = sum(max(self.admission.claim(r), self._next_pages(r)) for r in running)
+        budget = self.prefill_budget - (sum(r.extend_len for r in decoding) if self.mixed_batches else 0)
+        claimed = sum(max(self.admission.claim(r), self._next_pages(r, 1 + len(drafts.get(r, ())))) for r in running)
         return self.prefill_manager.schedule_next_batch(budget, claimed, self.counters["steps"])
+
+    def _propose(self, decoding: list[Req]) -> tuple[list[Req], dict[Req, list[int]]]:
+        """The requests decoding this step and the drafts some of them verify (engine/speculative), each cut
+        where its grammar forbids a draft or the free pages end; requests sitting this step out (overlap: see
+        `Speculator.plan`) are left out."""
+        if self.speculator is None or not decoding:
+            return decoding, {}
+        start = time.perf_counter()
+        drafts, resting = self.speculator.plan(decoding, len(decoding))
+        room = self.cache.available_size - sum(self._next_pages(r) for r in self.decode_manager.running.values())
+        kept: dict[Req, list[int]] = {}
+        for req, proposal in drafts.items():
+            count = _draftable(req, proposal)
+            while count and self._next_pages(req, 1 + count) - self._next_pages(req) > room:
+                count -= 1
+            room -= self._next_pages(req, 1 + count) - self._next_pages(req)
+            if count:
+                kept[req] = self.speculator.cut(req, proposal, count)
+                req.extend_len = 1 + count
+            else:
+                self.speculator.cut(req, proposal, 0)
+        self._propose_time = time.perf_counter() - start
+        return [r for r in decoding if r not in resting], kept
 
     def _attach_grammars(self, batch: ForwardBatch) -> None:
         """Grammar masks for the rows that sample under one; the step's sampler waits (`_wait_processed`)
-        until the previous step's tokens are accepted into them."""
+        until the previous step's tokens are accepted into them. A request verifying drafts has nothing in
+        flight: its rows are filled now, each as if the drafts before it were accepted."""
         sampled = batch.sampled_reqs
-        if self.grammar is not None and any(r.grammar is not None for r in sampled):
-            batch.sampling.grammars = Grammars(
-                [r.grammar for r in sampled], self.grammar.allocate_bitmask(len(sampled)),
-                functools.partial(self._wait_processed, self._scheduled_count - 1))
+        if self.grammar is None or all(r.grammar is None for r in sampled):
+            return
+        grammars = Grammars([r.grammar for r in sampled], self.grammar.allocate_bitmask(len(sampled)),
+                            functools.partial(self._wait_processed, self._scheduled_count - 1))
+        for row, (index, req) in enumerate(zip(batch.sample_rows, sampled, strict=True)):
+            drafts = batch.drafts.get(index)
+            if drafts is None or req.grammar is None:
+                continue
+            if row == 0 or batch.sample_rows[row - 1] != index:  # the request's first row
+                req.grammar.fill_ahead(grammars.bitmask, row, drafts)
+            grammars.matchers[row] = None
+            grammars.filled.append(row)
+        batch.sampling.grammars = grammars
 
     def _attach_forcing(self, batch: ForwardBatch) -> None:
         """The rows whose request may have to emit a given token next (a think block whose budget may be
@@ -288,7 +341,10 @@ class Scheduler:
         sampled = batch.sampled_reqs
         for req in sampled:
             req.sampled += 1
-        self.decode_manager.filter_reqs(sampled)
+        self.decode_manager.filter_reqs([r for i, r in zip(batch.sample_rows, sampled, strict=True)
+                                         if i not in batch.drafts])
+        for index in batch.drafts:  # back in the running set once its verification is processed
+            self.decode_manager.remove_req(batch.reqs[index])
         self.inflight_batches += 1
 
     def _share_prompt(self, req: Req) -> None:
@@ -299,9 +355,9 @@ class Scheduler:
             req.prefix = self.cache.share(req.input_ids, req.pages, req.prefix)
             group.shared = True
 
-    def _next_pages(self, req: Req) -> int:
-        """New pages a running request needs for its next token."""
-        return max(0, pages_for(req.cached_len + 1, self.page_size) - len(req.pages))
+    def _next_pages(self, req: Req, tokens: int = 1) -> int:
+        """New pages a running request needs for its next `tokens` query tokens (its next token and drafts)."""
+        return max(0, pages_for(req.cached_len + tokens, self.page_size) - len(req.pages))
 
     def _make_room(self) -> bool:
         """Free or evictable pages for every running request's next token, retracting requests until
@@ -359,10 +415,21 @@ class Scheduler:
             req.inflight -= 1
         self._collect_prompt_logprobs(batch, output.prompt_logprobs)
         logprobs = self._token_logprobs(batch, tokens, output.logprobs)
-        for row, token in zip(batch.sample_rows, tokens, strict=True):
-            req = batch.reqs[row]
-            if req.state is not ReqState.FINISHED:
-                self._append_token(req, token, logprobs.get(row))
+        generated = accepted_drafts = 0  # tokens the decoding requests' rows kept; drafts accepted
+        for index, rows in _runs(batch.sample_rows):
+            req, drafts = batch.reqs[index], batch.drafts.get(index)
+            if drafts is not None:
+                kept = self._verify(req, drafts, [tokens[row] for row in rows])
+                accepted_drafts += kept
+                rows = rows[: kept + 1]
+            if index < batch.num_decode or drafts is not None:
+                generated += len(rows)
+            for row in rows:
+                if req.state is ReqState.FINISHED:
+                    break
+                self._append_token(req, tokens[row], logprobs.get(row))
+            if drafts is not None and req.state is not ReqState.FINISHED:
+                self.decode_manager.filter_reqs([req])
         for req in batch.reqs:
             if req in self._unreleased and req.inflight == 0:
                 self._release(req)
@@ -370,12 +437,36 @@ class Scheduler:
             self._processed_count += 1
             self._processed.notify_all()
         self.counters["steps"] += 1
-        if batch.num_decode:
+        decode_queries = batch.num_decode + batch.num_verify_tokens
+        if decode_queries:
             self.admission.decoded()
-        self.counters["decode_tokens"] += batch.num_decode
-        self.counters["prefill_tokens"] += batch.num_tokens - batch.num_decode
+        self.counters["decode_tokens"] += generated
+        self.counters["prefill_tokens"] += batch.num_tokens - decode_queries
         duration = batch.schedule_time + output.run_time + time.perf_counter() - start
-        return self._result(batch.kind, [r.rid for r in batch.reqs], batch.num_tokens, duration, batch.num_decode)
+        if self.speculator is not None and decode_queries == batch.num_tokens:
+            self.speculator.record_step(batch.num_tokens, duration - batch.propose_time)
+        return self._result(StepResult(
+            kind=batch.kind, rids=[r.rid for r in batch.reqs], num_tokens=batch.num_tokens, duration=duration,
+            num_decode_tokens=generated, num_prefill_tokens=batch.num_tokens - decode_queries,
+            num_draft_tokens=sum(len(d) for d in batch.drafts.values()), num_accepted_tokens=accepted_drafts))
+
+    def _verify(self, req: Req, drafts: list[int], sampled: list[int]) -> int:
+        """How many of `req`'s drafts its rows' samples accept (engine/speculative/speculator.py); the rest are
+        rolled back: their positions leave `cached_len` and `sampled`, pages holding only them are freed."""
+        kept = accepted(drafts, sampled)
+        rejected = len(drafts) - kept
+        req.cached_len -= rejected
+        req.sampled -= rejected
+        keep = pages_for(req.cached_len, self.page_size)
+        if len(req.pages) > keep:
+            self.cache.free(req.pages[keep:])
+            del req.pages[keep:]
+        self.counters["spec_drafts"] += 1
+        self.counters["spec_draft_tokens"] += len(drafts)
+        self.counters["spec_accepted_tokens"] += kept
+        assert self.speculator is not None  # drafts come from it
+        self.speculator.verified(req, len(drafts), kept)
+        return kept
 
     def _wait_processed(self, count: int) -> None:
         """Block (the model's thread) until `count` batches are processed: their tokens are then accepted
@@ -402,15 +493,14 @@ class Scheduler:
 
     def _token_logprobs(self, batch: ForwardBatch, tokens: list[int],
                         numbers: Logprobs | None) -> dict[int, TokenLogprob]:
-        """Each sampled token's log-probability, by batch row, for the rows that asked."""
+        """Each sampled token's log-probability, by sampled row, for the rows that asked."""
         if numbers is None:
             return {}
         chosen, top_ids, top_values = numbers.chosen.tolist(), numbers.top_ids.tolist(), numbers.top_values.tolist()
         out = {}
         for j, i in enumerate(batch.sampling.logprob_rows or ()):
-            row = batch.sample_rows[i]
-            out[row] = self._logprob(tokens[i], chosen[j], top_ids[j], top_values[j],
-                                     batch.reqs[row].params.logprobs or 0)
+            out[i] = self._logprob(tokens[i], chosen[j], top_ids[j], top_values[j],
+                                   batch.reqs[batch.sample_rows[i]].params.logprobs or 0)
         return out
 
     def _logprob(self, token: int, value: float | None, ids: list[int], values: list[float], k: int) -> TokenLogprob:
@@ -483,13 +573,14 @@ class Scheduler:
                  "prompt_logprobs": self._first_prompt_logprobs(req) if tokens or not req.output_ids else None}
         group = req.group
         if group is None:
-            self._pending.append(msgspec.structs.replace(req.final(tokens, text, reasoning), **extra))
+            self._pending.append(msgspec.structs.replace(req.final(tokens, text, reasoning=reasoning), **extra))
         elif group.open:
             self._pending.append(Delta(rid=group.rid, index=req.index, text=text, token_ids=tokens,
                                        finish_reason=reason, reasoning=reasoning, **extra))
         else:
             del self.groups[group.rid]
-            self._pending.append(msgspec.structs.replace(req.final(tokens, text, reasoning, group.members), **extra))
+            self._pending.append(msgspec.structs.replace(req.final(tokens, text, group.members, reasoning),
+                                                         **extra))
 
     def _release(self, req: Req) -> None:
         """The one cleanup path (from `_finish` once no batch in flight uses `req`, and from `_retract`):
@@ -497,12 +588,44 @@ class Scheduler:
         self._unreleased.discard(req)
         if req.slot is None:  # never admitted: it held nothing
             return
+        if self.speculator is not None:
+            self.speculator.release(req)
         self.table.free(req.slot)
         req.slot = None
         self.cache.release(req.tokens(0, min(req.cached_len, req.total_len)), req.pages, req.prefix)
         req.pages = []
 
-    def _result(self, kind: str, rids: list[str], num_tokens: int, duration: float, num_decode: int) -> StepResult:
-        outputs, self._pending = self._pending, []
-        return StepResult(kind=kind, rids=rids, finished=[o.rid for o in outputs if o.finished], outputs=outputs,
-                          num_tokens=num_tokens, duration=duration, num_decode_tokens=num_decode)
+    def _result(self, result: StepResult) -> StepResult:
+        """`result` with the outputs made since the last one (a Final names its request as finished)."""
+        result.outputs, self._pending = self._pending, []
+        result.finished = [o.rid for o in result.outputs if o.finished]
+        return result
+
+
+def _speculation(req: Req) -> Speculation | None:
+    spec = req.spec
+    return None if spec is None else Speculation(draft_tokens=spec.proposed, accepted_tokens=spec.accepted,
+                                                 verifications=spec.verifies)
+
+
+def _draftable(req: Req, proposal: list[int]) -> int:
+    """How many of `proposal` a request may verify: what its grammar accepts; none while its think block
+    is not over and its masks depend on the block (a budget that may force its close along the drafts, or
+    a grammar that starts after it): those are known only token by token (engine/reasoning.py)."""
+    block = req.think
+    if block is not None and not block.answering and \
+            (req.grammar is not None or block.may_force(req.sampled + len(proposal))):
+        return 0
+    return len(proposal) if req.grammar is None else req.grammar.allowed(proposal)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, list[int]]]:
+    """Each request's sampled rows: (its index in the batch, the rows), in row order (a verifying request's
+    rows are consecutive)."""
+    runs: list[tuple[int, list[int]]] = []
+    for row, index in enumerate(rows):
+        if runs and runs[-1][0] == index:
+            runs[-1][1].append(row)
+        else:
+            runs.append((index, [row]))
+    return runs

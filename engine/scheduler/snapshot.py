@@ -55,9 +55,24 @@ class WaitingEntry(msgspec.Struct, kw_only=True):
     generated: int = 0
 
 
+class Speculation(msgspec.Struct, kw_only=True):
+    """A request's speculative decoding so far: `draft_tokens` proposed and verified in `verifications`
+    steps, `accepted_tokens` of them accepted."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verifications: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification emitted on average (vLLM's mean acceptance length): its accepted drafts and
+        the target's own token; 0 before any."""
+        return 1.0 + self.accepted_tokens / self.verifications if self.verifications else 0.0
+
+
 class RunningEntry(msgspec.Struct, kw_only=True):
     """An admitted, unfinished request in its request slot: `state` is "prefilling" (prompt mid-chunk) or
-    "running" (decoding)."""
+    "running" (decoding); `spec` its speculation, if any."""
 
     rid: str
     slot: int
@@ -71,6 +86,7 @@ class RunningEntry(msgspec.Struct, kw_only=True):
     priority: int = 0
     retractions: int = 0
     client: str = ""  # as WaitingEntry.client
+    spec: Speculation | None = None
 
 
 class RequestDetail(msgspec.Struct, Generic[Prompt], kw_only=True):
@@ -103,6 +119,7 @@ class RequestDetail(msgspec.Struct, Generic[Prompt], kw_only=True):
     ttft: float | None = None
     output: str = ""  # the text sent to its client so far, from `text_from` on
     output_chars: int = 0  # the length of all of that text
+    spec: Speculation | None = None  # its speculative decoding, if the engine speculates
 
 
 @dataclass(frozen=True)
@@ -126,12 +143,19 @@ class PageSnapshot:
 
 @dataclass(frozen=True)
 class SchedulerCounters:
+    """Totals since the engine started. `decode_tokens` are what decoding generated (accepted drafts
+    included); a verification of drafts is a `spec_drafts`, with its `spec_draft_tokens` proposed and
+    `spec_accepted_tokens` accepted (vLLM's spec_decode counters)."""
+
     steps: int
     prefill_tokens: int
     decode_tokens: int
     finished: int
     aborted: int
     retractions: int
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

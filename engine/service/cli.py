@@ -60,6 +60,12 @@ ENGINE_HELP = {
     "max_consecutive_prefills": "Without mixed batches: prefill-only steps in a row before running requests decode.",
     "quantization": "Quantize float weights at load: int8 (Q8_0 blocks) or int4 (Q4_1 blocks); CPU only.",
     "dequantize": "Expand a GGUF file's quantized weights to --dtype at load (slower; exact vs transformers).",
+    "speculative": "Propose tokens to verify in one step: ngram (prompt lookup) or draft (--speculative-model).",
+    "speculative_model": "A small draft model with the target's tokenizer (implies --speculative draft).",
+    "num_speculative_tokens": "Most proposed tokens per request and step (fewer, or none, where they do not pay).",
+    "speculative_adaptive": "Give each request only the drafts that measure faster (off: always as many as proposed).",
+    "speculative_ngram_max": "Longest n-gram the ngram proposer looks up in a request's own tokens.",
+    "speculative_ngram_min": "Shortest n-gram it falls back to.",
     "reasoning_budget": "Tokens a reply's think block may take before the engine closes it, for requests that "
                         "set no thinking_token_budget (default: unbounded).",
     "threads": "CPU compute threads (default: up to the usable cores, as many as measure fastest beside other work).",

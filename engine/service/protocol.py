@@ -260,6 +260,22 @@ class Counters(msgspec.Struct, kw_only=True):
     decode_tokens_per_s: float
     steps_per_s: float
     retractions: int = 0  # running requests sent back to the waiting queue because the KV pool ran dry
+    # speculative decoding: verifications of drafts, drafts proposed and accepted (totals), and their rates
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_draft_tokens_per_s: float = 0.0
+    spec_accepted_tokens_per_s: float = 0.0
+
+    @property
+    def spec_acceptance(self) -> float:
+        """The share of draft tokens accepted since start (0 before any)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verification emitted on average (its accepted drafts and the target's token; 0 before any)."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0
 
 
 class StepRecord(msgspec.Struct, kw_only=True):

@@ -46,7 +46,8 @@ class StatsRecorder:
         self.submitted = self.errors = self.steps = 0
         self.unscheduled_aborts = 0  # requests aborted before they reached the scheduler (while tokenizing)
         self.recent: deque[StepRecord] = deque(maxlen=history)
-        self._window: deque[tuple[float, int, int]] = deque()  # (end time, prefill tokens, decode tokens)
+        # (end time, prefill tokens, decode tokens, drafts verified, drafts accepted) per step
+        self._window: deque[tuple[float, int, int, int, int]] = deque()
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=MAX_TTFTS)  # (when, TTFT) of recent first tokens
         self._started: set[str] = set()  # live requests whose first token is counted
         self._changed = llm.watch_pages()  # pages whose state changed since the last complete list
@@ -64,7 +65,8 @@ class StatsRecorder:
         self.recent.append(StepRecord(index=self.steps, kind=result.kind, rids=result.rids,
                                       num_tokens=result.num_tokens, duration=result.duration,
                                       at=now - self.start))
-        self._window.append((now, result.num_prefill_tokens, result.num_decode_tokens))
+        self._window.append((now, result.num_prefill_tokens, result.num_decode_tokens, result.num_draft_tokens,
+                             result.num_accepted_tokens))
 
     def _record_ttfts(self, result: StepResult, now: float) -> None:
         """The TTFT of each request whose first token this step made: from its Final if it ended at once,
@@ -89,14 +91,15 @@ class StatsRecorder:
         while self._window and self._window[0][0] < now - RATE_WINDOW:
             self._window.popleft()
         span = max(min(RATE_WINDOW, now - self.start), 1e-3)
-        prefill = sum(n for _, n, _ in self._window)
-        decode = sum(n for _, _, n in self._window)
+        prefill, decode, drafted, accepted = (sum(step[i] for step in self._window) / span for i in range(1, 5))
         return Counters(submitted=self.submitted, finished=counts.finished,
                         aborted=counts.aborted + self.unscheduled_aborts, errors=self.errors, steps=counts.steps,
                         prefill_tokens=counts.prefill_tokens,
-                        decode_tokens=counts.decode_tokens, prefill_tokens_per_s=prefill / span,
-                        decode_tokens_per_s=decode / span, steps_per_s=len(self._window) / span,
-                        retractions=counts.retractions)
+                        decode_tokens=counts.decode_tokens, prefill_tokens_per_s=prefill,
+                        decode_tokens_per_s=decode, steps_per_s=len(self._window) / span,
+                        retractions=counts.retractions, spec_drafts=counts.spec_drafts,
+                        spec_draft_tokens=counts.spec_draft_tokens, spec_accepted_tokens=counts.spec_accepted_tokens,
+                        spec_draft_tokens_per_s=drafted, spec_accepted_tokens_per_s=accepted)
 
     def _full_due(self, now: float, asked: bool) -> bool:
         """Whether the next snapshot lists every page (see the module docstring)."""

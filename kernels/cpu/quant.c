@@ -641,6 +641,49 @@ static void panel_rows(int type, const uint8_t *panel, const act_block *a, int64
 #undef BY_ROWS
 }
 
+/* part[r][lane] = float weight row `lane` . x row r, for nr rows of x and `width` rows of w ([width, k]): two
+ * weight rows against up to four rows of x at a time, eight values a multiply-add, each (row, lane) summed in
+ * its own vector and reduced once at the end (the weights stream through once per four rows of x). */
+static void f32_columns(const float *w, int width, const float *x, int64_t x_stride, int nr, int64_t k,
+                        float part[ROWS_PER_PASS][PANEL]) {
+    for (int lane = 0; lane < width; lane += 2) {
+        const float *w0 = w + lane * k, *w1 = w + (lane + 1 < width ? lane + 1 : lane) * k;
+        float s0[ROWS_PER_PASS] = {0}, s1[ROWS_PER_PASS] = {0};
+        int64_t i = 0;
+#ifdef QUANT_AVX2
+        __m256 a0[ROWS_PER_PASS], a1[ROWS_PER_PASS];
+        for (int r = 0; r < ROWS_PER_PASS; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (; i + 8 <= k; i += 8) {
+            const __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
+            for (int r = 0; r < ROWS_PER_PASS; r++) {
+                if (r >= nr) break;
+                const __m256 xv = _mm256_loadu_ps(x + r * x_stride + i);
+                a0[r] = _mm256_fmadd_ps(xv, v0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(xv, v1, a1[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            float l0[8], l1[8];
+            _mm256_storeu_ps(l0, a0[r]);
+            _mm256_storeu_ps(l1, a1[r]);
+            for (int j = 0; j < 8; j++) {
+                s0[r] += l0[j];
+                s1[r] += l1[j];
+            }
+        }
+#endif
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + r * x_stride;
+            for (int64_t j = i; j < k; j++) {
+                s0[r] += w0[j] * xr[j];
+                s1[r] += w1[j] * xr[j];
+            }
+            part[r][lane] = s0[r];
+            if (lane + 1 < width) part[r][lane + 1] = s1[r];
+        }
+    }
+}
+
 /* Output columns [col, col + count) of one segment: a panel, or (T_F32) up to 8 float rows. */
 static void panel_columns(const segment *s, int64_t panel, const act_block *a, const float *x, int64_t x_stride,
                           int64_t m, int64_t k, float *out, int64_t out_stride, const float *bias, const float *add,
@@ -651,13 +694,7 @@ static void panel_columns(const segment *s, int64_t panel, const act_block *a, c
     for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
         const int nr = (int)(m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS);
         if (s->type == T_F32) {
-            for (int r = 0; r < nr; r++)
-                for (int lane = 0; lane < width; lane++) {
-                    const float *wr = (const float *)s->data + (panel * PANEL + lane) * k, *xr = x + (r0 + r) * x_stride;
-                    float sum = 0.0f;
-                    for (int64_t i = 0; i < k; i++) sum += wr[i] * xr[i];
-                    part[r][lane] = sum;
-                }
+            f32_columns((const float *)s->data + panel * PANEL * k, width, x + r0 * x_stride, x_stride, nr, k, part);
         } else {
             panel_rows(s->type, s->data + panel * q_panel_bytes(s->type, k), a + r0 * blocks, blocks, nr, part);
         }

@@ -97,6 +97,9 @@ def render(title: str, s: Summary) -> Table:
         share = s.cached_prompt_tokens / s.input_tokens if s.input_tokens else 0.0
         rows.append(("prompt tokens from the prefix cache", f"{s.cached_prompt_tokens} of {s.input_tokens} "
                                                              f"({share:.0%})"))
+    if s.draft_tokens:
+        share = (s.accepted_tokens or 0) / s.draft_tokens
+        rows.append(("speculative drafts accepted", f"{s.accepted_tokens} of {s.draft_tokens} ({share:.0%})"))
     for name, dist in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("ITL", s.itl_ms), ("E2E", s.e2e_ms)):
         if not math.isnan(dist["mean"]):
             rows.append((f"{name} mean / median / p90 / p99 (ms)",

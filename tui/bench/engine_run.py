@@ -31,6 +31,8 @@ async def _one(client: AsyncEngineClient, req: BenchRequest, ignore_eos: bool, t
             record.admitted = 0.0 if queue is None else out.timings.total - queue
             record.aborted = out.finish_reason == "abort"  # by someone else: this client never aborts
             record.cached = out.usage.cached_tokens
+            if out.usage.draft_tokens:
+                record.drafts = (out.usage.draft_tokens, out.usage.accepted_tokens)
     record.e2e = time.perf_counter() - start
     return record
 

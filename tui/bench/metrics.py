@@ -27,6 +27,7 @@ class RequestRecord:
     admitted: float | None = None  # seconds the engine ran it (admission to finish), where the backend says
     aborted: bool = False  # ended with finish reason "abort", not by this benchmark's doing
     cached: int | None = None  # prompt tokens the server's prefix cache served, where it says
+    drafts: tuple[int, int] | None = None  # speculative draft tokens verified and accepted, where it says
 
     @property
     def outcome(self) -> str:
@@ -82,6 +83,8 @@ class Summary:
     mean_running: float | None = None
     input_tokens: int = 0  # prompt tokens of the completed requests
     cached_prompt_tokens: int | None = None  # of those, served by the prefix cache (None: the server does not say)
+    draft_tokens: int | None = None  # speculative drafts the completed requests verified (None: none, or not said)
+    accepted_tokens: int | None = None  # of them accepted
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,4 +113,6 @@ def summarize(records: list[RequestRecord], duration: float, peak_concurrency: i
         if duration > 0 and any(r.admitted is not None for r in ok) else None,
         input_tokens=inp,
         cached_prompt_tokens=sum(r.cached or 0 for r in ok) if any(r.cached is not None for r in ok) else None,
+        draft_tokens=sum(d[0] for d in drafts) if (drafts := [r.drafts for r in ok if r.drafts]) else None,
+        accepted_tokens=sum(d[1] for d in drafts) if drafts else None,
     )

@@ -138,6 +138,10 @@ class RequestDetailScreen(ModalScreen[None]):
             if d.choices > 1:
                 output += f" · choice 1 of {d.choices} shown"
             lines.append(("output", output))
+            if d.spec is not None and d.spec.verifications:
+                s = d.spec
+                lines.append(("drafts", f"{s.accepted_tokens} of {s.draft_tokens} accepted in {s.verifications} "
+                                        f"verifications ({s.mean_accepted_length:.2f} tokens each)"))
             rate = ""
             if d.ttft is not None and d.generated > 1 and d.age > d.ttft:
                 rate = f" · {(d.generated - 1) / (d.age - d.ttft):.1f} tok/s since"

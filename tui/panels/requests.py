@@ -18,6 +18,7 @@ from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.widgets import DataTable
 
+from engine.scheduler.snapshot import Speculation
 from engine.service.protocol import RunningEntry, Stats, WaitingEntry
 from tui.names import RequestNames
 from tui.panels.base import same_text, set_titles
@@ -52,6 +53,14 @@ def reason(code: str, retractions: int = 0, kept: int = 0) -> Text:
 def retracted(count: int) -> Text:
     """A running request's retraction count: blank until it has been sent back to the queue."""
     return Text(f"×{count}", RETRACTED) if count else Text("")
+
+
+def drafts(spec: Speculation | None) -> Text:
+    """A running request's speculation: drafts accepted of proposed and tokens per verification, e.g.
+    `41/52 · 3.1`; blank while it has verified none."""
+    if spec is None or not spec.verifications:
+        return Text("")
+    return Text(f"{spec.accepted_tokens}/{spec.draft_tokens} · {spec.mean_accepted_length:.1f}", "green")
 
 
 def owner(rid: str, names: RequestNames) -> Text:
@@ -254,7 +263,7 @@ class RunningTable(RequestTable):
     how often each was retracted (sent back to the queue when the KV pool ran dry) so far."""
 
     TITLE = "Running set"
-    COLUMNS = ("request", "owner", "slot", "prio", "state", "progress", "pages", "retracted")
+    COLUMNS = ("request", "owner", "slot", "prio", "state", "progress", "pages", "retracted", "drafts")
 
     def entries(self, stats: Stats) -> list[Entry]:
         return list(stats.running)
@@ -262,7 +271,7 @@ class RunningTable(RequestTable):
     def cells(self, entry: Entry, names: RequestNames) -> Row:
         assert isinstance(entry, RunningEntry)
         return (names.styled(entry.rid), owner(entry.rid, names), str(entry.slot), str(entry.priority),
-                *self._progress(entry), str(entry.pages), retracted(entry.retractions))
+                *self._progress(entry), str(entry.pages), retracted(entry.retractions), drafts(entry.spec))
 
     def state(self, entry: Entry) -> str:
         assert isinstance(entry, RunningEntry)
@@ -272,8 +281,9 @@ class RunningTable(RequestTable):
         assert isinstance(entry, RunningEntry)
         done = entry.prefilled / max(1, entry.prompt_tokens) if entry.state == "prefilling" else \
             1 + entry.generated / max(1, entry.max_tokens)
+        accepted = entry.spec.accepted_tokens / max(1, entry.spec.draft_tokens) if entry.spec else -1.0
         return (names.label(entry.rid, 200), names.owner(entry.rid), entry.slot, entry.priority, entry.state, done,
-                entry.pages, entry.retractions)[column]
+                entry.pages, entry.retractions, accepted)[column]
 
     @staticmethod
     def _progress(r: RunningEntry) -> tuple[Text, Text]:

@@ -77,5 +77,9 @@ class ThroughputPanel(Vertical):
             update_text(self._labels[name], Text(f"{name:<8}{value:8.1f} {unit}"))
         self._counters.set_parts([f"submitted {c.submitted}", f"finished {c.finished}", f"aborted {c.aborted}",
                                   f"retracted {c.retractions}", f"errors {c.errors}", f"steps {c.steps}",
-                                  f"prefill {c.prefill_tokens} tok", f"decode {c.decode_tokens} tok"])
+                                  f"prefill {c.prefill_tokens} tok", f"decode {c.decode_tokens} tok",
+                                  *([f"drafts {c.spec_accepted_tokens}/{c.spec_draft_tokens} accepted "
+                                     f"({c.spec_acceptance:.0%})", f"{c.spec_mean_accepted_length:.2f} tok/verify",
+                                     f"accepting {c.spec_accepted_tokens_per_s:.0f} of "
+                                     f"{c.spec_draft_tokens_per_s:.0f} draft tok/s"] if c.spec_drafts else [])])
 

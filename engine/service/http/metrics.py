@@ -76,6 +76,9 @@ class EngineStatsCollector(Collector):
             "minichat_engine_decode_tokens": ("Tokens the engine generated.", c.decode_tokens),
             "minichat_retractions": ("Running requests sent back to the waiting queue when the KV pool ran dry "
                                      "(they resume where they were).", c.retractions),
+            "minichat_spec_drafts": ("Verifications of speculative drafts (one per request and step).", c.spec_drafts),
+            "minichat_spec_draft_tokens": ("Speculative draft tokens verified.", c.spec_draft_tokens),
+            "minichat_spec_accepted_tokens": ("Speculative draft tokens accepted.", c.spec_accepted_tokens),
         }
         for name, (doc, value) in totals.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -93,10 +96,18 @@ class EngineStatsCollector(Collector):
             family = GaugeMetricFamily(name, doc, labels=list(label))
             family.add_metric(list(label.values()), value)
             yield family
-        preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted (retracted to the waiting "
-                                          "queue) since the engine started.", labels=list(label))
-        preemptions.add_metric(list(label.values()), s.counters.retractions)
-        yield preemptions
+        c = s.counters
+        totals = {
+            "vllm:num_preemptions": ("Requests preempted (retracted to the waiting queue) since the engine started.",
+                                     c.retractions),
+            "vllm:spec_decode_num_drafts": ("Requests' steps that verified speculative drafts.", c.spec_drafts),
+            "vllm:spec_decode_num_draft_tokens": ("Speculative draft tokens verified.", c.spec_draft_tokens),
+            "vllm:spec_decode_num_accepted_tokens": ("Speculative draft tokens accepted.", c.spec_accepted_tokens),
+        }
+        for name, (doc, value) in totals.items():
+            counter = CounterMetricFamily(name, doc, labels=list(label))
+            counter.add_metric(list(label.values()), value)
+            yield counter
 
 
 class Metrics:

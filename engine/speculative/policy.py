@@ -1,0 +1,123 @@
+"""How many drafts each request gets this step: only as many as make the step's tokens per second rise.
+
+A draft token costs a longer step (more query tokens; on a CPU past a few rows the GEMMs stop being
+bound by reading the weights) and pays only if it is accepted, which needs every draft before it
+accepted too. So the j-th draft of a request whose drafts are each accepted with probability `alpha`
+(given the ones before) is worth alpha**j expected tokens, and the step's expected rate is
+
+    (tokens the step emits anyway + the drafts' expected tokens) / (measured time of a step that long
+                                                                    + the proposer's own time)
+
+Drafts are added most valuable first while the rate rises (`allocate`), so a request whose drafts are
+rejected gets none (its alpha falls below what one more query token costs), a full batch gets few or
+none (its steps grow with every token), and a single stream on a memory-bound device gets several.
+`alpha` learns per request from what verification accepted (`SpecState.observe`) and drifts back to
+the prior while a request is not speculating, so it tries again later (the text may have turned to
+quoting). Step times are measured per token count (`StepCosts`), on this machine, under its load.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+PRIOR = 0.6  # a fresh request's alpha: tried at once where a step of 2 tokens costs under 1.6 of 1 token
+LEARN = 0.2  # how far one verified draft moves alpha to 1 (accepted) or 0 (the first rejected)
+RECOVER = 0.01  # per step without drafts, alpha moves this share of the way back to PRIOR
+TRY = 0.5  # under overlap a request sits out a step to carry drafts in the next only while alpha is at least this
+PROBE = 16  # ... and only if its last clean step had drafts, or it has had no clean step for this many steps
+COST_LEARN = 0.2  # the step-time average's weight of a new measurement
+UNMEASURED_EXTRA = 0.05  # a step longer than any measured: this share of the longest one's time per token more
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its acceptance estimate and what it proposed and had accepted."""
+
+    alpha: float = PRIOR
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0
+    verifies: int = 0  # steps that verified drafts of it
+    drafting: bool = False  # its last step with nothing in flight carried drafts
+    unclean: int = 0  # its steps since the last with nothing in flight (under overlap one is always in flight)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A verification: `accepted` of `proposed` drafts; the first rejected one counts against alpha,
+        the ones after it say nothing (they were conditioned on a wrong token)."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.verifies += 1
+        for hit in [1.0] * accepted + ([0.0] if accepted < proposed else []):
+            self.alpha += LEARN * (hit - self.alpha)
+
+    def rest(self) -> None:
+        """A step it decoded without drafts."""
+        self.alpha += RECOVER * (PRIOR - self.alpha)
+
+    def sits_out(self, offered: int) -> bool:
+        """Under overlap, with a step in flight and `offered` drafts in view: whether it skips this step so that
+        the next, with nothing in flight, can carry them (see TRY and PROBE)."""
+        self.unclean += 1
+        return offered > 0 and self.alpha >= TRY and (self.drafting or self.unclean >= PROBE)
+
+
+
+class StepCosts:
+    """Seconds a step without prompt tokens takes, by its token count: an average per count measured, between
+    measured counts a straight line, beyond the longest measured that plus UNMEASURED_EXTRA per token (so a
+    longer step is tried, and then known). Only ratios matter, so before any measurement 1 is a step."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def record(self, tokens: int, seconds: float) -> None:
+        old = self._seconds.get(tokens)
+        self._seconds[tokens] = seconds if old is None else old + COST_LEARN * (seconds - old)
+
+    def estimate(self, tokens: int) -> float:
+        known = self._seconds
+        if tokens in known:
+            return known[tokens]
+        below = max((n for n in known if n < tokens), default=None)
+        above = min((n for n in known if n > tokens), default=None)
+        if below is not None and above is not None:
+            share = (tokens - below) / (above - below)
+            return known[below] + share * (known[above] - known[below])
+        if below is not None:
+            return known[below] * (1 + UNMEASURED_EXTRA * (tokens - below))
+        return known[above] if above is not None else 1 + UNMEASURED_EXTRA * (tokens - 1)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A request that could verify up to `most` drafts this step, and how likely each is accepted."""
+
+    key: int  # the caller's handle for the request
+    most: int
+    alpha: float
+
+
+def allocate(offers: list[Offer], costs: StepCosts, base_tokens: int, emitted: int,
+             pass_seconds: float = 0.0) -> dict[int, int]:
+    """Drafts per offer (by key; absent: none) for a step of `base_tokens` query tokens that emits `emitted`
+    tokens without drafts. `pass_seconds`: what the proposer spends per draft position (a draft model runs
+    once per position for every drafting request; prompt lookup costs nothing)."""
+    counts: dict[int, int] = {}
+    if not offers or emitted == 0:
+        return counts
+    tokens, expected, passes = base_tokens, float(emitted), 0
+    rate = expected / costs.estimate(tokens)
+    heap = [(-o.alpha, 1, i) for i, o in enumerate(offers) if o.most > 0 and o.alpha > 0]
+    heapq.heapify(heap)
+    while heap:
+        value, j, i = heapq.heappop(heap)
+        offer = offers[i]
+        more_passes = max(passes, j)
+        new_rate = (expected - value) / (costs.estimate(tokens + 1) + more_passes * pass_seconds)
+        if new_rate <= rate:
+            break
+        tokens, expected, passes, rate = tokens + 1, expected - value, more_passes, new_rate
+        counts[offer.key] = j
+        if j < offer.most:
+            heapq.heappush(heap, (value * offer.alpha, j + 1, i))
+    return counts
