@@ -20,7 +20,7 @@ A budget (`thinking_token_budget`, `--reasoning-budget`) bounds the thinking: af
 inside the block the engine makes the request emit the template's own close (`ThinkMarkers.close`, e.g.
 "\\n</think>": the whitespace the template writes before the end marker, then the marker) token by token
 (`ThinkBlock.forced`, applied by the sampler as the only allowed token), and the answer follows.
-No torch here: the wire's clients import the markers' description too.
+No torch here.
 """
 
 from __future__ import annotations
