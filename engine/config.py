@@ -67,6 +67,9 @@ class EngineConfig:
     it implies "draft"). At most `num_speculative_tokens` per request and step; how many a request gets,
     down to none, is decided each step from its acceptance and the measured cost of a longer step
     (`speculative_adaptive`; off, every request gets as many as the proposer has, up to that many).
+    `reasoning_budget` bounds the think block of requests that split one off (SamplingParams.reasoning)
+    and give no `thinking_token_budget`: after that many tokens inside it the engine closes it (llama.cpp's
+    --reasoning-budget; None: unbounded; engine/reasoning.py).
     """
 
     model: str | None = None
@@ -105,6 +108,7 @@ class EngineConfig:
     speculative_adaptive: bool = True
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 2
+    reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -135,6 +139,8 @@ class EngineConfig:
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1 (or None to size the pool automatically); "
                              f"got {self.num_pages}")
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            raise ValueError(f"reasoning_budget must be at least 0 (or None: unbounded); got {self.reasoning_budget}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1 (or None: as many as suit the machine); got {self.threads}")
 

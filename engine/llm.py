@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -38,6 +39,7 @@ from engine.model.quantized import weight_footprint
 from engine.outputs import Final, RequestOutput, StepResult
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import Prompt, Tools, is_chat, is_token_ids
+from engine.reasoning import ThinkBlock, ThinkMarkers, think_markers
 from engine.request import Group, PromptTooLong, Req
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -206,15 +208,22 @@ class LLM:
         """How this model writes tool calls, read off its chat template (None: it has none)."""
         return tool_format(self.tokenizer)
 
-    def encode_prompt(self, prompt: Prompt, tools: Tools | None = None) -> list[int]:
-        """Token ids for a text prompt, chat messages (with `tools` for the template), or ids given
-        directly (checked against the vocab)."""
+    @functools.cached_property
+    def think_markers(self) -> ThinkMarkers | None:
+        """This model's think block, read off its chat template and vocabulary (None: it has none)."""
+        return think_markers(self.tokenizer)
+
+    def encode_prompt(self, prompt: Prompt, tools: Tools | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids for a text prompt, chat messages (with `tools` and more `template_kwargs` for the
+        template), or ids given directly (checked against the vocab)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer files; pass the prompt as a list of token ids")
             ids = self.tokenizer.encode(prompt)
         elif is_chat(prompt):
-            ids = apply_chat_template(self.tokenizer, template_messages(prompt), tools=tools)
+            ids = apply_chat_template(self.tokenizer, template_messages(prompt), tools=tools,
+                                      template_kwargs=template_kwargs)
         elif is_token_ids(prompt):
             vocab = self.model.spec.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -229,12 +238,13 @@ class LLM:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
-                    arrival_time: float | None = None, client: str = "", grammar: CompiledGrammar | None = None
-                    ) -> str:
+                    arrival_time: float | None = None, client: str = "", grammar: CompiledGrammar | None = None,
+                    tools: Tools | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
         """Queue a request at the back of the waiting queue; returns its request id. `arrival_time`
         (time.monotonic()) is when it arrived, if earlier than now: its timings count from there.
         `client` labels who sent it, for the stats and `describe`. `grammar`: `params.structured` compiled
-        already (`compile_grammar`, off the caller's loop); else it is compiled here.
+        already (`compile_grammar`, off the caller's loop); else it is compiled here. `tools` and
+        `template_kwargs` go to the chat template (see `encode_prompt`).
         With `params.n` > 1 the request is a Group of n choices (engine/request.py)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -246,8 +256,10 @@ class LLM:
         outside = sorted(t for t in params.token_ids() if t >= vocab)
         if outside:
             raise InvalidParams(f"logit_bias and stop_token_ids name token ids in [0, {vocab}); got {outside[:5]}")
-        grammars = self._grammar_matchers(params, grammar)
-        ids = self.encode_prompt(prompt)
+        if params.thinking_token_budget is not None and self.think_markers is None:
+            raise InvalidParams("thinking_token_budget: this model's chat template has no think block")
+        compiled = self._compiled(params, grammar)
+        ids = self.encode_prompt(prompt, tools, template_kwargs)
         if len(ids) >= self.max_seq_len:
             raise PromptTooLong(f"the prompt has {len(ids)} tokens, but at most {self.max_seq_len - 1} fit "
                                 f"(model context {self.model.spec.max_position_embeddings}, KV pool "
@@ -261,11 +273,15 @@ class LLM:
         max_output = max(1, min(params.max_tokens, self.max_seq_len - len(ids)))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
         group = Group(rid) if params.n > 1 else None
+        markers = self.think_markers if params.reasoning else None
+        budget = params.thinking_token_budget if params.thinking_token_budget is not None \
+            else self.config.reasoning_budget
         for index in range(params.n):
             self._uid += 1
+            think = ThinkBlock(markers, ids, budget) if markers is not None else None
             req = Req(rid=rid if index == 0 else f"{rid}#{index}", uid=self._uid, input_ids=ids, params=params,
                       max_output=max_output, seed=seed + index, group=group, index=index,
-                      scored=1 if index == 0 else len(ids), grammar=grammars[index] if grammars else None,
+                      scored=1 if index == 0 else len(ids), grammar=self._matcher(compiled, think), think=think,
                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop), client=client)
             if arrival_time is not None:
                 req.arrival_time = arrival_time
@@ -290,15 +306,20 @@ class LLM:
         except InvalidGrammar as e:
             raise InvalidParams(f"structured: {e}") from e
 
-    def _grammar_matchers(self, params: SamplingParams, compiled: CompiledGrammar | None) -> list[GrammarMatcher]:
-        """One matcher per choice for `params.structured` (none without it), from `compiled` when the caller
-        compiled it already; InvalidParams for a grammar that cannot work, before anything queues."""
+    def _compiled(self, params: SamplingParams, compiled: CompiledGrammar | None) -> CompiledGrammar | None:
+        """`params.structured` compiled (None without it), or `compiled` when the caller compiled it already;
+        InvalidParams for a grammar that cannot work, before anything queues."""
         if params.structured is None:
-            return []
-        compiled = compiled if compiled is not None else self.compile_grammar(params.structured)
+            return None
+        return compiled if compiled is not None else self.compile_grammar(params.structured)
+
+    def _matcher(self, compiled: CompiledGrammar | None, think: ThinkBlock | None) -> GrammarMatcher | None:
+        """A choice's matcher of `compiled`, for the answer after `think` when there is one."""
+        if compiled is None:
+            return None
         compiler = self.scheduler.grammar
         assert compiler is not None  # compile_grammar made it
-        return [compiler.matcher(compiled) for _ in range(params.n)]
+        return compiler.matcher(compiled, after=think)
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self, overlap: bool = False) -> StepResult:
@@ -450,9 +471,12 @@ def _choices(req: Req) -> list[Req]:
 def _output(req: Req, final: Final) -> RequestOutput:
     """One choice of a whole request: every token and the whole text, the request's timings, its own
     finish reason and token count."""
-    usage = msgspec.structs.replace(final.usage, completion_tokens=len(req.output_ids))
-    return RequestOutput(rid=req.client_rid, index=req.index, text=req.detokenizer.text if req.detokenizer else "",
+    usage = msgspec.structs.replace(final.usage, completion_tokens=len(req.output_ids),
+                                    reasoning_tokens=req.think.tokens if req.think is not None else 0)
+    detokenizer = req.detokenizer
+    return RequestOutput(rid=req.client_rid, index=req.index, text=detokenizer.text if detokenizer else "",
                          token_ids=list(req.output_ids), finish_reason=req.finish_reason or final.finish_reason,
                          usage=usage, timings=final.timings, prompt_token_ids=req.input_ids,
                          logprobs=None if req.params.logprobs is None else req.logprobs,
-                         prompt_logprobs=req.prompt_logprobs)
+                         prompt_logprobs=req.prompt_logprobs, reasoning=detokenizer.reasoning if detokenizer else "",
+                         stop_string=detokenizer.matched if detokenizer else None)

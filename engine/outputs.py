@@ -14,13 +14,15 @@ import msgspec
 
 class Usage(msgspec.Struct, kw_only=True):
     """A request's tokens: `draft_tokens` were proposed for it and verified (speculative decoding), and
-    `accepted_tokens` of them accepted (they are among its completion tokens)."""
+    `accepted_tokens` of them accepted (they are among its completion tokens); `reasoning_tokens` are the
+    completion's think block's (engine/reasoning.py), markers included."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 class Timings(msgspec.Struct, kw_only=True):
@@ -46,7 +48,9 @@ class Delta(msgspec.Struct, tag_field="type", tag="delta", kw_only=True):
 
     `index` is the choice among a request's `n`; `logprobs` has one entry per token when asked for;
     `prompt_logprobs` comes once, with a request's first output, one entry per prompt token. A choice
-    that ends while others go on ends with a Delta carrying its `finish_reason`."""
+    that ends while others go on ends with a Delta carrying its `finish_reason`. `reasoning` is new text
+    of the reply's think block when the request splits it off (`SamplingParams.reasoning`); `text` is
+    then the answer's only."""
 
     rid: str
     text: str
@@ -55,6 +59,7 @@ class Delta(msgspec.Struct, tag_field="type", tag="delta", kw_only=True):
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    reasoning: str = ""
 
     @property
     def finished(self) -> bool:
@@ -62,7 +67,8 @@ class Delta(msgspec.Struct, tag_field="type", tag="delta", kw_only=True):
 
 
 class _Ended(msgspec.Struct, kw_only=True):
-    """What a finished request reports: why it ended ("stop", "length", "abort"), usage and timings."""
+    """What a finished request reports: why it ended ("stop", "length", "abort"; `stop_string`: the stop
+    string that ended it, if one did), usage and timings."""
 
     rid: str
     text: str
@@ -73,6 +79,8 @@ class _Ended(msgspec.Struct, kw_only=True):
     index: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    stop_string: str | None = None
 
 
 class Final(_Ended, tag_field="type", tag="final"):
@@ -128,4 +136,5 @@ class RequestOutput(_Ended):
                    token_ids=[t for o in outputs for t in o.token_ids], finish_reason=final.finish_reason,
                    usage=final.usage, timings=final.timings, index=final.index,
                    logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,
-                   prompt_logprobs=prompt_logprobs)
+                   prompt_logprobs=prompt_logprobs, reasoning="".join(o.reasoning for o in outputs),
+                   stop_string=final.stop_string)

@@ -44,7 +44,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     temperature, `min_p`, `top_k`, `top_p`. `logprobs` (top alternatives per sampled token) and
     `prompt_logprobs` (per prompt token) are the model's raw log-probabilities, before any of those
     processors: vLLM's default ("raw_logprobs"), what scoring needs. `priority`: lower runs first under
-    `--schedule-policy priority` (and is retracted last)."""
+    `--schedule-policy priority` (and is retracted last). `reasoning`: a reply's think block (for models
+    whose chat template has one, engine/reasoning.py) is split off the text (Delta.reasoning), counted
+    (Usage.reasoning_tokens), `structured` applies to the answer after it, and after
+    `thinking_token_budget` tokens inside it (vLLM's name; None: the engine's `reasoning_budget`, if any)
+    the engine closes the block itself."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -65,6 +69,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_logprobs: int | None = None
     structured: GrammarSpec | None = None
     priority: int = 0
+    reasoning: bool = False
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,8 +87,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise InvalidParams(f"max_tokens must be an integer >= 0; got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidParams(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            raise InvalidParams(f"top_k must be -1 (disabled) or an integer >= 1; got {self.top_k!r}")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1) or self.top_k >= 2**63:
+            raise InvalidParams(f"top_k must be -1 (disabled) or an integer in [1, 2**63); got {self.top_k!r}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidParams(f"top_p must be in (0, 1]; got {self.top_p!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
@@ -121,6 +127,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise InvalidParams(f"seed must be an integer in [-2**63, 2**64); got {self.seed!r}")
         if not _is_int(self.priority) or not PRIORITY_RANGE[0] <= self.priority < PRIORITY_RANGE[1]:
             raise InvalidParams(f"priority must be an integer in [-2**31, 2**31); got {self.priority!r}")
+        budget = self.thinking_token_budget
+        if budget is not None and (not _is_int(budget) or not 0 <= budget < 2**63):
+            raise InvalidParams(f"thinking_token_budget must be an integer >= 0 or null; got {budget!r}")
+        if budget is not None and not self.reasoning:
+            raise InvalidParams("thinking_token_budget bounds the think block split off the reply: it needs "
+                                "reasoning on")
 
     def _check_stop(self) -> None:
         """Stop strings, within the caps; one string given bare becomes a list of one."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeGuard
 
 ChatMessage = dict[str, Any]
@@ -23,3 +24,19 @@ def is_chat(prompt: Prompt) -> TypeGuard[list[ChatMessage]]:
 def is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
     """A list of ints (bools are not token ids)."""
     return isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+# apply_chat_template's own arguments and the variables it sets: no chat_template_kwargs key may be one of them
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                      "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                      "truncation", "max_length", "return_tensors", "return_dict",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> None:
+    """ValueError for chat template variables a request may not set (`RESERVED_TEMPLATE_KWARGS`): the
+    request itself gives them."""
+    taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the request itself gives "
+                         f"{'them' if len(taken) > 1 else 'it'}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from engine.kv.cache import PrefixMatch
 from engine.outputs import Final, Timings, TokenLogprob, Usage
 from engine.params import SamplingParams
+from engine.reasoning import ThinkBlock
 from engine.speculative.policy import SpecState
 from engine.structured import GrammarMatcher
 from engine.tokenizer import IncrementalDetokenizer
@@ -93,6 +94,7 @@ class Req:
     scored: int = 1
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the sampled tokens', when asked for
     grammar: GrammarMatcher | None = None  # params.structured's matcher: what may come next
+    think: ThinkBlock | None = None  # the reply's think block, with params.reasoning on a model that has one
     client: str = ""  # who sent it, in a few words ("bench", "client 3"): what an operator sees it by
     spec: SpecState | None = None
 
@@ -155,18 +157,19 @@ class Req:
             return self.output_ids[start - n : end - n]
         return self.input_ids[start:] + self.output_ids[: end - n]
 
-    def final(self, token_ids: list[int], text: str, choices: Sequence[Req] = ()) -> Final:
-        """The request's last output (it has finished): new tokens and text, usage and timings. `choices`: a
-        group's, whose tokens its usage counts together."""
+    def final(self, token_ids: list[int], text: str, choices: Sequence[Req] = (), reasoning: str = "") -> Final:
+        """The request's last output (it has finished): new tokens, answer and thinking text, usage and
+        timings. `choices`: a group's, whose tokens its usage counts together."""
         arrival = self.arrival_time
         counted = choices or (self,)
         spec = [r.spec for r in counted if r.spec is not None]
         completion = sum(len(r.output_ids) for r in counted)
+        usage = Usage(prompt_tokens=self.input_len, completion_tokens=completion, cached_tokens=self.prefix_len,
+                      draft_tokens=sum(s.proposed for s in spec), accepted_tokens=sum(s.accepted for s in spec),
+                      reasoning_tokens=sum(r.think.tokens for r in counted if r.think is not None))
         return Final(rid=self.client_rid, index=self.index, text=text, token_ids=token_ids,
-                     finish_reason=self.finish_reason or "",
-                     usage=Usage(prompt_tokens=self.input_len, completion_tokens=completion,
-                                 cached_tokens=self.prefix_len, draft_tokens=sum(s.proposed for s in spec),
-                                 accepted_tokens=sum(s.accepted for s in spec)),
+                     finish_reason=self.finish_reason or "", usage=usage, reasoning=reasoning,
+                     stop_string=self.detokenizer.matched if self.detokenizer is not None else None,
                      timings=Timings(queue=None if self.admit_time is None else self.admit_time - arrival,
                                      ttft=self.ttft,
                                      total=(self.finish_time or time.monotonic()) - arrival))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.params import SamplingParams
+from engine.reasoning import ThinkBlock
 from engine.request import Req
 from engine.structured import GrammarMatcher, apply_bitmask, fill_bitmask
 
@@ -89,6 +90,25 @@ class Grammars:
 
 
 @dataclass
+class Forcing:
+    """Rows (of the sampled rows) whose request may have to emit a given token next: a think block's close
+    once its budget is spent (engine/reasoning.py). Which do, and what, is known only once the previous
+    step's tokens are processed (`ready`, as for grammars); a forced row's other tokens are masked, so
+    whatever the processors and the draw do, it samples that token (its raw logprobs stay the model's)."""
+
+    rows: list[tuple[int, ThinkBlock]]
+    ready: Callable[[], None]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        self.ready()
+        for row, block in self.rows:
+            token = block.forced()
+            if token is not None:
+                logits[row] = float("-inf")
+                logits[row, token] = 0.0
+
+
+@dataclass
 class SamplingBatch:
     """Everything `sample` needs for one step's sampled rows, as tensors on the model's device.
 
@@ -110,6 +130,7 @@ class SamplingBatch:
     logprob_rows: list[int] | None = None  # the same rows, on the host
     prompt_logprobs: PromptLogprobs | None = None
     grammars: Grammars | None = None
+    forcing: Forcing | None = None
 
     @classmethod
     def build(cls, reqs: Sequence[Req], eos_ids: set[int], device: torch.device,
@@ -235,9 +256,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor) 
 
     A row that cannot be sampled (non-finite logits from a broken checkpoint, say) takes its argmax,
     so one request's failure never takes down the batch."""
-    if batch.grammars is not None:  # masked on a copy: the caller's logits stay raw for log-probabilities
+    if batch.grammars is not None or batch.forcing is not None:  # on a copy: the caller's stay raw for logprobs
         logits = logits.clone()
-        batch.grammars.apply(logits)
+        for mask in (batch.grammars, batch.forcing):
+            if mask is not None:
+                mask.apply(logits)
     if batch.greedy_only:
         return logits.argmax(dim=-1)
     shaped = process_logits(logits, batch, token_ids)

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
 
+    from engine.reasoning import ThinkBlock
+
 GrammarKind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag"]
 KINDS: tuple[GrammarKind, ...] = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
@@ -190,9 +192,9 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports bad input as RuntimeError
             raise InvalidGrammar(f"invalid {spec.kind.replace('_', ' ')}: {_xgr_message(e)}") from None
 
-    def matcher(self, compiled: xgrammar.CompiledGrammar) -> GrammarMatcher:
-        """A fresh matcher (one per request) at the start of `compiled`."""
-        return GrammarMatcher(_xgr().GrammarMatcher(compiled), self.stop_token_ids)
+    def matcher(self, compiled: xgrammar.CompiledGrammar, after: ThinkBlock | None = None) -> GrammarMatcher:
+        """A fresh matcher (one per request) at the start of `compiled`; `after`: the think block it follows."""
+        return GrammarMatcher(_xgr().GrammarMatcher(compiled), self.stop_token_ids, after)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 CPU bitmask for `rows` logits rows (bit set = token allowed); reuse it every step."""
@@ -200,12 +202,18 @@ class GrammarCompiler:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar: what it has accepted, hence which tokens may come next."""
+    """One request's position in its grammar: what it has accepted, hence which tokens may come next.
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher, stop_token_ids: list[int]) -> None:
+    `after`: the reply's think block (engine/reasoning.py), when the grammar is for the answer after it:
+    until the block is over the mask allows everything (and, before the reply's first token, the block's
+    start marker beside what the grammar allows), and the scheduler accepts only the answer's tokens."""
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher, stop_token_ids: list[int],
+                 after: ThinkBlock | None = None) -> None:
         self._m = matcher
         self._stop_token_ids = stop_token_ids
         self._accepted = 0  # tokens accepted and not rolled back: the most rollback can undo
+        self.after = after
 
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False (state unchanged) if the grammar does not allow it."""
@@ -249,14 +257,25 @@ class GrammarMatcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (only the stop tokens once terminated)."""
+        block = self.after
+        if block is not None and not block.answering and not block.may_open:
+            bitmask[row].fill_(-1)  # thinking: the grammar has not started
+            return
         if not self._m.is_terminated():
             self._m.fill_next_token_bitmask(bitmask, row)
+            if block is not None and block.may_open:
+                _allow(bitmask, row, block.markers.start_id)
             return
         bitmask[row].zero_()
         for t in self._stop_token_ids:
-            word, bit = divmod(t, 32)
-            value = int(bitmask[row, word]) | (1 << bit)
-            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # int32 two's complement
+            _allow(bitmask, row, t)
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set token's bit in `bitmask[row]`."""
+    word, bit = divmod(token, 32)
+    value = int(bitmask[row, word]) | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # int32 two's complement
 
 
 def fill_bitmask(bitmask: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> list[int]:

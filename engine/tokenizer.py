@@ -11,6 +11,9 @@ from typing import Any, cast
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.prompt import check_template_kwargs
+from engine.reasoning import Part
+
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -44,12 +47,14 @@ def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None, hf_conf
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True, *,
-                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                        tools: Sequence[Mapping[str, Any]] | None = None,
+                        template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Render chat messages with the model's own template, ready for the assistant's turn (unless
     `add_generation_prompt` is off: then just the conversation, as a token count of it wants).
 
     `tools` (OpenAI function tools) reach the templates that take them; engine/tools.py says which do
-    (`tool_format`) and shapes messages that carry tool calls for them (`template_messages`)."""
+    (`tool_format`) and shapes messages that carry tool calls for them (`template_messages`).
+    `template_kwargs` are more variables for the template (`enable_thinking` for Qwen3's)."""
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer; send prompt token ids instead of chat messages")
     if not getattr(tokenizer, "chat_template", None):
@@ -57,9 +62,11 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: lis
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError("each chat message must be {'role': str, 'content': str}")
+    check_template_kwargs(template_kwargs)
     try:
         out = tokenizer.apply_chat_template(messages, tools=None if tools is None else [dict(t) for t in tools],
-                                            add_generation_prompt=add_generation_prompt, tokenize=True)
+                                            add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **dict(template_kwargs or {}))
     except Exception as e:  # a template may raise anything (jinja's TemplateError, KeyError) for roles it rejects
         raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from e
     # token ids, in a BatchEncoding (or a dict) or as a list; transformers types the result for every set of flags
@@ -139,7 +146,9 @@ class IncrementalDetokenizer:
 
     `tokenizers.DecodeStream` already holds back bytes until they form whole characters; on top of
     it we watch for stop strings and hold back any tail that could still grow into one, so streamed
-    text never has to be taken back.
+    text never has to be taken back. A reply with a think block (engine/reasoning.py) has its thinking
+    kept apart (`reasoning`, taken with `take_reasoning`) and its markers dropped; stop strings are
+    looked for in the answer only.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop: list[str] | None) -> None:
@@ -151,19 +160,31 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped it
+        self.reasoning = ""
+        self._reasoning_emitted = 0
 
-    def add(self, token_id: int) -> None:
-        """Feed one token; sets `stopped` (and truncates the text) when a stop string appears."""
+    def add(self, token_id: int, part: Part = Part.ANSWER) -> None:
+        """Feed one token (`part`: where in the reply it is); sets `stopped` (and truncates the text) when
+        a stop string appears."""
         if self._decoder is None or self.stopped:
             return
         backend, stream = self._decoder
         piece = stream.step(backend, token_id)
         if not piece:
             return
+        if part is Part.MARKER:  # dropped, but not the bytes of thinking it completed (as "\ufffd" if cut)
+            marker = backend.id_to_token(token_id) or ""
+            self.reasoning += piece[:-len(marker)] if marker and piece.endswith(marker) else ""
+            return
+        if part is Part.THINKING:
+            self.reasoning += piece
+            return
         offset = len(self.text)
         self.text += piece
         hit = self._matcher.feed(piece, offset) if self._matcher is not None else None
         if hit is not None:
+            self.matched = next(stop for stop in self.stop if self.text.startswith(stop, hit))
             self.text = self.text[:hit]
             self.stopped = True
 
@@ -174,4 +195,10 @@ class IncrementalDetokenizer:
             end -= self._matcher.held
         piece = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
+        return piece
+
+    def take_reasoning(self) -> str:
+        """Thinking not yet taken (nothing of it is held back: stop strings are the answer's)."""
+        piece = self.reasoning[self._reasoning_emitted:]
+        self._reasoning_emitted = len(self.reasoning)
         return piece

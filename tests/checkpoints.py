@@ -187,3 +187,23 @@ def make_tools_tokenizer(out: Path, chat_template: str) -> Path:
     tok.chat_template = chat_template
     tok.save_pretrained(out)
     return out
+
+
+THINKING_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
+def make_thinking_tokenizer(out: Path, chat_template: str) -> Path:
+    """The test tokenizer with a reasoning model's markers as added tokens, as Qwen3's has them (`<think>`
+    and `</think>` one token each and not special, so their text is decoded; `<|im_end|>` special, the EOS)
+    and `chat_template` (a real one: tests/real_templates.py). Its vocabulary is VOCAB + 6 tokens: the
+    model needs `vocab_size=THINKING_VOCAB`."""
+    make_tokenizer(out)
+    tok = PreTrainedTokenizerFast.from_pretrained(out)
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    tok.chat_template = chat_template
+    tok.save_pretrained(out)
+    return out
+
+
+THINKING_VOCAB = VOCAB + len(THINKING_TOKENS)

@@ -237,6 +237,48 @@ def test_client_disconnect_aborts_the_engine_request(server, engine, stream):
     assert rid not in paint(snap.pages.total, snap.pages.runs, snap.pages.owners)[1] and snap.pages.held == 0
 
 
+NEW_ENDPOINTS = {  # each new API's long request, and its metrics label
+    "/messages": ({"model": "tiny", "messages": [{"role": "user", "content": "Continuous batching"}],
+                   "max_tokens": 10_000, "ignore_eos": True}, "messages"),
+    "/responses": ({"model": "tiny", "input": "Continuous batching", "max_output_tokens": 10_000,
+                    "ignore_eos": True}, "responses"),
+}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("path", sorted(NEW_ENDPOINTS))
+def test_client_disconnect_aborts_the_new_apis_requests(server, engine, path, stream):
+    """Anthropic's Messages and OpenAI's Responses: a client that leaves aborts its engine request too."""
+    aborted = engine.stats().counters.aborted
+
+    async def leave_mid_request() -> str:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            request = asyncio.ensure_future(http.post(server.url + path, json={**NEW_ENDPOINTS[path][0],
+                                                                               "stream": stream}))
+            rid = await asyncio.to_thread(running_http_request, engine)
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+            return rid
+
+    rid = asyncio.run(leave_mid_request())
+    snap = engine.wait_stats(lambda s: s.counters.aborted > aborted and all(r.rid != rid for r in s.running), 15)
+    assert snap.pages.held == 0
+
+
+@pytest.mark.parametrize("path", sorted(NEW_ENDPOINTS))
+def test_the_new_apis_are_counted_in_the_metrics(server, path):
+    label = NEW_ENDPOINTS[path][1]
+    body = {**NEW_ENDPOINTS[path][0], "max_tokens" if path == "/messages" else "max_output_tokens": 3}
+    before = metric_values(server)
+    assert server.post("/v1" + path, body).status_code == 200
+    assert server.post("/v1" + path, {**body, "model": "other"}).status_code == 404
+    after = metric_values(server)
+    for outcome, added in (("length", 1), ("404", 1)):
+        name = f'minichat_http_requests_total{{"endpoint": "{label}", "outcome": "{outcome}"}}'
+        assert after[name] == before.get(name, 0) + added, name
+    assert after["minichat_generation_tokens_total"] - before["minichat_generation_tokens_total"] == 3
+
+
 def metric_values(server: Server) -> dict[str, float]:
     text = server.get("/metrics").text
     return {f"{s.name}{json.dumps(s.labels, sort_keys=True) if s.labels else ''}": s.value
@@ -287,6 +329,22 @@ def test_bench_openai_backend_reports_every_metric(server, tmp_path):
     assert [(r["prompt_len"], r["output_len"], r["error"]) for r in report["records"]] == [(12, 4, None)] * 4
     for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert 0 < report["engine"][m]["median"] <= report["engine"][m]["p99"], m
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "messages", "responses"])
+def test_bench_streams_the_other_apis(server, tmp_path, endpoint):
+    """--endpoint: the same workload through chat, Anthropic's Messages or the Responses API, counted from
+    each one's usage (the chat template's tokens are the prompt's too)."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run(minichat("bench", "--backend", "openai", "--base-url", server.url, "--model", "tiny",
+                                  "--api-key", KEY, "--num-requests", "3", "--concurrency", "2", "--input-len", "12",
+                                  "--output-len", "4", "--warmup", "0", "--endpoint", endpoint, "--json", str(out)),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["endpoint"] == endpoint and report["engine"]["completed"] == 3
+    assert all(r["output_len"] == 4 and r["prompt_len"] > 12 and r["error"] is None for r in report["records"])
+    assert report["engine"]["ttft_ms"]["median"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import random
+import re
 import resource
 import signal
 import socket
@@ -309,19 +310,23 @@ def test_2_the_key_is_checked_before_the_body_is_read(api: Api, engine: EngineCl
         assert headers.get("www-authenticate") == "Bearer"
     finally:
         conn.close()
-    # A gigabyte announced and never sent: refused from the headers alone, at once, key or no key.
-    for auth, expected in (([], 401), ([("authorization", f"Bearer {KEY}")], 413)):
-        conn = Connection(api.port)
-        try:
-            head = h11.Request(method="POST", target="/v1/completions",
-                               headers=[("host", f"127.0.0.1:{api.port}"), ("content-length", str(1 << 30)),
-                                        ("content-type", "application/json"), *auth])
-            conn.sock.sendall(conn.h11.send(head))
-            status, headers, body = conn.response()
-            assert_openai_error(status, body, expected)
-            assert headers.get("connection") == "close"  # the rest of the body is never read
-        finally:
-            conn.close()
+    # A gigabyte announced and never sent: refused from the headers alone, at once, key or no key, on every
+    # generation route (Anthropic's takes its key as x-api-key too, and answers in its own shape).
+    for target in ("/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"):
+        for auth, expected in (([], 401), ([("authorization", f"Bearer {KEY}")], 413), ([("x-api-key", KEY)], 413),
+                               ([("x-api-key", "wrong")], 401)):
+            conn = Connection(api.port)
+            try:
+                head = h11.Request(method="POST", target=target,
+                                   headers=[("host", f"127.0.0.1:{api.port}"), ("content-length", str(1 << 30)),
+                                            ("content-type", "application/json"), *auth])
+                conn.sock.sendall(conn.h11.send(head))
+                status, headers, body = conn.response()
+                assert status == expected, (target, auth, status)
+                assert_error_shape(target, status, body)
+                assert headers.get("connection") == "close"  # the rest of the body is never read
+            finally:
+                conn.close()
 
     # A chunked body without a length is refused as soon as it passes the limit (by one byte here, so that
     # nothing is left unsent when the answer comes).
@@ -428,6 +433,7 @@ def test_3_slow_and_hoarding_connections_are_cut(api: Api, engine: EngineClient,
     ("/v1/completions", {"seed": 2**64}, "seed"),
     ("/v1/completions", {"seed": -(2**63) - 1}, "seed"),
     ("/v1/completions", {"top_k": 2**64}, "top_k"),
+    ("/v1/completions", {"top_k": 2**63}, "top_k"),  # on the wire, beyond the sampler's int64: it crashed the engine
     ("/v1/completions", {"min_tokens": 2**70}, "min_tokens"),
     ("/v1/completions", {"prompt": [5, 2**64]}, "prompt[1]"),
     ("/v1/completions", {"prompt": [5, -1]}, "prompt[1]"),
@@ -814,23 +820,29 @@ def _fuzz_value(rng: random.Random) -> object:
 
 def _fuzz_body(rng: random.Random) -> tuple[str, bytes, str]:
     """(path, body, content-type): valid-looking bodies with mutated fields, broken JSON, odd escapes."""
-    path = rng.choice(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/completions"])
-    if path == "/v1/chat/completions":
-        body: dict = {"messages": [{"role": "user", "content": "hi"}]}
+    path = rng.choice(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/completions",
+                       "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"])
+    if path in ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"):
+        body: dict = {"messages": [{"role": "user", "content": rng.choice(["hi", [{"type": "text", "text": "hi"}]])}]}
     elif path == "/detokenize":
         body = {"tokens": [5, 6]}
+    elif path == "/v1/responses":
+        body = {"input": rng.choice(["hi", [{"role": "user", "content": "hi"}]])}
     else:
         body = {"prompt": rng.choice(["hi", PROBE, [PROBE, PROBE]])}
     fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
               "seed", "stop", "n", "stream", "stream_options", "logprobs", "top_logprobs", "echo", "logit_bias",
               "presence_penalty", "min_p", "min_tokens", "stop_token_ids", "priority", "response_format",
-              "guided_choice", "guided_regex", "tools", "tool_choice", "best_of", "suffix", "tokens", "junk"]
+              "guided_choice", "guided_regex", "tools", "tool_choice", "best_of", "suffix", "tokens", "junk",
+              "chat_template_kwargs", "thinking_token_budget", "system", "stop_sequences", "thinking", "output_config",
+              "input", "instructions", "max_output_tokens", "text", "reasoning", "store", "previous_response_id"]
     for name in rng.sample(fields, rng.randint(0, 4)):
         body[name] = _fuzz_value(rng)
-    if path in ("/v1/completions", "/v1/chat/completions"):
-        budget = body.get("max_tokens")
+    budget_field = {"/v1/responses": "max_output_tokens"}.get(path, "max_tokens")
+    if path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"):
+        budget = body.get(budget_field)
         if not isinstance(budget, int) or isinstance(budget, bool) or budget > 4:
-            body["max_tokens"] = rng.choice([1, 2, 4])  # a body that happens to be valid finishes quickly
+            body[budget_field] = rng.choice([1, 2, 4])  # a body that happens to be valid finishes quickly
         body.pop("max_completion_tokens", None) if rng.random() < 0.8 else None
         if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and body["n"] > 2:
             body["n"] = 2
@@ -856,13 +868,15 @@ def _fuzz_request(rng: random.Random, port: int) -> tuple[bytes, bytes]:
     method = rng.choice([b"GET", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"HEAD", b"PATCH"])
     target = rng.choice([b"/v1/models", b"/v1/models/" + b"%2e" * rng.randint(1, 50), b"/health", b"/metrics",
                          b"/v1/completions?x=" + b"y" * rng.randint(0, 3000), b"//", b"/docs", b"*",
-                         b"/v1/chat/completions", b"/%ff%fe", b"/v1/models/llama", b"/tokenize"])
+                         b"/v1/chat/completions", b"/%ff%fe", b"/v1/models/llama", b"/tokenize", b"/v1/messages",
+                         b"/v1/messages/count_tokens", b"/v1/responses"])
     headers = [b"Host: " + rng.choice([b"127.0.0.1:%d" % port, b"localhost", b"evil.example", b""]),
                b"Connection: close"]
     for _ in range(rng.randint(0, 4)):
         headers.append(rng.choice([
             b"Authorization: Bearer " + rng.choice([KEY.encode(), b"", b"x" * 5000, b"\xff\xfe", KEY.encode() + b" "]),
             b"Authorization: " + rng.choice([b"Basic abc", b"bearer " + KEY.encode(), b"Bearer"]),
+            b"x-api-key: " + rng.choice([KEY.encode(), b"", b"\xff", b"y" * 3000]),
             b"Content-Type: " + rng.choice([b"application/json", b"application/x-www-form-urlencoded", b"a/b+json"]),
             b"X-" + b"a" * rng.randint(1, 100) + b": " + b"v" * rng.randint(0, 8000),
             b"Expect: 100-continue", b"Transfer-Encoding: gzip",
@@ -873,6 +887,25 @@ def _fuzz_request(rng: random.Random, port: int) -> tuple[bytes, bytes]:
     if not any(h.lower().startswith((b"content-length", b"transfer-encoding")) for h in headers):
         headers.append(b"Content-Length: %d" % len(body))
     return method, method + b" " + target + b" HTTP/1.1\r\n" + b"\r\n".join(headers) + b"\r\n\r\n" + body
+
+
+# how a stream that ended whole ends, by API (an error event ends it otherwise)
+DONE = re.compile(r"data: \[DONE\]$")
+STREAM_ENDS = {"/v1/completions": DONE, "/v1/chat/completions": DONE,
+               "/v1/messages": re.compile(r"event: message_stop\n"),
+               "/v1/responses": re.compile(r"event: response\.(completed|incomplete)\n")}
+
+
+def assert_error_shape(path: str, status: int, body: bytes) -> None:
+    """An error in its API's shape: Anthropic's on /v1/messages..., OpenAI's everywhere else, and for a
+    request that is not HTTP at all (no path was read, so no API is known)."""
+    unparsed = json.loads(body).get("error", {}).get("code") == "invalid_http"
+    if path.split("?")[0].startswith("/v1/messages") and not unparsed:
+        error = json.loads(body)
+        assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, error
+        assert error["error"]["message"] and "Traceback" not in error["error"]["message"], error
+    else:
+        assert_openai_error(status, body, status)
 
 
 def _raw_exchange(port: int, request: bytes) -> tuple[int, bytes, bytes]:
@@ -922,11 +955,12 @@ def test_fuzzed_http_is_answered_in_openai_shape(api: Api, engine: EngineClient)
                     r = http.post(api.root + path, content=raw, headers=headers)
                     status, content = r.status_code, r.content
                     if status == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
-                        assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+                        assert STREAM_ENDS[path].match(r.text.rstrip().split("\n\n")[-1]), r.text[-300:]
                 statuses[status] = statuses.get(status, 0) + 1
                 assert status < 500, (i, status, content[:300])
                 if status >= 400 and content:
-                    assert_openai_error(status, content, status)
+                    assert_error_shape(path if i % 4 != 3 else request.split(b" ")[1].decode("latin-1"), status,
+                                       content)
     finally:
         stop_streaming.set()
         thread.join()

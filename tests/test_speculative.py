@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -32,8 +30,8 @@ from engine.speculative.policy import Offer, StepCosts, allocate
 from engine.structured import GrammarSpec
 from tests.checkpoints import FAMILIES, make_checkpoint, with_eos
 from tests.real_model import smollm2_gguf
+from tests.served import serve_http
 from tests.test_retraction import assert_all_free, crowd, tight
-from tui.bench.fleet import free_port, minichat, stop
 from tui.status import summary
 
 PROPOSERS = ("ngram", "draft", "self")
@@ -306,27 +304,14 @@ def test_the_cost_model_drafts_only_where_it_pays():
 
 @pytest.fixture(scope="module")
 def spec_server(long_ckpt: Path):
-    address = f"ipc://{tempfile.mkdtemp(prefix='mch')}/engine.sock"
-    port = free_port()
-    process = subprocess.Popen(minichat("serve", "--http", f"127.0.0.1:{port}", "--address", address,
-                                        "--model", str(long_ckpt), "--speculative", "ngram",
-                                        "--no-speculative-adaptive"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    from tests.test_http_api import wait_http
-
-    root = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(process, root + "/health")
-        yield root, address
-    finally:
-        stop(process)
+    yield from serve_http(long_ckpt, "--speculative", "ngram", "--no-speculative-adaptive")
 
 
 def test_speculation_is_visible_in_metrics_status_and_request_detail(spec_server, long_ckpt):
     root, address = spec_server
     sdk = openai.OpenAI(base_url=root + "/v1", api_key="none", max_retries=0)
     prompt = "To be, or not to be, that is the question. To be, or not to be, that is the question. To be,"
-    reply = sdk.completions.create(model=long_ckpt.name, prompt=prompt, max_tokens=40, temperature=0)
+    reply = sdk.completions.create(model="m", prompt=prompt, max_tokens=40, temperature=0)
     plain = LLM(str(long_ckpt)).generate([prompt], SamplingParams(max_tokens=40))[0]
     assert reply.choices[0].text == plain.text
     with EngineClient(address) as client:

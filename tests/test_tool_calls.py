@@ -6,8 +6,6 @@ not; a conversation carrying calls and their results renders; a model without to
 from __future__ import annotations
 
 import json
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from engine.service.client import probe
 from tests.checkpoints import QWEN_TOOLS_TEMPLATE, make_checkpoint, make_tools_tokenizer, with_context
-from tests.test_http_api import free_port, minichat, stop, wait_http
+from tests.served import serve_http
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
@@ -28,17 +25,8 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def serve(model: Path) -> Iterator[openai.OpenAI]:
-    address = f"ipc://{tempfile.mkdtemp(prefix='mct')}/engine.sock"
-    port = free_port()
-    process = subprocess.Popen(minichat("serve", "--http", f"127.0.0.1:{port}", "--address", address, "--model",
-                                        str(model), "--served-model-name", "m"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_http(process, f"http://127.0.0.1:{port}/health")
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        stop(process)
-    assert probe(address) is None
+    for root, _ in serve_http(model):
+        yield openai.OpenAI(base_url=f"{root}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

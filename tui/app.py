@@ -74,6 +74,7 @@ class MinichatApp(App[None]):
         Binding("escape", "abort", "Stop reply"),
         Binding("ctrl+pagedown", "switch_session(1)", "Next chat", show=False),
         Binding("ctrl+pageup", "switch_session(-1)", "Previous chat", show=False),
+        Binding("f3", "toggle_thinking", "Show/hide thinking", show=False),
         Binding("f4", "fleet", "Fleet"),
         Binding("f5", "cycle_layout", "Chat/split/ops"),
         # priority: the prompt box (a TextArea) would take f6 and f7 for selecting text
@@ -308,6 +309,7 @@ class MinichatApp(App[None]):
             "copy": pane.copy_reply,
             "clear": lambda _: pane.clear(),
             "system": pane.set_system_prompt,
+            "think": pane.session.set_thinking,
             **{name: partial(pane.set_setting, name) for name in SETTINGS},
             "fanout": lambda prompts: self.fan_out(parse_fanout(prompts), like=pane.session),
             "keep": lambda _: pane.keep(),
@@ -486,6 +488,11 @@ class MinichatApp(App[None]):
                                            f"lost."), close)
         else:
             self.run_worker(close())
+
+    def action_toggle_thinking(self) -> None:
+        """f3: fold or unfold the thinking of the front session's replies."""
+        if (pane := self.current) is not None:
+            pane.toggle_thinking()
 
     async def action_abort(self) -> None:
         """Stop the reply; with none streaming, stop editing a message."""

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+import msgspec
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
@@ -141,9 +142,10 @@ class ReplyView(Vertical):
     MAX_FRAME = 1.0  # ... but never longer than this
     STREAMING_REFRESH = 0.25  # seconds between two updates of the numbers while tokens stream in
 
-    def __init__(self, reply: Reply) -> None:
+    def __init__(self, reply: Reply, unfolded: bool = False) -> None:
         super().__init__(classes="reply")
         self.reply = reply
+        self.unfolded = unfolded  # the thinking shown whole, not as one line (f3)
         self._shown_at = 0.0
         self._rendered = 0  # characters of reply.text in the Markdown
         self._rendering = asyncio.Lock()
@@ -154,6 +156,7 @@ class ReplyView(Vertical):
     def compose(self) -> ComposeResult:
         self._rendered = len(self.reply.text)
         yield Markdown(printable(self.reply.text))
+        yield Static(classes="reply-thinking")
         yield Static(classes="reply-stats")
 
     async def on_mount(self) -> None:
@@ -227,8 +230,25 @@ class ReplyView(Vertical):
             label += " · streaming…"
         for stats in self.query(".reply-stats").results(Static):  # none while the view is torn down
             update_text(stats, Text(printable(label)))
+        self.show_thinking()
         for state in ("queued", "streaming", "done", "aborted", "error", "interrupted"):
             self.set_class(reply.state == state, f"-{state}")
+
+
+    def show_thinking(self, unfolded: bool | None = None) -> None:
+        """The reply's thinking under its text, dimmed: one line with its token count when folded, the
+        whole of it when unfolded (`unfolded` None: as it was); nothing for a reply without any."""
+        if unfolded is not None:
+            self.unfolded = unfolded
+        reply = self.reply
+        for line in self.query(".reply-thinking").results(Static):
+            line.display = bool(reply.reasoning or reply.reasoning_tokens)
+            if not line.display:
+                continue
+            doing = "thinking…" if reply.live and not reply.text else "thought"
+            head = f"{'▾' if self.unfolded else '▸'} {doing} · {reply.reasoning_tokens} tokens " \
+                   f"(f3 {'folds' if self.unfolded else 'unfolds'})"
+            update_text(line, Text(printable(head + ("\n" + reply.reasoning.strip() if self.unfolded else ""))))
 
 
 class PhraseLine(Static):
@@ -279,6 +299,7 @@ class ChatPane(Vertical):
         self.pending: list[str] = []
         self.editing: int | None = None  # the turn whose message is back in the prompt box
         self.closing = False
+        self.thinking_unfolded = False  # f3: replies' thinking shown whole
 
     def compose(self) -> ComposeResult:
         with Horizontal(classes="chat-bar"):
@@ -357,9 +378,14 @@ class ChatPane(Vertical):
         """The view showing `reply`, if the pane has drawn it yet."""
         return next((view for view in self.query(ReplyView) if view.reply is reply), None)
 
-    @staticmethod
-    def _turn_widgets(turn: Turn) -> tuple[Static, ReplyView]:
-        return Static(Text(printable(turn.prompt)), classes="user"), ReplyView(turn.reply)
+    def _turn_widgets(self, turn: Turn) -> tuple[Static, ReplyView]:
+        return Static(Text(printable(turn.prompt)), classes="user"), ReplyView(turn.reply, self.thinking_unfolded)
+
+    def toggle_thinking(self) -> None:
+        """f3: every reply's thinking in this session unfolded, or folded to one line again."""
+        self.thinking_unfolded = not self.thinking_unfolded
+        for view in self.query(ReplyView):
+            view.show_thinking(self.thinking_unfolded)
 
     def start(self, prompt: str) -> Reply:
         """Start a turn and its request now, whether or not the pane is drawn yet (`compose` draws the
@@ -495,8 +521,10 @@ class ChatPane(Vertical):
             await self._fit(client, prompt)
             # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
             label = f"console: {self.session.name}"[:128]  # the owner the ops panels and other consoles show
-            async with contextlib.aclosing(client.generate(self.session.messages(prompt), self.session.params,
-                                                           rid=reply.rid, client=label)) as stream:
+            params = msgspec.structs.replace(self.session.params, reasoning=True)  # thinking apart, if any
+            async with contextlib.aclosing(client.generate(self.session.messages(prompt), params, rid=reply.rid,
+                                                           client=label,
+                                                           template_kwargs=self.session.template_kwargs())) as stream:
                 async for out in stream:
                     reply.add(out)
         except EngineError as e:

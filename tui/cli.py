@@ -163,14 +163,15 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
           request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
           timeout: float, baseline: str | None, json_path: Path | None, backend: str, base_url: str | None,
           tokenizer: str | None, api_key: str | None, json_schema: Path | None, prefix_len: int, num_prefixes: int,
-          **engine_options: typing.Any) -> None:
+          endpoint: str, **engine_options: typing.Any) -> None:
     """Serving benchmark: throughput and TTFT / TPOT / ITL / E2E latency.
 
     --backend minichat (default) speaks the engine's protocol: it attaches to the engine at --address;
     if none answers and an engine option (such as --model) is given, or no --address is, it starts one
     with those options and stops it afterwards. --backend openai runs the same workload against any
     OpenAI-compatible server at --base-url (minichat's HTTP API, vLLM, SGLang, llama.cpp), where --model
-    names the served model.
+    names the served model, streamed from /v1/completions or the --endpoint named (chat, Anthropic's
+    messages, the responses API).
 
     Exit status: 0 when every request completed, 1 when some failed, 3 when none failed but some were
     aborted by someone else (an operator, a shutdown); the figures cover the completed ones only.
@@ -184,7 +185,7 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
                            timeout=timeout, baseline=baseline, json_path=json_path,
                            engine_options=engine_options_given(engine_options), backend=backend, base_url=base_url,
                            tokenizer=tokenizer, api_key=api_key, json_schema=json_schema, prefix_len=prefix_len,
-                           num_prefixes=num_prefixes)
+                           num_prefixes=num_prefixes, endpoint=endpoint)
     except (BenchError, ValueError) as e:
         typer.echo(f"minichat bench: error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -221,6 +222,8 @@ set_signature(bench, [
            "--backend"),
     option("base_url", str | None, None, "openai backend: the API's base URL, e.g. http://127.0.0.1:8000/v1.",
            "--base-url"),
+    option("endpoint", str, "completions", "openai backend: the API streamed: completions, chat, messages "
+           "(Anthropic's) or responses (prompts as one user message on the last three).", "--endpoint"),
     option("tokenizer", str | None, None, "openai backend: checkpoint whose vocabulary the prompts use (default: "
            "the `root` the server reports for the model, else --model).", "--tokenizer"),
     inspect.Parameter("api_key", inspect.Parameter.KEYWORD_ONLY, annotation=str | None, default=typer.Option(

@@ -54,6 +54,9 @@ COMMANDS = (
             "(long replies, to watch batching)", "on|off"),
     Command("priority", "Set priority", "this session's requests' scheduling priority: lower runs first under the "
             "engine's --schedule-policy priority, and is retracted last (default 0)", "value"),
+    Command("think", "Thinking on or off", "ask the chat template to let the model think (on) or not (off), "
+            "sent as enable_thinking with this session's messages; a reasoning model's thinking shows folded under "
+            "its reply, with its token count (f3 unfolds it)", "on|off"),
     Command("fanout", "Fan out a prompt", "open N sessions that all send the prompt at once, or one per "
             "variation when the prompts are separated by |; their tabs are a group of scratch tabs, not saved "
             "unless kept", "N prompt [| prompt …]"),

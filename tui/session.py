@@ -67,6 +67,8 @@ class Reply:
 
     rid: str
     text: str = ""
+    reasoning: str = ""  # the model's thinking, split off the text by the engine (not sent back, not saved)
+    reasoning_tokens: int = 0  # counted as it streams, the engine's own count once the Final is in
     state: str = "queued"
     finish_reason: str | None = None
     error: str | None = None
@@ -89,9 +91,12 @@ class Reply:
         if out.token_ids and self.ttft is None:
             self.ttft = now - self.started
         self.text += out.text
+        self.reasoning += out.reasoning
+        self.reasoning_tokens += len(out.token_ids) if out.reasoning else 0
         self.completion_tokens += len(out.token_ids)
         self.state = "streaming"
         if isinstance(out, Final):
+            self.reasoning_tokens = out.usage.reasoning_tokens
             self.finish_reason = out.finish_reason
             self.state = "aborted" if out.finish_reason == "abort" else "done"
             self.prompt_tokens = out.usage.prompt_tokens
@@ -191,6 +196,7 @@ class Session:
     context_start: int = 0
     titled: bool = False
     group: str | None = None
+    thinking: bool | None = None  # `/think on|off`: enable_thinking for the chat template; None: its default
 
     @property
     def live(self) -> Reply | None:
@@ -283,7 +289,19 @@ class Session:
         p = self.params
         phrases = [f"temp {p.temperature:g}", f"top-p {p.top_p:g}", f"top-k {'off' if p.top_k == -1 else p.top_k}",
                    f"max {p.max_tokens} tok"]
-        return phrases + ["ignore EOS"] * p.ignore_eos + [f"priority {p.priority}"] * bool(p.priority)
+        thinking = [] if self.thinking is None else [f"thinking {'on' if self.thinking else 'off'}"]
+        return phrases + ["ignore EOS"] * p.ignore_eos + [f"priority {p.priority}"] * bool(p.priority) + thinking
+
+    def set_thinking(self, text: str) -> None:
+        """`/think on|off`: whether the chat template is asked to let the model think."""
+        try:
+            self.thinking = _flag(text.strip())
+        except ValueError:
+            raise ValueError(f"/think takes on or off; got {text.strip()!r}") from None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables this session sets (`enable_thinking`), if any."""
+        return None if self.thinking is None else {"enable_thinking": self.thinking}
 
     def describe(self) -> str:
         return " · ".join(self.settings())

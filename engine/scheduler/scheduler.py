@@ -41,9 +41,10 @@ from engine.kv.cache import CacheManager, PrefixMatch
 from engine.kv.table import RequestTable
 from engine.outputs import Delta, Output, StepResult, TokenLogprob
 from engine.pages import PageMap
+from engine.reasoning import Part
 from engine.request import Group, Req, ReqState
 from engine.runner import ModelRunner
-from engine.sampling import Grammars, Logprobs
+from engine.sampling import Forcing, Grammars, Logprobs
 from engine.scheduler.admission import Admission
 from engine.scheduler.batch_builder import Plan, build_batch
 from engine.scheduler.budget import pages_for
@@ -226,6 +227,7 @@ class Scheduler:
         batch = build_batch(plan, self.table, self.eos_ids)
         self._scheduled_count += 1
         self._attach_grammars(batch)
+        self._attach_forcing(batch)
         self._commit(batch)
         batch.schedule_time = time.perf_counter() - start
         batch.propose_time = self._propose_time
@@ -286,7 +288,7 @@ class Scheduler:
         room = self.cache.available_size - sum(self._next_pages(r) for r in self.decode_manager.running.values())
         kept: dict[Req, list[int]] = {}
         for req, proposal in drafts.items():
-            count = len(proposal) if req.grammar is None else req.grammar.allowed(proposal)
+            count = _draftable(req, proposal)
             while count and self._next_pages(req, 1 + count) - self._next_pages(req) > room:
                 count -= 1
             room -= self._next_pages(req, 1 + count) - self._next_pages(req)
@@ -316,6 +318,15 @@ class Scheduler:
             grammars.matchers[row] = None
             grammars.filled.append(row)
         batch.sampling.grammars = grammars
+
+    def _attach_forcing(self, batch: ForwardBatch) -> None:
+        """The rows whose request may have to emit a given token next (a think block whose budget may be
+        spent by then: `ThinkBlock.may_force`); which do, and what, is read at sampling time, once the
+        previous step's tokens are processed (`_wait_processed`), as for grammars."""
+        rows = [(row, r.think) for row, r in enumerate(batch.sampled_reqs)
+                if r.think is not None and r.think.may_force(r.sampled)]
+        if rows:
+            batch.sampling.forcing = Forcing(rows, functools.partial(self._wait_processed, self._scheduled_count - 1))
 
     def _commit(self, batch: ForwardBatch) -> None:
         """Advance the batch's requests as if it had run, so the next schedule (in the overlap loop,
@@ -520,8 +531,10 @@ class Scheduler:
         req.output_ids.append(token)
         if logprob is not None:
             req.logprobs.append(logprob)
+        part = req.think.feed(token) if req.think is not None else Part.ANSWER
         reason = None
-        if req.grammar is not None and (not req.grammar.accept(token) or req.grammar.is_terminated):
+        if req.grammar is not None and part is Part.ANSWER and (not req.grammar.accept(token)
+                                                                or req.grammar.is_terminated):
             if not req.grammar.is_terminated:  # the mask allowed it, so this is a bug, but only this request's
                 log.error("request %s sampled token %d, which its grammar rejects; it ends here", req.rid, token)
             reason = "stop"
@@ -529,16 +542,17 @@ class Scheduler:
             reason = "stop"
         else:
             if req.detokenizer is not None:
-                req.detokenizer.add(token)
+                req.detokenizer.add(token, part)
             if req.detokenizer is not None and req.detokenizer.stopped:
                 reason = "stop"
             elif len(req.output_ids) >= req.max_output:
                 reason = "length"
         if reason is None:
-            text = req.detokenizer.take(final=False) if req.detokenizer else ""
+            text, reasoning = (req.detokenizer.take(final=False), req.detokenizer.take_reasoning()) \
+                if req.detokenizer else ("", "")
             self._pending.append(Delta(rid=req.client_rid, index=req.index, text=text, token_ids=[token],
                                        logprobs=None if logprob is None else [logprob],
-                                       prompt_logprobs=self._first_prompt_logprobs(req)))
+                                       prompt_logprobs=self._first_prompt_logprobs(req), reasoning=reasoning))
         else:
             self._finish(req, reason, last_token=token, logprob=logprob)
 
@@ -565,19 +579,21 @@ class Scheduler:
         self._unreleased.add(req)
         if req.inflight == 0:
             self._release(req)
-        text = req.detokenizer.take(final=True) if req.detokenizer else ""
+        text, reasoning = (req.detokenizer.take(final=True), req.detokenizer.take_reasoning()) \
+            if req.detokenizer else ("", "")
         tokens = [] if last_token is None else [last_token]
         extra = {"logprobs": None if logprob is None else [logprob],
                  "prompt_logprobs": self._first_prompt_logprobs(req) if tokens or not req.output_ids else None}
         group = req.group
         if group is None:
-            self._pending.append(msgspec.structs.replace(req.final(tokens, text), **extra))
+            self._pending.append(msgspec.structs.replace(req.final(tokens, text, reasoning=reasoning), **extra))
         elif group.open:
             self._pending.append(Delta(rid=group.rid, index=req.index, text=text, token_ids=tokens,
-                                       finish_reason=reason, **extra))
+                                       finish_reason=reason, reasoning=reasoning, **extra))
         else:
             del self.groups[group.rid]
-            self._pending.append(msgspec.structs.replace(req.final(tokens, text, group.members), **extra))
+            self._pending.append(msgspec.structs.replace(req.final(tokens, text, group.members, reasoning),
+                                                         **extra))
 
     def _release(self, req: Req) -> None:
         """The one cleanup path (from `_finish` once no batch in flight uses `req`, and from `_retract`):
@@ -603,6 +619,17 @@ def _speculation(req: Req) -> Speculation | None:
     spec = req.spec
     return None if spec is None else Speculation(draft_tokens=spec.proposed, accepted_tokens=spec.accepted,
                                                  verifications=spec.verifies)
+
+
+def _draftable(req: Req, proposal: list[int]) -> int:
+    """How many of `proposal` a request may verify: what its grammar accepts; none while its think block
+    is not over and its masks depend on the block (a budget that may force its close along the drafts, or
+    a grammar that starts after it): those are known only token by token (engine/reasoning.py)."""
+    block = req.think
+    if block is not None and not block.answering and \
+            (req.grammar is not None or block.may_force(req.sampled + len(proposal))):
+        return 0
+    return len(proposal) if req.grammar is None else req.grammar.allowed(proposal)
 
 
 def _runs(rows: list[int]) -> list[tuple[int, list[int]]]:

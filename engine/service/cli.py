@@ -66,6 +66,8 @@ ENGINE_HELP = {
     "speculative_adaptive": "Give each request only the drafts that measure faster (off: always as many as proposed).",
     "speculative_ngram_max": "Longest n-gram the ngram proposer looks up in a request's own tokens.",
     "speculative_ngram_min": "Shortest n-gram it falls back to.",
+    "reasoning_budget": "Tokens a reply's think block may take before the engine closes it, for requests that "
+                        "set no thinking_token_budget (default: unbounded).",
     "threads": "CPU compute threads (default: up to the usable cores, as many as measure fastest beside other work).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}

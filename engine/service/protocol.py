@@ -36,13 +36,15 @@ MAX_CLIENT_LABEL = 128  # characters of a Submit's `client` label
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One chat turn; `tool_calls` on an assistant turn that called tools, `tool_call_id` (and `name`)
-    on the "tool" turn answering one."""
+    on the "tool" turn answering one; `reasoning_content` an assistant turn's thinking, for templates
+    that render it (Qwen3's)."""
 
     role: str
     content: str  # "" for an assistant turn that only called tools
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None
 
 
 class Submit(_ClientMsg, tag="submit"):
@@ -51,6 +53,8 @@ class Submit(_ClientMsg, tag="submit"):
     `rid` is chosen by the client and must be unique among the engine's live requests. `client` is a
     short label of who sends it ("bench", "console tab 3", "http POST /v1/completions"), shown to
     operators in the stats and `Description`; without one the engine labels it by connection.
+    `tools` and `chat_template_kwargs` (more variables for the template: `enable_thinking`) go with
+    `messages`.
     """
 
     rid: str
@@ -60,6 +64,7 @@ class Submit(_ClientMsg, tag="submit"):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, rendered by the chat template
     client: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Abort(_ClientMsg, tag="abort"):
@@ -101,6 +106,8 @@ class Tokenize(_ClientMsg, tag="tokenize"):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # chat only: end with the assistant turn's opening, as a Submit does
+    tools: list[dict[str, Any]] | None = None  # chat only, as a Submit's
+    chat_template_kwargs: dict[str, Any] | None = None  # chat only, as a Submit's
 
 
 class Detokenize(_ClientMsg, tag="detokenize"):
@@ -169,6 +176,7 @@ class Info(_EngineMsg, tag="info"):
     execution: dict[str, str] = msgspec.field(default_factory=dict)
     model_info: dict[str, str] = msgspec.field(default_factory=dict)
     tool_format: str | None = None  # how the model writes tool calls (engine/tools.py); None: it does not
+    think_markers: list[str] | None = None  # its think block's start and end (engine/reasoning.py); None: none
 
 
 class ShuttingDown(_EngineMsg, tag="shutting_down"):

@@ -38,6 +38,8 @@ from engine.config import DEMO_MODEL_DIR, EngineConfig
 from engine.llm import LLM
 from engine.outputs import Final, Output, StepResult, Timings, Usage
 from engine.params import invalid_params
+from engine.prompt import check_template_kwargs
+from engine.reasoning import ThinkMarkers
 from engine.request import PromptTooLong
 from engine.scheduler.snapshot import WaitingEntry
 from engine.service import protocol
@@ -51,6 +53,7 @@ from engine.service.sockets import Sockets
 from engine.service.stats import StatsRecorder
 from engine.structured import InvalidGrammar
 from engine.tokenizer import apply_chat_template, max_prompt_chars
+from engine.tools import template_messages
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
@@ -266,8 +269,12 @@ class EngineServer:
         if len(given) != 1:
             raise Refused("invalid_request", "give exactly one of prompt (text), messages (chat) or token_ids")
         params = msg.params  # validated as it decoded
-        if msg.tools is not None and msg.messages is None:
-            raise Refused("invalid_request", "tools go with chat messages")
+        if (msg.tools is not None or msg.chat_template_kwargs is not None) and msg.messages is None:
+            raise Refused("invalid_request", "tools and chat_template_kwargs go with chat messages")
+        try:
+            check_template_kwargs(msg.chat_template_kwargs)
+        except ValueError as e:
+            raise Refused("invalid_request", str(e)) from e
         if msg.tools is not None and self.llm.tool_format is None:
             raise Refused("invalid_request", "this model's chat template has no tool calling; send no tools")
         if msg.client is not None and not 0 < len(msg.client) <= protocol.MAX_CLIENT_LABEL:
@@ -284,7 +291,8 @@ class EngineServer:
             if msg.token_ids is not None:
                 ids.set_result(msg.token_ids)
             else:
-                ids = self._tokenizer.submit(self.llm.encode_prompt, self._text_prompt(msg), msg.tools)
+                ids = self._tokenizer.submit(self.llm.encode_prompt, self._text_prompt(msg), msg.tools,
+                                             msg.chat_template_kwargs)
             grammar = None if params.structured is None else GrammarJob(self.llm, params.structured, self._grammars)
             record.preparation = Preparation(ids, grammar)
         self.requests.add(record)
@@ -385,7 +393,8 @@ class EngineServer:
         def work() -> protocol.Tokens:
             if prompt is not None:
                 return protocol.Tokens(rid=rid, token_ids=self.llm.encode_prompt(prompt))
-            ids = apply_chat_template(self.llm.tokenizer, messages, msg.add_generation_prompt)
+            ids = apply_chat_template(self.llm.tokenizer, template_messages(messages), msg.add_generation_prompt,
+                                      tools=msg.tools, template_kwargs=msg.chat_template_kwargs)
             return protocol.Tokens(rid=rid, token_ids=ids)
 
         self._answer_later(identity, rid, work)
@@ -489,7 +498,8 @@ class EngineServer:
                              model=str(self.llm.checkpoint.path), address=self.sockets.address,
                              stats_address=self.sockets.stats_address, max_seq_len=self.llm.max_seq_len,
                              num_pages=self.llm.num_pages, config=config, execution=self.llm.execution,
-                             model_info=self.llm.model_info, tool_format=self.llm.tool_format)
+                             model_info=self.llm.model_info, tool_format=self.llm.tool_format,
+                             think_markers=_markers(self.llm.think_markers))
 
     # -- sending ----------------------------------------------------------------------------------
     def _send(self, identity: bytes, msg: msgspec.Struct) -> bool:
@@ -575,6 +585,10 @@ class EngineServer:
             self._deliver(self._step())
         self.publisher.publish(idle=True, force=True)
         log.info("engine stopping: aborted %d in-flight request(s)", len(rids))
+
+
+def _markers(markers: ThinkMarkers | None) -> list[str] | None:
+    return None if markers is None else [markers.start, markers.end]
 
 
 def _checked_rid(rid: str) -> str:

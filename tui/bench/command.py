@@ -18,6 +18,7 @@ from rich.table import Table
 from engine.service.addresses import default_address
 from engine.service.client import EngineClient, EngineRefused, probe
 from engine.service.launcher import EngineHandle, find_or_start
+from tui.bench.endpoints import ENDPOINTS
 from tui.bench.engine_run import run_engine_bench
 from tui.bench.metrics import RequestRecord, Summary, summarize
 from tui.bench.openai_run import error_message, run_openai_bench
@@ -160,8 +161,8 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
               timeout: float, baseline: str | None, json_path: Path | None, engine_options: dict[str, Any],
               backend: str = "minichat", base_url: str | None = None, tokenizer: str | None = None,
               api_key: str | None = None, json_schema: Path | None = None, prefix_len: int = 0,
-              num_prefixes: int = 1) -> dict:
-    schema = _checked_options(concurrency, baseline, json_schema, backend)
+              num_prefixes: int = 1, endpoint: str = "completions") -> dict:
+    schema = _checked_options(concurrency, baseline, json_schema, backend, endpoint)
     shape = Shape(concurrency=concurrency, request_rate=request_rate, seed=seed, ignore_eos=ignore_eos,
                   temperature=temperature, timeout=timeout, json_schema=schema)
     handle: EngineHandle | None = None
@@ -172,9 +173,10 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
                 raise BenchError("--backend openai takes --base-url (and --model, --tokenizer, --api-key), not "
                                  "--address, engine options or --baseline")
             target, served = openai_target(base_url, model, tokenizer, api_key)
+            target.config["endpoint"] = endpoint
 
             def launch(workload: list[BenchRequest], warm: int, shape: Shape) -> Coroutine[Any, Any, Measured]:
-                return run_openai_bench(base_url, served, api_key, workload, warmup=warm, **shape)
+                return run_openai_bench(base_url, served, api_key, workload, warmup=warm, endpoint=endpoint, **shape)
         else:
             handle = connect(address, engine_options)
             with EngineClient(handle.address, timeout=10.0) as client:
@@ -237,7 +239,8 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
     return result
 
 
-def _checked_options(concurrency: int, baseline: str | None, json_schema: Path | None, backend: str) -> str | None:
+def _checked_options(concurrency: int, baseline: str | None, json_schema: Path | None, backend: str,
+                     endpoint: str = "completions") -> str | None:
     """Refuse options that cannot work before anything starts; the JSON schema's text, if one is given."""
     if concurrency < 1:
         raise BenchError("--concurrency must be at least 1")
@@ -253,6 +256,8 @@ def _checked_options(concurrency: int, baseline: str | None, json_schema: Path |
             raise BenchError(f"--json-schema {json_schema}: {e}") from e
     if backend not in ("minichat", "openai"):
         raise BenchError(f"--backend must be 'minichat' or 'openai'; got {backend!r}")
+    if endpoint not in ENDPOINTS or (endpoint != "completions" and backend != "openai"):
+        raise BenchError(f"--endpoint is one of {', '.join(ENDPOINTS)}, with --backend openai; got {endpoint!r}")
     return schema
 
 

@@ -1,5 +1,6 @@
 """The openai backend of `minichat bench`: any OpenAI-compatible server (minichat's own HTTP API, vLLM,
-SGLang, llama.cpp) or a gateway in front of some (smg), streamed `/v1/completions`. The prompt goes as
+SGLang, llama.cpp) or a gateway in front of some (smg), streamed `/v1/completions` (or, with
+`--endpoint`, chat, Anthropic's Messages or the Responses API: endpoints.py). The prompt goes as
 text that reads back as exactly the workload's tokens where the tokenizer can spell it (a gateway takes
 no token ids), else as the ids, so every backend gets exactly the same tokens. Times are taken per SSE
 chunk that carries text, as `vllm bench serve` does; token counts (and the prompt tokens the prefix cache
@@ -13,9 +14,12 @@ import time
 
 import httpx
 
+from tui.bench.endpoints import ENDPOINTS, Endpoint
 from tui.bench.metrics import RequestRecord
 from tui.bench.runner import run_workload
 from tui.bench.workload import BenchRequest
+
+COMPLETIONS = ENDPOINTS["completions"]  # what every OpenAI-compatible server and gateway streams
 
 
 class OpenAIError(RuntimeError):
@@ -36,20 +40,14 @@ def client(base_url: str, api_key: str | None, timeout: float, connections: int 
 
 
 async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eos: bool, temperature: float,
-               seed: int | None, json_schema: str | None) -> RequestRecord:
-    body: dict = {"model": model, "prompt": req.prompt_ids if req.text is None else req.text,
-                  "max_tokens": req.output_len, "temperature": temperature, "stream": True,
-                  "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
-    if json_schema is not None:
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "bench", "schema": json.loads(json_schema)}}
-    if seed is not None:
-        body["seed"] = seed
+               seed: int | None, json_schema: str | None, endpoint: Endpoint = COMPLETIONS) -> RequestRecord:
+    body = endpoint.body(model, req.prompt_ids if req.text is None else req.text, req.output_len, temperature,
+                         ignore_eos, seed, json_schema)
     record = RequestRecord(prompt_len=len(req.prompt_ids))
     chunks = 0
-    finished = False  # a stream cut off before its finish_reason failed, whatever else it sent
+    finished = False  # a stream cut off before it said it ended failed, whatever else it sent
     start = last = time.perf_counter()
-    async with http.stream("POST", "completions", json=body) as response:
+    async with http.stream("POST", endpoint.path, json=body) as response:
         if response.status_code != 200:
             await response.aread()
             raise OpenAIError(error_message(response))
@@ -59,23 +57,22 @@ async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eo
             data = line[5:].strip()
             if data == "[DONE]":
                 break
-            event = json.loads(data)
-            if isinstance(event.get("error"), dict):  # the server's error event for a stream it could not finish
-                raise OpenAIError(f"stream cut off: {event['error'].get('message')}")
-            finished |= any(c.get("finish_reason") for c in event.get("choices") or ())
-            record.aborted |= any(c.get("finish_reason") == "abort" for c in event.get("choices") or ())  # vLLM's too
+            event = endpoint.read(json.loads(data))
+            if event.error is not None:  # the server's error event for a stream it could not finish
+                raise OpenAIError(event.error)
+            finished |= event.finished
+            record.aborted |= event.aborted
             now = time.perf_counter()
-            if any(c.get("text") for c in event.get("choices") or ()):
+            if event.text:
                 if record.ttft is None:
                     record.ttft = now - start
                 else:
                     record.itl.append(now - last)
                 last = now
                 chunks += 1
-            if usage := event.get("usage"):
-                record.prompt_len = usage["prompt_tokens"]
-                record.output_len = usage["completion_tokens"]
-                record.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            record.prompt_len = event.prompt if event.prompt is not None else record.prompt_len
+            record.output_len = event.output if event.output is not None else record.output_len
+            record.cached = event.cached if event.cached is not None else record.cached
     if not finished:
         raise OpenAIError("the stream ended without a finish_reason (cut off)")
     record.e2e = time.perf_counter() - start
@@ -85,10 +82,11 @@ async def _one(http: httpx.AsyncClient, model: str, req: BenchRequest, ignore_eo
 
 async def run_openai_bench(base_url: str, model: str, api_key: str | None, workload: list[BenchRequest],
                            concurrency: int, request_rate: float, seed: int, ignore_eos: bool, temperature: float,
-                           timeout: float, json_schema: str | None = None,
-                           warmup: int = 0) -> tuple[list[RequestRecord], float, int]:
-    """Returns per-request records, the measured duration and the peak number of requests in flight."""
+                           timeout: float, json_schema: str | None = None, warmup: int = 0,
+                           endpoint: str = "completions") -> tuple[list[RequestRecord], float, int]:
+    """Returns per-request records, the measured duration and the peak number of requests in flight.
+    `endpoint`: which API streams the workload (endpoints.py)."""
+    api = ENDPOINTS[endpoint]
     async with client(base_url, api_key, timeout, concurrency) as http:
-        return await run_workload(lambda req, s: _one(http, model, req, ignore_eos, temperature, s, json_schema),
-                                  workload,
-                                  concurrency, request_rate, seed, temperature, timeout, warmup)
+        return await run_workload(lambda req, s: _one(http, model, req, ignore_eos, temperature, s, json_schema, api),
+                                  workload, concurrency, request_rate, seed, temperature, timeout, warmup)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -144,9 +144,10 @@ class AsyncEngineClient:
         return (await self._call(("shutdown", None), protocol.Shutdown(), ShuttingDown, timeout)).pid
 
     async def tokenize(self, prompt: str | list[ChatMessage], *, add_generation_prompt: bool = True,
+                       tools: Tools | None = None, template_kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[int]:
         """See EngineClient.tokenize."""
-        msg = core.tokenize_message(prompt, add_generation_prompt)
+        msg = core.tokenize_message(prompt, add_generation_prompt, tools, template_kwargs)
         return (await self._call(("req", msg.rid), msg, Tokens, timeout)).token_ids
 
     async def detokenize(self, token_ids: list[int], timeout: float | None = None) -> str:
@@ -156,10 +157,11 @@ class AsyncEngineClient:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
                        tools: Tools | None = None, client: str | None = None,
+                       template_kwargs: dict[str, Any] | None = None,
                        **overrides: object) -> AsyncGenerator[Output, None]:
         """Submit (at the first iteration) and stream: Deltas, then a Final. Same arguments as
         EngineClient.submit. Left before its Final, the request is aborted (see core.Stream)."""
-        msg = core.submit_message(prompt, params, rid, overrides, tools, client or self.name)
+        msg = core.submit_message(prompt, params, rid, overrides, tools, client or self.name, template_kwargs)
         key = self._mail.check_new_stream(msg)
         box = self._open(key)
         stream = core.Stream(msg.rid, box)
@@ -174,8 +176,10 @@ class AsyncEngineClient:
                 self._sock.send(protocol.encode(protocol.Abort(rid=msg.rid)))
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                       tools: Tools | None = None, client: str | None = None, **overrides: object) -> RequestOutput:
-        outputs = self.generate(prompt, params, rid=rid, tools=tools, client=client, **overrides)
+                       tools: Tools | None = None, client: str | None = None,
+                       template_kwargs: dict[str, Any] | None = None, **overrides: object) -> RequestOutput:
+        outputs = self.generate(prompt, params, rid=rid, tools=tools, client=client, template_kwargs=template_kwargs,
+                                **overrides)
         return RequestOutput.collect([out async for out in outputs])
 
     async def abort(self, rid: str, timeout: float | None = None) -> None:

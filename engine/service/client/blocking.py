@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -135,14 +135,16 @@ class EngineClient:
         return self._call(("info", None), protocol.GetInfo(), Info, timeout)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-               tools: Tools | None = None, client: str | None = None, **overrides: object) -> str:
+               tools: Tools | None = None, client: str | None = None, template_kwargs: dict[str, Any] | None = None,
+               **overrides: object) -> str:
         """Queue a request and return its id without reading output; read it with `stream(rid)`.
 
-        `prompt` is text, token ids or chat messages (with `tools` for the chat template); sampling
-        options come from `params` and/or keywords (max_tokens, temperature, top_k, top_p, ...);
-        `client` labels this request (default: the client's `name`).
+        `prompt` is text, token ids or chat messages (with `tools` and more `template_kwargs` for the chat
+        template, e.g. {"enable_thinking": False}); sampling options come from `params` and/or keywords
+        (max_tokens, temperature, top_k, top_p, ...); `client` labels this request (default: the client's
+        `name`).
         """
-        msg = core.submit_message(prompt, params, rid, overrides, tools, client or self.name)
+        msg = core.submit_message(prompt, params, rid, overrides, tools, client or self.name, template_kwargs)
         key = self._mail.check_new_stream(msg)
         self._open(key)
         try:
@@ -169,14 +171,18 @@ class EngineClient:
                     self._mail.abandoned(rid)
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                 tools: Tools | None = None, client: str | None = None, **overrides: object) -> Iterator[Output]:
+                 tools: Tools | None = None, client: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                 **overrides: object) -> Iterator[Output]:
         """Submit (at once) and stream: Deltas as tokens are produced, then a Final with usage and timings."""
-        return self.stream(self.submit(prompt, params, rid=rid, tools=tools, client=client, **overrides))
+        return self.stream(self.submit(prompt, params, rid=rid, tools=tools, client=client,
+                                       template_kwargs=template_kwargs, **overrides))
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                 tools: Tools | None = None, client: str | None = None, **overrides: object) -> RequestOutput:
+                 tools: Tools | None = None, client: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                 **overrides: object) -> RequestOutput:
         """Submit and wait for the whole output."""
         return RequestOutput.collect(list(self.generate(prompt, params, rid=rid, tools=tools, client=client,
+                                                        template_kwargs=template_kwargs,
                                                         **overrides)))
 
     def abort(self, rid: str, timeout: float | None = None) -> None:
@@ -193,11 +199,13 @@ class EngineClient:
         return self._call(("shutdown", None), protocol.Shutdown(), ShuttingDown, timeout).pid
 
     def tokenize(self, prompt: str | list[ChatMessage], *, add_generation_prompt: bool = True,
+                 tools: Tools | None = None, template_kwargs: dict[str, Any] | None = None,
                  timeout: float | None = None) -> list[int]:
         """The token ids a `generate` of this text or these chat messages would start from (chat:
-        through the model's template, ending with the assistant's turn unless `add_generation_prompt`
-        is off); EngineError `invalid_request` for what the engine cannot tokenize."""
-        msg = core.tokenize_message(prompt, add_generation_prompt)
+        through the model's template, with `tools` and `template_kwargs` as a `generate` gives them, ending
+        with the assistant's turn unless `add_generation_prompt` is off); EngineError `invalid_request` for
+        what the engine cannot tokenize."""
+        msg = core.tokenize_message(prompt, add_generation_prompt, tools, template_kwargs)
         return self._call(("req", msg.rid), msg, Tokens, timeout).token_ids
 
     def detokenize(self, token_ids: list[int], timeout: float | None = None) -> str:

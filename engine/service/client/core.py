@@ -13,7 +13,7 @@ import collections
 import os
 import uuid
 from collections import deque
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -58,9 +58,10 @@ def resolve_auth_token(given: str | None = None) -> str | None:
 
 def submit_message(prompt: Prompt, params: SamplingParams | None, rid: str | None,
                    overrides: dict[str, object], tools: Tools | None = None,
-                   client: str | None = None) -> protocol.Submit:
+                   client: str | None = None, template_kwargs: dict[str, Any] | None = None) -> protocol.Submit:
     """A Submit for the prompt forms `LLM.add_request` takes (text, token ids, chat messages; `tools`
-    go with chat messages), labelled with `client` (who sends it, for the engine's operators).
+    and `template_kwargs` go with chat messages), labelled with `client` (who sends it, for the engine's
+    operators).
 
     Parameters the engine would refuse are refused here, with the engine's code and sentence."""
     rid = rid if rid is not None else uuid.uuid4().hex
@@ -72,17 +73,21 @@ def submit_message(prompt: Prompt, params: SamplingParams | None, rid: str | Non
         return protocol.Submit(rid=rid, prompt=prompt, params=params, client=client)
     messages = [m for m in prompt if isinstance(m, dict)]
     if prompt and len(messages) == len(prompt):
-        return protocol.Submit(rid=rid, params=params, messages=_chat(messages), tools=tools, client=client)
+        return protocol.Submit(rid=rid, params=params, messages=_chat(messages), tools=tools, client=client,
+                               chat_template_kwargs=template_kwargs)
     return protocol.Submit(rid=rid, token_ids=[t for t in prompt if not isinstance(t, dict)], params=params,
                            client=client)
 
 
-def tokenize_message(prompt: str | list[ChatMessage], add_generation_prompt: bool) -> protocol.Tokenize:
-    """A Tokenize of text or chat messages, under a fresh id its reply comes back with."""
+def tokenize_message(prompt: str | list[ChatMessage], add_generation_prompt: bool, tools: Tools | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> protocol.Tokenize:
+    """A Tokenize of text or chat messages (with `tools` and `template_kwargs`, as a Submit's), under a
+    fresh id its reply comes back with."""
     rid = uuid.uuid4().hex
     if isinstance(prompt, str):
         return protocol.Tokenize(rid=rid, prompt=prompt)
-    return protocol.Tokenize(rid=rid, messages=_chat(prompt), add_generation_prompt=add_generation_prompt)
+    return protocol.Tokenize(rid=rid, messages=_chat(prompt), add_generation_prompt=add_generation_prompt,
+                             tools=tools, chat_template_kwargs=template_kwargs)
 
 
 def detokenize_message(token_ids: list[int]) -> protocol.Detokenize:
@@ -91,7 +96,8 @@ def detokenize_message(token_ids: list[int]) -> protocol.Detokenize:
 
 def _chat(messages: list[ChatMessage]) -> list[protocol.ChatMessage]:
     return [protocol.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=m.get("tool_calls"),
-                                 tool_call_id=m.get("tool_call_id"), name=m.get("name")) for m in messages]
+                                 tool_call_id=m.get("tool_call_id"), name=m.get("name"),
+                                 reasoning_content=m.get("reasoning_content")) for m in messages]
 
 
 def route(msg: Reply) -> Key | None:

@@ -21,10 +21,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.service.client import AsyncEngineClient, EngineUnavailable
+from engine.service.http import messages as messages_api
+from engine.service.http import responses as responses_api
 from engine.service.http.edge import EdgeGuard
 from engine.service.http.errors import ApiError, validation_error
 from engine.service.http.generation import ClientGone, respond
+from engine.service.http.messages.schemas import MessagesInput, MessagesRequest
 from engine.service.http.metrics import CONTENT_TYPE, Metrics, endpoint_label
+from engine.service.http.responses.schemas import ResponsesRequest
 from engine.service.http.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from engine.service.http.shapes import CHAT, COMPLETION
 from engine.service.http.state import ApiState, engine_call
@@ -54,9 +58,8 @@ def create_app(options: ApiOptions) -> FastAPI:
     app = FastAPI(title="minichat", lifespan=lifespan)
     app.add_middleware(EdgeGuard, options=options, metrics=api_metrics)
     _install_error_handlers(app, api_metrics)
-
-    def api(request: Request) -> ApiState:
-        return request.app.state.api
+    _add_generation_routes(app)
+    api = _api
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, str]:
@@ -80,14 +83,6 @@ def create_app(options: ApiOptions) -> FastAPI:
     async def metrics(request: Request) -> Response:
         return Response(api(request).metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(api(request), request, body, CHAT)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await respond(api(request), request, body, COMPLETION)
-
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         """vLLM's: the prompt's token ids as a generation request of it would count them."""
@@ -105,6 +100,35 @@ def create_app(options: ApiOptions) -> FastAPI:
         return {"prompt": await engine_call(state.client.detokenize(body.tokens))}
 
     return app
+
+
+def _api(request: Request) -> ApiState:
+    return request.app.state.api
+
+
+def _add_generation_routes(app: FastAPI) -> None:
+    """The routes that generate: OpenAI's chat and completions (generation.py), Anthropic's Messages API
+    (messages/) and OpenAI's Responses API (responses/)."""
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await respond(_api(request), request, body, CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await respond(_api(request), request, body, COMPLETION)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await messages_api.respond(_api(request), request, body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: MessagesInput, request: Request) -> dict[str, int]:
+        return await messages_api.count_tokens(_api(request), body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await responses_api.respond(_api(request), request, body)
 
 
 async def _watch_stats(state: ApiState) -> None:
@@ -130,7 +154,7 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     def answer(request: Request, error: ApiError) -> JSONResponse:
         metrics.requests.labels(endpoint_label(request.url.path), str(error.status)).inc()
-        return error.response()
+        return error.response(request.url.path)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:

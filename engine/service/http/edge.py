@@ -177,7 +177,7 @@ class EdgeGuard:
 
     async def _refuse(self, error: ApiError, scope: Scope, receive: Receive, send: Send, close: bool) -> None:
         self.metrics.requests.labels(endpoint_label(scope["path"]), str(error.status)).inc()
-        response = error.response()
+        response = error.response(scope["path"])
         if close:
             response.headers["connection"] = "close"
         await response(scope, receive, send)
@@ -190,11 +190,9 @@ class EdgeGuard:
             raise ApiError(403, f"Host {headers['host'][:100]!r} does not name this server ({self.options.host}); "
                                 f"without an API key it answers only requests addressed to a loopback name",
                            code="host_not_allowed")
-        if self.key is not None and scope["path"] not in OPEN_PATHS:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode("latin-1"), self.key):
-                raise ApiError(401, "Missing or incorrect API key; send `Authorization: Bearer <key>`.",
-                               code="invalid_api_key")
+        if self.key is not None and scope["path"] not in OPEN_PATHS and not self._keyed(headers):
+            raise ApiError(401, "Missing or incorrect API key; send `Authorization: Bearer <key>` or "
+                                "`x-api-key: <key>`.", code="invalid_api_key")
         limit = self.options.max_body_bytes
         if int(headers.get("content-length", "0")) > limit:  # h11 has checked that it is a number
             raise _too_large(int(headers["content-length"]), limit)
@@ -212,6 +210,15 @@ class EdgeGuard:
             chunks.append(chunk)
             more = message.get("more_body", False)
         return b"".join(chunks)
+
+
+    def _keyed(self, headers: Headers) -> bool:
+        """The request carries the API key: as a bearer token (OpenAI's clients) or in `x-api-key`
+        (Anthropic's)."""
+        assert self.key is not None
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
+        return secrets.compare_digest(given.strip().encode("latin-1"), self.key)
 
 
 def _loopback_name(host: str) -> bool:

@@ -1,8 +1,9 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and the one translation
-from pydantic's validation errors into them: `param` names the field as the client wrote it
-(`messages[0].role`) and the message is a sentence about that field ("temperature: must be >= 0, got -1",
-"'messages' must contain at least one message"), never pydantic's "Input should be ..." or the names it
-gives a union's members.
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, or, for Anthropic's
+Messages API (`/v1/messages...`), in Anthropic's, `{"type": "error", "error": {"type", "message"}}` with
+its type named by the status; and the one translation from pydantic's validation errors into them: `param`
+names the field as the client wrote it (`messages[0].role`) and the message is a sentence about that
+field ("temperature: must be >= 0, got -1", "'messages' must contain at least one message"), never
+pydantic's "Input should be ..." or the names it gives a union's members.
 """
 
 from __future__ import annotations
@@ -19,17 +20,40 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's Messages API, and its count_tokens
+# Anthropic's error type by status (its SDK raises by status; the type tells a reader what happened)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a request path is Anthropic's API, whose errors have Anthropic's shape."""
+    return path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
+
+
+def anthropic_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 class ApiError(Exception):
-    """An error answered with an OpenAI-style body and `status`."""
+    """An error answered with `status` and an OpenAI-style body (Anthropic's on its API's paths)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status, headers=headers)
+        return JSONResponse(self.body(path), self.status, headers=headers)
+
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The error's body as the API at `path` shapes errors."""
+        if speaks_anthropic(path):
+            return anthropic_body(self.status, self.message)
+        return error_body(self.message, self.type, self.param, self.code)
 
 
 # pydantic's type errors -> what the field must be (a union's members' errors at one place are merged)
@@ -50,7 +74,7 @@ def validation_error(errors: Sequence[Any], body: Any) -> ApiError:
     merged into one "must be a string or a list"."""
     if not errors:
         return ApiError(400, "The request body is invalid.", code="invalid_value")
-    placed = [(_path(e.get("loc", ()), body, e["type"]), e) for e in errors]
+    placed = [(_path(e.get("loc", ()), body, e["type"]) + _tag_key(e), e) for e in errors]
     path, first = min(placed, key=lambda pe: (pe[1]["type"] in _KINDS, -len(pe[0])))
     kinds = [_KINDS[e["type"]] for p, e in placed if p == path and e["type"] in _KINDS]
     message = _message(first, path, list(dict.fromkeys(kinds)) if first["type"] in _KINDS else [])
@@ -76,9 +100,22 @@ def _message(error: dict[str, Any], path: list[str | int], kinds: list[str]) -> 
     if kind in _BOUNDS:
         key, sign = _BOUNDS[kind]
         return must(f"must be {sign} {_shown(ctx[key])}")
+    if kind == "union_tag_invalid":  # a tagged union's tag (a content block's "type") names no member
+        return f"{param}: must be one of {ctx['expected_tags']}, got {_shown(ctx['tag'])}"
     if kind == "literal_error":
         expected = ctx["expected"]  # pydantic's: "'system', 'user' or 'assistant'"
         return must(f"must be {'one of ' if ' or ' in expected else ''}{expected}")
+    if kind in _LENGTHS:
+        return _length(kind, ctx, quoted, path)
+    msg = str(error.get("msg", "is invalid"))  # our own errors (PydanticCustomError) and pydantic's rarer ones
+    return must(msg[:1].lower() + msg[1:])
+
+
+_LENGTHS = ("string_too_short", "string_too_long", "too_short", "too_long")
+
+
+def _length(kind: str, ctx: dict[str, Any], quoted: str, path: list[str | int]) -> str:
+    """The sentence for a string or list of the wrong length."""
     if kind == "string_too_short":
         least = ctx["min_length"]
         return f"{quoted} must not be empty" if least == 1 else f"{quoted} must be at least {least} characters long"
@@ -87,10 +124,7 @@ def _message(error: dict[str, Any], path: list[str | int], kinds: list[str]) -> 
     if kind == "too_short":
         least = ctx["min_length"]
         return f"{quoted} must contain at least {'one ' + _noun(path) if least == 1 else _count(least, _noun(path))}"
-    if kind == "too_long":
-        return f"{quoted} must contain at most {_count(ctx['max_length'], _noun(path))}"
-    msg = str(error.get("msg", "is invalid"))  # our own errors (PydanticCustomError) and pydantic's rarer ones
-    return must(msg[:1].lower() + msg[1:])
+    return f"{quoted} must contain at most {_count(ctx['max_length'], _noun(path))}"
 
 
 def _path(loc: Sequence[str | int], body: Any, kind: str) -> list[str | int]:
@@ -108,6 +142,13 @@ def _path(loc: Sequence[str | int], body: Any, kind: str) -> list[str | int]:
             continue
         path.append(part)
     return path
+
+
+def _tag_key(error: Any) -> list[str | int]:
+    """For a tagged union's unknown tag, the tag's key (pydantic places the error at the object)."""
+    if error["type"] != "union_tag_invalid":
+        return []
+    return [str((error.get("ctx") or {}).get("discriminator", "")).strip("'")]
 
 
 def param_name(path: list[str | int]) -> str | None:

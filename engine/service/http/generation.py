@@ -1,6 +1,8 @@
 """Generation requests from body to response: a body's engine requests (schemas.py) run concurrently
 through the engine (they batch there), and their outputs become the response's choices, whole or
-streamed as server-sent events, with the usage summed over them.
+streamed as server-sent events, with the usage summed over them. The machinery (`prepare`, `start_all`,
+`collect`, `pieces`, `EventStream`) serves every API; `respond` is chat's and completions', and
+anthropic.py and responses.py dress the same pieces as their APIs do.
 
 A client that goes away aborts its engine requests at once: before the first outputs by racing the
 engine against `http.disconnect`, while streaming by closing the streams (Starlette cancels a response
@@ -26,10 +28,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from engine.outputs import Final, Output
@@ -38,11 +41,11 @@ from engine.prompt import is_chat, is_token_ids
 from engine.service.client import EngineError, EngineUnavailable
 from engine.service.http.errors import ApiError, error_body
 from engine.service.http.metrics import RequestTimer
-from engine.service.http.reply import Reply, Tally
+from engine.service.http.reply import Piece, Reply, Tally
 from engine.service.http.schemas import EngineRequest, GenerationRequest
 from engine.service.http.shapes import Shape
 from engine.service.http.state import ApiState, api_error, engine_call
-from engine.service.protocol import MAX_CLIENT_LABEL
+from engine.service.protocol import MAX_CLIENT_LABEL, Info
 from engine.structured import InvalidGrammar
 from engine.tools import ToolFormat
 
@@ -116,9 +119,10 @@ class Generation:
         timer = RequestTimer(state.metrics)
         prompt = req.prompt
         if count_prompt and (isinstance(prompt, str) or is_chat(prompt)):
-            prompt = await engine_call(state.client.tokenize(prompt))
+            prompt = await engine_call(state.client.tokenize(prompt, tools=req.tools,
+                                                             template_kwargs=req.template_kwargs))
         outputs = state.client.generate(prompt, req.params, rid=f"http-{uuid.uuid4().hex[:16]}", tools=req.tools,
-                                        client=client)
+                                        client=client, template_kwargs=req.template_kwargs)
         first = await engine_call(anext(outputs))
         return cls(state, endpoint, req.index, _prepend(first, outputs), timer,
                    len(prompt) if is_token_ids(prompt) else None)
@@ -237,31 +241,86 @@ class Envelope:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model, **fields}
 
 
-async def respond(state: ApiState, request: Request, body: GenerationRequest, shape: Shape) -> Response:
-    """One generation request from body to response."""
+class Body(Protocol):
+    """A generation request's body, in any API's shape (schemas.py, anthropic.py, responses.py)."""
+
+    model: str | None
+
+    def engine_requests(self, info: Info) -> list[EngineRequest]:
+        """The engine requests the body stands for; InvalidParams or InvalidGrammar for what the engine
+        cannot honour, worded as a sentence that starts with the field's name."""
+        ...
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A body checked against the served model: its name, the engine's Info, the engine requests."""
+
+    model: str
+    info: Info
+    requests: list[EngineRequest]
+
+    @property
+    def calls_in(self) -> ToolFormat | None:
+        """The tool-call format to read the replies for (chat with tools), else None."""
+        return cast("ToolFormat", self.info.tool_format) if self.requests[0].tools else None
+
+    @property
+    def reasoning(self) -> bool:
+        """The replies' thinking is split off (the model has a think block)."""
+        return self.requests[0].params.reasoning
+
+
+async def prepare(state: ApiState, body: Body) -> Prepared:
+    """The model named checked (404 for another) and the body's engine requests built; a 400 naming the
+    field for values pydantic let through that the engine cannot use."""
     model = await state.check_model(body.model)
     info = await state.info()
     try:
-        requests = body.engine_requests(info.max_seq_len, cast("ToolFormat | None", info.tool_format))
-    except (InvalidParams, InvalidGrammar) as e:  # values pydantic let through that the engine cannot use
+        requests = body.engine_requests(info)
+    except (InvalidParams, InvalidGrammar) as e:
         field = re.split(r"[ :]", str(e), maxsplit=1)[0]  # a sentence that starts with a field's name names it
-        raise ApiError(400, str(e), param=field if field in type(body).model_fields else None,
+        head = re.match(r"\w*", field)
+        known = type(body).model_fields if isinstance(body, BaseModel) else {}
+        raise ApiError(400, str(e), param=field if head and head.group() in known else None,
                        code="invalid_grammar" if isinstance(e, InvalidGrammar) else "invalid_params") from e
-    count_prompt = body.stream and body.usage_in_every_chunk
-    echo = await _echo_texts(state, body, requests)
-    generations = await start_all(state, request, shape.endpoint, requests, count_prompt)
-    envelope = Envelope(f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()), model)
-    calls_in = cast("ToolFormat", info.tool_format) if requests[0].tools else None  # chat with tools: parse calls
-    reply = Reply(shape, {gen.index: gen.prompt_tokens for gen in generations}, echo, calls_in)
-    if body.stream:
-        chunks = Chunks(envelope, shape.chunk_object, reply.usage, every=body.usage_in_every_chunk,
-                        at_end=body.usage_at_the_end)
-        return _EventStream(_events(generations, reply, chunks, body.n), generations)
+    return Prepared(model, info, requests)
+
+
+async def collect(request: Request, generations: list[Generation], reply: Reply) -> None:
+    """Feed `reply` every output of every generation (the client leaving aborts them)."""
     results = await unless_disconnected(request, all_of(gen.collect() for gen in generations))
     for gen, outputs in zip(generations, results, strict=True):
         for out in outputs:
             reply.feed(gen.index, out)
-    return JSONResponse(envelope.of(shape.object, choices=reply.finish(), usage=reply.usage.body()))
+
+
+async def pieces(generations: list[Generation], reply: Reply) -> AsyncGenerator[tuple[int, Piece], None]:
+    """Each choice's pieces as the engine sends them, with the choice's index; ApiError when the engine
+    cuts the stream off (each API ends its stream with its own error event then)."""
+    async with contextlib.aclosing(merged(generations)) as outputs:
+        async for gen, out in outputs:
+            index, added = reply.feed(gen.index, out)
+            for piece in added:
+                yield index, piece
+
+
+async def respond(state: ApiState, request: Request, body: GenerationRequest, shape: Shape) -> Response:
+    """One chat or completions request from body to response."""
+    prepared = await prepare(state, body)
+    requests = prepared.requests
+    count_prompt = body.stream and body.usage_in_every_chunk
+    echo = await _echo_texts(state, body, requests)
+    generations = await start_all(state, request, shape.endpoint, requests, count_prompt)
+    envelope = Envelope(f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()), prepared.model)
+    reply = Reply({gen.index: gen.prompt_tokens for gen in generations}, echo, prepared.calls_in)
+    if body.stream:
+        chunks = Chunks(envelope, shape.chunk_object, reply.usage, every=body.usage_in_every_chunk,
+                        at_end=body.usage_at_the_end, reasoning=prepared.reasoning)
+        return EventStream(_events(generations, reply, shape, chunks, body.n), generations)
+    await collect(request, generations, reply)
+    choices = [shape.choice(index, whole, prepared.reasoning) for index, whole in reply.finish()]
+    return JSONResponse(envelope.of(shape.object, choices=choices, usage=reply.usage.body(prepared.reasoning)))
 
 
 async def _echo_texts(state: ApiState, body: GenerationRequest, requests: list[EngineRequest]) -> dict[int, str]:
@@ -285,11 +344,12 @@ class Chunks:
     usage: Tally
     every: bool
     at_end: bool
+    reasoning: bool = False  # the usage counts reasoning tokens
 
     def of(self, choice: dict[str, Any]) -> str:
         fields: dict[str, Any] = {"choices": [choice]}
         if self.every:
-            fields["usage"] = self.usage.body()
+            fields["usage"] = self.usage.body(self.reasoning)
         elif self.at_end:  # OpenAI's SDK expects the field in every chunk then, null until the last
             fields["usage"] = None
         return sse(self.envelope.of(self.object, **fields))
@@ -298,22 +358,22 @@ class Chunks:
         """The usage chunk if asked for, then `[DONE]`."""
         if not self.at_end:
             return [sse("[DONE]")]
-        return [sse(self.envelope.of(self.object, choices=[], usage=self.usage.body())), sse("[DONE]")]
+        return [sse(self.envelope.of(self.object, choices=[], usage=self.usage.body(self.reasoning))), sse("[DONE]")]
 
 
-async def _events(generations: list[Generation], reply: Reply, chunks: Chunks, n: int) -> AsyncGenerator[str, None]:
+async def _events(generations: list[Generation], reply: Reply, shape: Shape, chunks: Chunks,
+                  n: int) -> AsyncGenerator[str, None]:
     """The SSE stream: the `n` choices of each generation opened, then each output's pieces as the engine
     sends them, each in a chunk of its own, and the end; unless the engine cut the stream off: then an error
     event (OpenAI's shape, which its SDK raises) ends it, and no `[DONE]` (what came is not a whole reply)."""
     for gen in generations:
         for k in range(n):
-            if (opening := reply.shape.opening(gen.index + k)) is not None:
+            if (opening := shape.opening(gen.index + k)) is not None:
                 yield chunks.of(opening)
     try:
-        async with contextlib.aclosing(merged(generations)) as outputs:
-            async for gen, out in outputs:
-                for piece in reply.feed(gen.index, out):
-                    yield chunks.of(piece)
+        async with contextlib.aclosing(pieces(generations, reply)) as stream:
+            async for index, piece in stream:
+                yield chunks.of(shape.delta(index, piece))
     except ApiError as e:
         yield sse(error_body(e.message, e.type, e.param, e.code))
         return
@@ -321,11 +381,13 @@ async def _events(generations: list[Generation], reply: Reply, chunks: Chunks, n
         yield event
 
 
-def sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse(payload: dict[str, Any] | str, event: str | None = None) -> str:
+    """One server-sent event; `event` names its type (Anthropic's and the Responses API's streams do)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"event: {event}\ndata: {data}\n\n" if event is not None else f"data: {data}\n\n"
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """Server-sent events whose generations are closed however the response ends (client gone included,
     and before the events generator ever ran)."""
 

@@ -160,7 +160,8 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/tokenize": "tokenize",
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages",
+             "/v1/messages/count_tokens": "count_tokens", "/v1/responses": "responses", "/tokenize": "tokenize",
              "/detokenize": "detokenize", "/v1/models": "models", "/health": "health", "/metrics": "metrics"}
 
 

@@ -14,9 +14,12 @@ bounded to what its messages carry (`Wire`: MessagePack's 64 bits), and token id
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import (
     AfterValidator,
@@ -32,7 +35,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from engine.params import MAX_LOGPROBS, MAX_N, InvalidParams, SamplingParams
-from engine.prompt import ChatMessage, Prompt, Tools
+from engine.prompt import ChatMessage, Prompt, Tools, check_template_kwargs
+from engine.service.protocol import Info
 from engine.structured import GrammarSpec, InvalidGrammar
 from engine.tools import InvalidTools, ToolFormat, forced_tool_grammar, tool_functions
 
@@ -71,14 +75,30 @@ def unsupported(*accepted: object) -> AfterValidator:
     return AfterValidator(check)
 
 
+def _token_id_keys(v: dict[str, float]) -> dict[str, float]:
+    if not all(k.isascii() and k.isdigit() and _below_2_64(k.lstrip("0")) for k in v):
+        raise ValueError("keys must be token ids (strings of digits, below 2**64)")
+    return {k.lstrip("0") or "0": b for k, b in v.items()}  # int() of each is cheap
+
+
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], AfterValidator(_token_id_keys)]
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """A checked `logit_bias` as the engine takes it."""
+    return {int(k): v for k, v in bias.items()} if bias else None
+
+
 @dataclass(frozen=True)
 class EngineRequest:
-    """One engine request of an HTTP request: a prompt, its sampling, and the choice it fills."""
+    """One engine request of an HTTP request: a prompt, its sampling, and the choice it fills; a chat's
+    `tools` and `template_kwargs` for its template."""
 
     index: int
     prompt: Prompt
     params: SamplingParams
     tools: Tools | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -129,7 +149,7 @@ class GenerationRequest(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: LogitBias | None = None
     min_tokens: Annotated[int, Field(ge=0), Wire] = 0
     stop_token_ids: list[TokenId] | None = None
     response_format: ResponseFormat | None = None
@@ -145,13 +165,6 @@ class GenerationRequest(BaseModel):
         if v is not None and not info.data.get("stream"):  # OpenAI and vLLM refuse it too
             raise ValueError("stream_options is only allowed when 'stream' is true")
         return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v is not None and not all(k.isascii() and k.isdigit() and _below_2_64(k.lstrip("0")) for k in v):
-            raise ValueError("keys must be token ids (strings of digits, below 2**64)")
-        return {k.lstrip("0") or "0": b for k, b in v.items()} if v is not None else None  # int() of each is cheap
 
     def structured(self) -> GrammarSpec | None:
         """The one structure the output must follow, from whichever field asked for it (a 400 for two)."""
@@ -187,6 +200,14 @@ class GenerationRequest(BaseModel):
         """The tools for the chat template and the grammar forcing calls (tool_choice), if any."""
         return None, None
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """More variables for the chat template (chat only)."""
+        return None
+
+    def reasoning(self, info: Info) -> tuple[bool, int | None]:
+        """Whether the replies' thinking is split off, and its budget (chat only, on a model that thinks)."""
+        return False, None
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v: str | list[str] | None) -> list[str] | None:
@@ -211,9 +232,11 @@ class GenerationRequest(BaseModel):
     def usage_at_the_end(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def params(self, context: int, forced: GrammarSpec | None = None) -> SamplingParams:
+    def params(self, context: int, forced: GrammarSpec | None = None, reasoning: tuple[bool, int | None] = (False, None)
+               ) -> SamplingParams:
         """The engine's sampling parameters (temperature defaults to 1.0, as in the OpenAI API);
-        InvalidParams for values the engine cannot use. `forced`: the grammar of forced tool calls."""
+        InvalidParams for values the engine cannot use. `forced`: the grammar of forced tool calls;
+        `reasoning`: whether the thinking is split off, and its budget."""
         assert not isinstance(self.stop, str)  # `_stop_strings` has made it a list
         logprobs, prompt_logprobs = self.logprob_counts()
         try:
@@ -231,17 +254,19 @@ class GenerationRequest(BaseModel):
                               top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,
-                              logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                              logit_bias=logit_bias(self.logit_bias),
                               min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, n=self.n,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
-                              ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority)
+                              ignore_eos=self.ignore_eos, stop=self.stop, seed=self.seed, priority=self.priority,
+                              reasoning=reasoning[0], thinking_token_budget=reasoning[1])
 
-    def engine_requests(self, context: int, tool_format: ToolFormat | None = None) -> list[EngineRequest]:
+    def engine_requests(self, info: Info) -> list[EngineRequest]:
         """The engine requests this body stands for, one per prompt (they run concurrently, and batch);
         prompt i's n choices are choices i*n .. i*n + n - 1."""
-        tools, forced = self.tools_for(tool_format)
-        params = self.params(context, forced)
-        return [EngineRequest(i * self.n, prompt, params, tools) for i, prompt in enumerate(self.prompts())]
+        tools, forced = self.tools_for(cast("ToolFormat | None", info.tool_format))
+        params = self.params(info.max_seq_len, forced, self.reasoning(info))
+        kwargs = self.template_kwargs()
+        return [EngineRequest(i * self.n, prompt, params, tools, kwargs) for i, prompt in enumerate(self.prompts())]
 
 
 class TextPart(BaseModel):
@@ -272,6 +297,7 @@ class Message(BaseModel):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's thinking (vLLM's), for templates that render it
 
     def text(self) -> str:
         if self.content is None:
@@ -290,6 +316,8 @@ def _chat(messages: list[Message]) -> list[ChatMessage]:
             turn["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             turn["name"] = m.name
+        if m.reasoning_content is not None:
+            turn["reasoning_content"] = m.reasoning_content
         out.append(turn)
     return out
 
@@ -323,25 +351,30 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # calls are parsed however many there are
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
+    thinking_token_budget: Annotated[int, Field(ge=0), Wire] | None = None  # vLLM's: the think block's budget
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            check_template_kwargs(v)
+        except ValueError as e:  # its sentence names the field, as errors.py will
+            raise ValueError(str(e).removeprefix("chat_template_kwargs ")) from None
+        return v
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
+
+    def reasoning(self, info: Info) -> tuple[bool, int | None]:
+        return thinking(info, self.thinking_token_budget, "thinking_token_budget")
 
     def tools_for(self, tool_format: ToolFormat | None) -> tuple[Tools | None, GrammarSpec | None]:
-        """The tools (for the template, unless tool_choice is "none") and, for "required" or a named
-        function, the grammar that makes the reply those calls; InvalidParams naming what is wrong."""
-        if not self.tools or self.tool_choice == "none":
-            return None, None
-        if tool_format is None:
-            raise InvalidParams("tools: this model's chat template has no tool calling")
-        tools = [t.model_dump(exclude_none=True) for t in self.tools]
-        try:
-            names = tool_functions(tools)
-            if isinstance(self.tool_choice, NamedToolChoice):
-                if self.tool_choice.function.name not in names:
-                    raise InvalidTools(f"tool_choice names {self.tool_choice.function.name!r}, which is not among "
-                                       f"the tools ({', '.join(names)})")
-                return tools, forced_tool_grammar(tool_format, tools, self.tool_choice.function.name)
-            return tools, forced_tool_grammar(tool_format, tools) if self.tool_choice == "required" else None
-        except InvalidTools as e:
-            raise InvalidParams(str(e)) from e
+        choice = self.tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
+        if isinstance(choice, NamedToolChoice):
+            return tool_setup(tools, tool_format, "named", choice.function.name)
+        return tool_setup(tools, tool_format, choice or "auto")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -357,6 +390,48 @@ class ChatCompletionRequest(GenerationRequest):
 
     def prompts(self) -> list[Prompt]:
         return [_chat(self.messages)]
+
+
+def tool_setup(tools: Tools, fmt: ToolFormat | None, choice: str, name: str | None = None
+               ) -> tuple[Tools | None, GrammarSpec | None]:
+    """A request's OpenAI function `tools` for the template (none when `choice` is "none") and, for
+    "required" or "named" (the function `name`), the grammar that makes the reply those calls;
+    InvalidParams naming what is wrong. Every API's tool choice comes down to one of these."""
+    if not tools or choice == "none":
+        return None, None
+    if fmt is None:
+        raise InvalidParams("tools: this model's chat template has no tool calling")
+    try:
+        names = tool_functions(tools)
+        if choice == "named":
+            if name not in names:
+                raise InvalidTools(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
+            return tools, forced_tool_grammar(fmt, tools, name)
+        return tools, forced_tool_grammar(fmt, tools) if choice == "required" else None
+    except InvalidTools as e:
+        raise InvalidParams(str(e)) from e
+
+
+def thinking(info: Info, budget: int | None, field: str) -> tuple[bool, int | None]:
+    """A chat's reasoning on this model (split off wherever the model thinks) and the budget asked for in
+    `field`; InvalidParams naming it for a model without a think block."""
+    if budget is not None and info.think_markers is None:
+        raise InvalidParams(f"{field}: this model's chat template has no think block")
+    return info.think_markers is not None, budget
+
+
+@contextlib.contextmanager
+def renamed(fields: dict[str, str]) -> Iterator[None]:
+    """InvalidParams raised inside, with the engine's name of a field (its sentence starts with it) replaced
+    by the body's (Anthropic's `stop_sequences` is the engine's `stop`)."""
+    try:
+        yield
+    except InvalidParams as e:
+        text = str(e)
+        for engine_name, body_name in fields.items():
+            if re.match(rf"{engine_name}\b", text):
+                raise InvalidParams(body_name + text[len(engine_name):]) from None
+        raise
 
 
 def _grammar(field: str, kind: str, value: str | list[str]) -> GrammarSpec:

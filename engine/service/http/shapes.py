@@ -1,29 +1,30 @@
-"""How each generation endpoint dresses a choice: its object names, a whole choice, a streamed piece of one,
-and log-probabilities (chat's `content` list, completions' legacy columns)."""
+"""How chat and completions dress a choice (reply.py's `Piece` and `Whole`): their object names, a whole
+choice, a streamed piece of one, and log-probabilities (chat's `content` list, completions' legacy columns).
+Chat shows a reply's thinking as vLLM, SGLang and llama.cpp do: `reasoning_content` beside `content`, in
+the message and in the deltas."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from engine.outputs import TokenLogprob
+from engine.service.http.reply import Piece, Whole
 
 
 class Shape:
-    """How an endpoint dresses outputs as choices: its object names, a whole choice, a streamed one, and
-    log-probabilities (`entries`; None: not asked for). `offset` is where a piece's text starts in its
-    choice's text (completions report it per token)."""
+    """How an endpoint dresses outputs as choices: its object names, a whole choice, a streamed piece, and
+    log-probabilities (`entries`; None: not asked for)."""
 
     endpoint = ""  # the metrics label
     id_prefix = ""
     object = ""
     chunk_object = ""
 
-    def choice(self, index: int, text: str, finish_reason: str | None,
-               entries: list[TokenLogprob] | None) -> dict[str, Any]:
+    def choice(self, index: int, whole: Whole, reasoning: bool) -> dict[str, Any]:
+        """A whole choice (`reasoning`: the request split the thinking off)."""
         raise NotImplementedError
 
-    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None,
-              offset: int = 0) -> dict[str, Any]:
+    def delta(self, index: int, piece: Piece) -> dict[str, Any]:
         raise NotImplementedError
 
     def opening(self, index: int) -> dict[str, Any] | None:
@@ -46,15 +47,25 @@ class ChatShape(Shape):
                              "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for _, t, v in e.top]}
                             for e in entries]}
 
-    def choice(self, index: int, text: str, finish_reason: str | None,
-               entries: list[TokenLogprob] | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(entries),
-                "finish_reason": finish_reason}
+    def choice(self, index: int, whole: Whole, reasoning: bool) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": whole.text}
+        if reasoning:
+            message["reasoning_content"] = whole.reasoning or None
+        if whole.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in whole.tool_calls]
+        return {"index": index, "message": message, "logprobs": self.logprobs(whole.logprobs),
+                "finish_reason": whole.finish_reason}
 
-    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None,
-              offset: int = 0) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": self.logprobs(entries),
-                "finish_reason": finish_reason}
+    def delta(self, index: int, piece: Piece) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if piece.reasoning:
+            delta["reasoning_content"] = piece.reasoning
+        if piece.text:
+            delta["content"] = piece.text
+        if piece.tool_calls:
+            delta["tool_calls"] = [d.to_openai() for d in piece.tool_calls]
+        return {"index": index, "delta": delta, "logprobs": self.logprobs(piece.logprobs),
+                "finish_reason": piece.finish_reason}
 
     def opening(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -76,14 +87,13 @@ class CompletionShape(Shape):
                 "top_logprobs": [None if e.logprob is None else {t: v for _, t, v in e.top} for e in entries],
                 "text_offset": offsets}
 
-    def choice(self, index: int, text: str, finish_reason: str | None,
-               entries: list[TokenLogprob] | None) -> dict[str, Any]:
-        return self.delta(index, text, finish_reason, entries)
+    def choice(self, index: int, whole: Whole, reasoning: bool) -> dict[str, Any]:
+        return self.delta(index, Piece(text=whole.text or "", logprobs=whole.logprobs,
+                                       finish_reason=whole.finish_reason))
 
-    def delta(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob] | None,
-              offset: int = 0) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": self.logprobs(entries, offset),
-                "finish_reason": finish_reason}
+    def delta(self, index: int, piece: Piece) -> dict[str, Any]:
+        return {"index": index, "text": piece.text, "logprobs": self.logprobs(piece.logprobs, piece.offset),
+                "finish_reason": piece.finish_reason}
 
 
 CHAT, COMPLETION = ChatShape(), CompletionShape()
