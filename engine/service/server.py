@@ -489,7 +489,8 @@ class EngineServer:
                              model=str(self.llm.checkpoint.path), address=self.sockets.address,
                              stats_address=self.sockets.stats_address, max_seq_len=self.llm.max_seq_len,
                              num_pages=self.llm.num_pages, config=config, execution=self.llm.execution,
-                             tool_format=self.llm.tool_format)
+                             tool_format=self.llm.tool_format, generation_defaults=self.llm.generation_defaults,
+                             system_role=self.llm.system_role)
 
     # -- sending ----------------------------------------------------------------------------------
     def _send(self, identity: bytes, msg: msgspec.Struct) -> bool:
