@@ -30,7 +30,7 @@ from tui.commands import parse_number
 from tui.keys import InOrderKeys
 from tui.names import printable
 from tui.panels.base import pack, update_text
-from tui.session import SETTINGS, Reply, Session, Turn, encodable, parse_setting
+from tui.session import SETTINGS, EngineModel, Reply, Session, Turn, encodable, parse_setting
 
 if TYPE_CHECKING:
     from tui.link import EngineLink
@@ -117,8 +117,33 @@ class PromptInput(InOrderKeys, TextArea):
         getattr(log, f"scroll_{how}")(animate=False)
 
 
+class PhraseLine(Static):
+    """Phrases joined by ` · ` that wrap between phrases, never inside one: the settings line in 80
+    columns reads `top-k off` on one line, not `top-k` at the end of one and `off` on the next, and a
+    reply's footer keeps each of its numbers whole."""
+
+    def __init__(self, classes: str) -> None:
+        super().__init__(classes=classes)
+        self.phrases: list[str] = []
+
+    def show(self, phrases: list[str]) -> None:
+        if phrases != self.phrases:
+            self.phrases = phrases
+            self.refresh(layout=True)
+
+    def get_content_width(self, container: Size, viewport: Size) -> int:
+        return len(" · ".join(self.phrases))
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(pack(self.phrases, width))
+
+    def render(self) -> Text:
+        return Text("\n".join(pack(self.phrases, self.content_size.width)))
+
+
 class ReplyView(Vertical):
-    """An assistant reply: Markdown that grows as text streams in, and a line of numbers under it.
+    """An assistant reply: Markdown that grows as text streams in, and its footer of numbers under it (one
+    phrase per field of the Reply's footer, tui/session.py, wrapped between phrases).
 
     While the reply streams, the view renders on a clock, not per token: a render re-parses the
     reply's last Markdown block and re-lays-out the screen, and with a few sessions streaming
@@ -154,7 +179,7 @@ class ReplyView(Vertical):
     def compose(self) -> ComposeResult:
         self._rendered = len(self.reply.text)
         yield Markdown(printable(self.reply.text))
-        yield Static(classes="reply-stats")
+        yield PhraseLine(classes="reply-stats")
 
     async def on_mount(self) -> None:
         """A live reply streams from now on; one that ended since `compose` shows the text it still lacks."""
@@ -222,36 +247,13 @@ class ReplyView(Vertical):
         if reply.state == "streaming" and now - self._shown_at < self.STREAMING_REFRESH:
             return
         self._shown_at = now
-        label = "waiting for engine…" if reply.state == "queued" else reply.summary()
+        phrases = ["waiting for engine…"] if reply.state == "queued" else reply.footer()
         if reply.state == "streaming":
-            label += " · streaming…"
-        for stats in self.query(".reply-stats").results(Static):  # none while the view is torn down
-            update_text(stats, Text(printable(label)))
+            phrases.append("streaming…")
+        for stats in self.query(".reply-stats").results(PhraseLine):  # none while the view is torn down
+            stats.show([printable(phrase) for phrase in phrases])
         for state in ("queued", "streaming", "done", "aborted", "error", "interrupted"):
             self.set_class(reply.state == state, f"-{state}")
-
-
-class PhraseLine(Static):
-    """Phrases joined by ` · ` that wrap between phrases, never inside one: the settings line in 80
-    columns reads `top-k off` on one line, not `top-k` at the end of one and `off` on the next."""
-
-    def __init__(self, classes: str) -> None:
-        super().__init__(classes=classes)
-        self.phrases: list[str] = []
-
-    def show(self, phrases: list[str]) -> None:
-        if phrases != self.phrases:
-            self.phrases = phrases
-            self.refresh(layout=True)
-
-    def get_content_width(self, container: Size, viewport: Size) -> int:
-        return len(" · ".join(self.phrases))
-
-    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return len(pack(self.phrases, width))
-
-    def render(self) -> Text:
-        return Text("\n".join(pack(self.phrases, self.content_size.width)))
 
 
 class ChatPane(Vertical):
@@ -284,6 +286,7 @@ class ChatPane(Vertical):
         with Horizontal(classes="chat-bar"):
             yield PhraseLine(classes="chat-settings")
             yield Static(classes="chat-gauge")
+        yield Static(classes="chat-note")
         with VerticalScroll(classes="chat-log"):
             if not self.session.turns:
                 yield Markdown(HINT, classes="chat-hint")
@@ -294,9 +297,23 @@ class ChatPane(Vertical):
 
     async def on_mount(self) -> None:
         self.query_one(".chat-log", VerticalScroll).anchor()
-        self.show_settings()
+        self.follow_engine()
         self.show_pending()
         await self.show_context_mark()
+
+    def follow_engine(self) -> None:
+        """The pane's engine answered (first, again, or another one): the session takes its model's sampling
+        defaults and chat template, and the header says which model it is, and whether the conversation was
+        had with another (said once as a notification too)."""
+        info = self.link.info
+        if info is None:
+            self.show_settings()
+            return
+        before = self.session.other_model() if self.session.engine is not None else None
+        self.session.follow(EngineModel.of(info))
+        self.show_settings()
+        if (other := self.session.other_model()) is not None and other != before and self.is_attached:
+            self.notify(f"{self.session.name}: {other}", title="another model", severity="warning", timeout=10)
 
     @property
     def context(self) -> int | None:
@@ -304,11 +321,24 @@ class ChatPane(Vertical):
         return self.link.info.max_seq_len if self.link.info is not None else None
 
     def show_settings(self) -> None:
+        """The header: the model, the system prompt and the settings, the context gauge, and a note when the
+        conversation was had with another model than the engine's."""
         if not self.is_attached or self.closing:  # stats arrive at any time, also while the pane goes
             return
-        system = printable(self.session.system_prompt.replace("\n", " "))
-        self.query_one(".chat-settings", PhraseLine).show([f"system: {system}" if system else "no system prompt",
-                                                           *self.session.settings()])
+        session = self.session
+        system = printable(session.system_prompt.replace("\n", " "))
+        if system and not session.takes_system:
+            system = f"system, sent in the first message (the model's chat template has no system role): {system}"
+        elif system:
+            system = f"system: {system}"
+        model = [printable(session.engine.name)] if session.engine is not None else []
+        self.query_one(".chat-settings", PhraseLine).show([*model, system or "no system prompt",
+                                                           *session.settings()])
+        note = self.query_one(".chat-note", Static)
+        other = session.other_model()
+        note.display = other is not None
+        if other is not None:
+            update_text(note, Text(f"⚠ {printable(other)}"))
         used, context = self.session.context_used or 0, self.context
         gauge = Text("context ")
         if context:
@@ -378,7 +408,9 @@ class ChatPane(Vertical):
             return None
         reply = self.start(prompt)
         await self.query(".chat-hint").remove()
-        await self.query_one(".chat-log", VerticalScroll).mount_all(self._turn_widgets(self.session.turns[-1]))
+        log = self.query_one(".chat-log", VerticalScroll)
+        await log.mount_all(self._turn_widgets(self.session.turns[-1]))
+        log.scroll_end(animate=False)  # scrolled back (pageup) or not, the new reply streams in view
         self.post_message(self.StateChanged(self))
         return reply
 
@@ -449,6 +481,13 @@ class ChatPane(Vertical):
             raise ValueError(f"max_tokens must be below the model's context of {self.context} tokens; got {value}")
         self.session.set(name, value)
 
+    def reset(self) -> None:
+        """/reset: the sampling settings back to the model's recommendations (the console's where it has none)."""
+        self.session.reset()
+        defaults = self.session.model_defaults
+        where = "the model's defaults" if defaults else "the console's defaults (the model recommends none)"
+        self.notify(f"{self.session.name}: sampling settings back to {where}: {self.session.describe()}")
+
     def copy_reply(self, number: str = "") -> None:
         """/copy N: reply N's text (default: the last) through the terminal (OSC 52), which most terminals put
         on the clipboard."""
@@ -492,6 +531,8 @@ class ChatPane(Vertical):
         state, and the first exchange's end titles a session still called `chat N`."""
         try:
             client = await self.link.ready()
+            self.follow_engine()  # its model's defaults and template, whichever engine answers now
+            self.session.answered_by_engine()
             await self._fit(client, prompt)
             # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
             label = f"console: {self.session.name}"[:128]  # the owner the ops panels and other consoles show

@@ -36,11 +36,13 @@ STATS_EVERY = 0.25  # seconds between two stats callbacks: four frames a second 
 @dataclass
 class LinkState:
     """`kind` is one of: connecting, starting, connected, stalled, lost, failed. `detail` is the status
-    line's sentence; `cause` what happened, without what the link does next (for interrupted replies)."""
+    line's sentence; `cause` what happened, without what the link does next (for interrupted replies);
+    `model` the engine's model while connected (the status line keeps it where it cuts the detail)."""
 
     kind: str
     detail: str
     cause: str = ""
+    model: str = ""
 
     @property
     def connected(self) -> bool:
@@ -118,9 +120,9 @@ class EngineLink:
         """Why replies cannot continue right now (None while connected)."""
         return None if self.state.connected else self.state.detail
 
-    def _set(self, kind: str, detail: str, cause: str = "") -> None:
-        if (kind, detail) != (self.state.kind, self.state.detail):
-            self.state = LinkState(kind, detail, cause or detail)
+    def _set(self, kind: str, detail: str, cause: str = "", model: str = "") -> None:
+        if (kind, detail, model) != (self.state.kind, self.state.detail, self.state.model):
+            self.state = LinkState(kind, detail, cause or detail, model)
             self.on_state(self.state)
 
     async def ready(self) -> AsyncEngineClient:
@@ -239,9 +241,9 @@ class EngineLink:
         except EngineUnavailable:
             return f"the engine at {self.address} did not answer"
         weights = self.info.execution.get("weights")  # the format and memory of the weights: "Q4_1+Q8_0, 92.1 MiB"
-        connected = " · ".join([model_id(self.info.model), *([weights] if weights else []), f"pid {self.info.pid}",
-                                self.address])
-        self._set("connected", connected)
+        connected = " · ".join([*([weights] if weights else []), f"pid {self.info.pid}", self.address])
+        model = model_id(self.info.model)
+        self._set("connected", connected, model=model)
         self._ready.set()
         while True:
             try:
@@ -249,9 +251,9 @@ class EngineLink:
             except EngineUnavailable:
                 if not await asyncio.to_thread(listening, self.address):
                     return f"the engine at {self.address} stopped"
-                self._set("stalled", f"no stats for {STALL_AFTER:g} s; the engine is busy or stuck")
+                self._set("stalled", f"no stats for {STALL_AFTER:g} s; the engine is busy or stuck", model=model)
                 continue
-            self._set("connected", connected)
+            self._set("connected", connected, model=model)
             self.stats, self.stats_at = stats, time.monotonic()
             self.on_stats(stats)
             await asyncio.sleep(self.stats_every)
