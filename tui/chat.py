@@ -286,7 +286,7 @@ class ChatPane(Vertical):
         with Horizontal(classes="chat-bar"):
             yield PhraseLine(classes="chat-settings")
             yield Static(classes="chat-gauge")
-        yield Static(classes="chat-note")
+        yield PhraseLine(classes="chat-note")
         with VerticalScroll(classes="chat-log"):
             if not self.session.turns:
                 yield Markdown(HINT, classes="chat-hint")
@@ -334,11 +334,10 @@ class ChatPane(Vertical):
         model = [printable(session.engine.name)] if session.engine is not None else []
         self.query_one(".chat-settings", PhraseLine).show([*model, system or "no system prompt",
                                                            *session.settings()])
-        note = self.query_one(".chat-note", Static)
+        note = self.query_one(".chat-note", PhraseLine)
         other = session.other_model()
         note.display = other is not None
-        if other is not None:
-            update_text(note, Text(f"⚠ {printable(other)}"))
+        note.show([printable(other)] if other is not None else [])
         used, context = self.session.context_used or 0, self.context
         gauge = Text("context ")
         if context:
