@@ -41,7 +41,8 @@ HINT = """\
 Type a message and press **enter**; **ctrl+j** starts a new line, and pasted text keeps its lines.
 **escape** stops a reply; a message sent meanwhile waits its turn. **pageup**/**pagedown** scroll.
 **up** in an empty box edits your last message, **ctrl+r** regenerates the last reply, `/copy` copies it.
-Settings: `/temperature 0.7`, `/max_tokens 128`, `/system You are terse.`; `/clear` starts afresh.
+Settings (from the model's own): `/temperature 0.7`, `/max_tokens 128`, `/system You are terse.`; `/reset`
+goes back to the model's; `/clear` starts afresh.
 **ctrl+o** lists saved conversations, **ctrl+t** the open tabs (then **1**-**9** jumps to one);
 **ctrl+f** fans a prompt out to several tabs at once (**ctrl+g** closes them all); **f5** shows the
 ops panels to watch them batch. **f1** lists every key, **ctrl+p** every command.
