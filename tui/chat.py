@@ -139,7 +139,9 @@ class PhraseLine(Static):
         return len(pack(self.phrases, width))
 
     def render(self) -> Text:
-        return Text("\n".join(pack(self.phrases, self.content_size.width)))
+        """The phrases packed to the width (on one line while the line has none: in a hidden tab)."""
+        width = self.content_size.width
+        return Text("\n".join(pack(self.phrases, width) if width else [" · ".join(self.phrases)]))
 
 
 class ReplyView(Vertical):
