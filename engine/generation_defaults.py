@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from engine.params import InvalidParams, SamplingParams
 
@@ -43,7 +44,7 @@ def generation_defaults(meta: Path) -> dict[str, float | int]:
         return {}
     defaults: dict[str, float | int] = {}
     for key in KEYS:
-        value = config.get(key) if isinstance(config, dict) else None
+        value: Any = config.get(key) if isinstance(config, dict) else None
         if value is None:
             continue
         if key == "top_k" and value == 0:
