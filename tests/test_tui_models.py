@@ -162,14 +162,15 @@ def test_the_status_line_keeps_the_model_and_every_footer_label_is_whole(instruc
     run(scenario)
 
 
-def test_the_footer_times_the_decode_phase_and_says_what_the_cache_served(engine: str) -> None:
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x50"])
+def test_the_footer_times_the_decode_phase_and_says_what_the_cache_served(engine: str, size: tuple[int, int]) -> None:
     """A 5-token reply shows no rate (a rate over four steps is noise: such a reply read 2443.7 tok/s, timed as
     its tokens arrived); a longer one shows its rate over the decode phase on the engine's clock, from its first
     token to its last; the second message's prompt is served from the prefix cache in part, as the footer says."""
 
     async def scenario() -> None:
         app = MinichatApp(EngineLink(address=engine, autostart=False))
-        async with app.run_test(size=(80, 24)) as pilot:
+        async with app.run_test(size=size) as pilot:
             await connected_app(pilot)
             await type_and_send(pilot, "/ignore_eos on")
             await type_and_send(pilot, "/max_tokens 5")
@@ -193,6 +194,6 @@ def test_the_footer_times_the_decode_phase_and_says_what_the_cache_served(engine
             assert f"decode {rate:.1f} tok/s" in footer.phrases
             assert long.cached_tokens and long.cached_tokens % 16 == 0  # whole pages of the first exchange
             assert f"{long.cached_tokens} prompt tok from cache" in footer.phrases
-            assert all(phrase in drawn(footer) for phrase in footer.phrases)  # each whole at 80 columns
+            assert all(phrase in drawn(footer) for phrase in footer.phrases)  # each drawn whole
 
     run(scenario)

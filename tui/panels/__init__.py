@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 PANELS = (("waiting", "waiting queue"), ("running", "running set"), ("steps", "step timeline"),
           ("slots", "request slots"), ("pages", "KV pages"), ("throughput", "throughput"), ("history", "history"))
 SIDE_BY_SIDE = 100  # columns from which the two groups sit next to each other
-SHORT = 30  # rows below which, stacked, the throughput and history panels share a row (all on screen at 80x24)
+SHORT = 26  # rows below which, stacked, the throughput and history panels share a row (all on screen at 80x24;
+# from 26 rows each has a row of its own)
 
 __all__ = ["PANELS", "OpsPanels", "RequestTable"]
 
