@@ -5,7 +5,7 @@ template without a system role allows, a conversation reopened under another mod
 footer's numbers: a decode rate on the engine's clock (none for a reply too short to time) and the prompt
 tokens the cache served.
 
-The instruct checkpoint is the tiny llama copied under a name as long as a real model's, with a
+The instruct checkpoint is the tiny llama (16k positions) copied under a name as long as a real model's, with a
 generation_config.json recommending sampling settings and a chat template that refuses a system message
 (tests/checkpoints.py). As in tests/test_tui.py every wait is on a condition with a deadline.
 """
@@ -39,10 +39,11 @@ SIZES = [(80, 24), (160, 50)]
 
 
 @pytest.fixture(scope="module")
-def instruct(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """An engine on the instruct checkpoint (512 positions), on a private ipc address."""
+def instruct(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An engine on the instruct checkpoint (the tiny llama with 16k positions, so that a reply lives until
+    aborted), on a private ipc address."""
     root = tmp_path_factory.mktemp("instruct")
-    model = instruct_view(llama_ckpt, root / MODEL, GENERATION, NO_SYSTEM_TEMPLATE)
+    model = instruct_view(long_ckpt, root / MODEL, GENERATION, NO_SYSTEM_TEMPLATE)
     with start_engine(model, f"ipc://{root}/engine.sock") as handle:
         yield handle.address
 
@@ -75,14 +76,14 @@ def test_the_models_generation_config_is_the_default_sent_and_reset_to(instruct:
             await wait_for(pilot, lambda: "(the model's chat template has no system role)" in drawn(header(app)),
                            "the system prompt's notice")
             await type_and_send(pilot, "/ignore_eos on")
-            await type_and_send(pilot, "/max_tokens 400")
+            await type_and_send(pilot, "/max_tokens 16000")
             await type_and_send(pilot, "Hello")
             reply = last_reply(app)
             await wait_for(pilot, lambda: reply.text, "a streaming reply")
             sent = await app.link.describe(reply.rid)
             assert sent is not None and sent.params is not None
             assert (sent.params.temperature, sent.params.top_p, sent.params.top_k, sent.params.repetition_penalty,
-                    sent.params.max_tokens) == (0.3, 0.85, 40, 1.1, 400)
+                    sent.params.max_tokens) == (0.3, 0.85, 40, 1.1, 16000)
             assert "<|user|>user: Answer in verse.\n\nHello\n" in sent.prompt_head  # no system message was sent
             await pilot.press("escape")
             await wait_for(pilot, lambda: reply.state == "aborted", "the abort")
@@ -120,7 +121,7 @@ def test_a_conversation_reopened_under_another_model_says_so(engine: str, instru
             await connected_app(pilot)
             pane = app.current
             assert pane is not None and pane.session.name == "remember the model"
-            said = (f"this conversation was with llama (context 16384); the engine now runs {MODEL} (context 512), "
+            said = (f"this conversation was with llama (context 16384); the engine now runs {MODEL} (context 16384), "
                     f"which gives the replies from here on")
             note = pane.query_one(".chat-note", Static)
             await wait_for(pilot, lambda: note.display and said in drawn(note), "the note on the other model")
