@@ -20,6 +20,7 @@ from engine.config import EngineConfig, model_id
 from engine.cuda_graph import DecodeGraphs
 from engine.distributed import TensorParallel
 from engine.distributed.workers import WorkerPool, launch
+from engine.generation_defaults import generation_defaults
 from engine.kv import make_cache_manager
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
@@ -50,7 +51,13 @@ from engine.speculative.ngram import NgramProposer
 from engine.speculative.speculator import Proposer, Speculator
 from engine.structured import GrammarCompiler, GrammarMatcher, GrammarSpec, InvalidGrammar
 from engine.threads import ThreadGovernor, usable_cores, wait_policy
-from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, eos_token_ids, load_tokenizer
+from engine.tokenizer import (
+    IncrementalDetokenizer,
+    apply_chat_template,
+    eos_token_ids,
+    load_tokenizer,
+    takes_system_role,
+)
 from engine.tools import ToolFormat, template_messages, tool_format
 from kernels.attention import make_backend
 from kernels.cpu import load_cpu_kernels
@@ -129,6 +136,7 @@ class LLM:
         self.model, self.hf_config = load_model(self.checkpoint, LoadOptions.of(cfg), self.tp)
         self.tokenizer = load_tokenizer(self.checkpoint.meta)
         self.eos_ids = eos_token_ids(self.checkpoint.meta, self.tokenizer, self.hf_config)
+        self.generation_defaults = generation_defaults(self.checkpoint.meta)  # the model's own sampling settings
         spec = self.model.spec
 
         context = spec.max_position_embeddings
@@ -212,6 +220,11 @@ class LLM:
     def think_markers(self) -> ThinkMarkers | None:
         """This model's think block, read off its chat template and vocabulary (None: it has none)."""
         return think_markers(self.tokenizer)
+
+    @property
+    def system_role(self) -> bool:
+        """Whether the chat template renders a system message (some refuse one, some drop it)."""
+        return takes_system_role(self.tokenizer)
 
     def encode_prompt(self, prompt: Prompt, tools: Tools | None = None,
                       template_kwargs: dict[str, Any] | None = None) -> list[int]:

@@ -74,6 +74,22 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: lis
     return list(cast("list[int]", ids))
 
 
+SYSTEM_PROBE = "minichat-system-probe"
+
+
+def takes_system_role(tokenizer: PreTrainedTokenizerBase | None) -> bool:
+    """Whether the chat template renders a system message: some refuse one (Gemma's raises), some drop it
+    without a word. A model without a template takes no chat at all, system or not (True: nothing to say)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return True
+    chat = [{"role": "system", "content": SYSTEM_PROBE}, {"role": "user", "content": "hi"}]
+    try:
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    except Exception:  # a template may raise anything for a role it refuses (jinja's TemplateError, KeyError)
+        return False
+    return isinstance(text, str) and SYSTEM_PROBE in text
+
+
 def max_prompt_chars(tokenizer: PreTrainedTokenizerBase | None, max_tokens: int) -> int:
     """A character count beyond which a text prompt surely tokenizes to more than `max_tokens` tokens:
     no token spells more characters than the vocabulary's longest entry (doubled, for normalizers that

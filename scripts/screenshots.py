@@ -253,11 +253,13 @@ async def fleet(address: str, out: Path) -> None:
 
 async def real_model(address: str, out: Path) -> None:
     """The console's first screen on a real instruct model, straight from its GGUF file (SmolLM2-135M-Instruct
-    Q4_1, fetched once into the user cache): its name, weight format and size in the status line."""
+    Q4_1, fetched once into the user cache): its name in the status line and the chat's header, its weight
+    format and size; each reply's footer (the second's prompt mostly from the prefix cache)."""
     here = address.removeprefix("ipc://").rsplit("/", 1)[0]
     smol = f"ipc://{here}/smollm2.sock"
     with start(smol, model=str(smollm2_gguf()), max_running_requests=4):
-        app = MinichatApp(EngineLink(address=smol, autostart=False))
+        # a store of its own: the other shots' conversations would reopen in tabs (and be with another model)
+        app = MinichatApp(EngineLink(address=smol, autostart=False), store_path=Path(here) / "real-model.sqlite3")
         async with app.run_test(size=(120, 30)) as pilot:
             await connect(pilot)
             await send(pilot, "/temperature 0")

@@ -126,6 +126,26 @@ def with_eos(src: Path, out: Path, eos: list[int]) -> Path:
     return out
 
 
+# Chat templates without a system role, as some real ones are: Gemma's refuses a system message, others drop it.
+NO_SYSTEM_TEMPLATE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                      "{% endif %}{% for m in messages %}<|user|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|user|>assistant: {% endif %}")
+DROPS_SYSTEM_TEMPLATE = ("{% for m in messages if m['role'] != 'system' %}<|user|>{{ m['role'] }}: {{ m['content'] }}"
+                         "\n{% endfor %}{% if add_generation_prompt %}<|user|>assistant: {% endif %}")
+
+
+def instruct_view(src: Path, out: Path, generation: dict[str, object], chat_template: str | None = None) -> Path:
+    """A copy of `src` named as `out` is (its model id), as an instruct checkpoint ships: a generation_config.json
+    recommending sampling settings (`generation`), and a chat template of its own if given."""
+    shutil.copytree(src, out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, **generation}))
+    if chat_template is not None:
+        tok = PreTrainedTokenizerFast.from_pretrained(out)
+        tok.chat_template = chat_template
+        tok.save_pretrained(out)
+    return out
+
+
 def with_context(src: Path, out: Path, max_positions: int) -> Path:
     """A copy of `src` whose config allows `max_positions` positions (RoPE extends without retraining)."""
     shutil.copytree(src, out)

@@ -17,10 +17,28 @@ import zmq
 
 from engine.service.client import EngineClient
 from engine.service.launcher import EngineHandle
+from kernels.cpu.build import cache_dir
 from tests.checkpoints import make_checkpoint, with_context
 from tests.wire import raw_dealer
 
 torch.set_num_threads(2)
+
+# The real model the tests download (tests/real_model.py) stays in the user's cache, once: 93 MB a run would be
+# wasted. Everything else the suite writes goes into its own directories (`private_dirs`).
+os.environ.setdefault("MINICHAT_TEST_MODELS", str(cache_dir() / "models"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own runtime, cache and data directories: engine sockets and logs, the C kernels and
+    converted GGUF metadata, conversations. A suite run used to leave dozens of engine logs and a converted
+    directory per temporary GGUF file in ~/.cache/minichat (tests/test_private_dirs.py holds it to that)."""
+    root = tmp_path_factory.mktemp("user")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_RUNTIME_DIR", str(root / "run"))
+        mp.setenv("MINICHAT_CACHE_DIR", str(root / "cache"))
+        mp.setenv("MINICHAT_DATA_DIR", str(root / "data"))
+        yield root
 
 
 class Checkpoints(dict[str, Path]):

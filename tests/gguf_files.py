@@ -150,15 +150,18 @@ def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, str] = "F32",
-               tokenizer_from: Path | None = None) -> Path:
+               tokenizer_from: Path | None = None, sampling: dict[str, float] | None = None) -> Path:
     """`checkpoint` (a tests/checkpoints.py directory) as a GGUF file: every 2-D weight in `qtype` (or
     `qtype[name]` for a name's first match, by substring, with a "" default), 1-D tensors in F32; the
-    tokenizer its own, or `tokenizer_from` another GGUF file's."""
+    tokenizer its own, or `tokenizer_from` another GGUF file's; `sampling`: llama.cpp's recommended settings
+    (`temp`, `top_k`, ...: the `general.sampling.*` keys, written with gguf's own `add_sampling_*`)."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = GGUF_ARCH[family]
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(f"{family}-tiny")  # transformers reads a llama file named mistral-* as Mistral
+    for key, value in (sampling or {}).items():
+        getattr(writer, f"add_sampling_{key}")(value)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])

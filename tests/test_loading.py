@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model.loader import resolve_model_path
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import DROPS_SYSTEM_TEMPLATE, NO_SYSTEM_TEMPLATE, instruct_view, make_checkpoint
 
 
 def test_sharded_checkpoint_without_tokenizer(tmp_path, hf):
@@ -75,3 +75,18 @@ def test_cuda_greedy_matches_cpu(llama_ckpt):
     cpu = LLM(str(llama_ckpt)).generate(prompts, SamplingParams(max_tokens=8))
     gpu = LLM(str(llama_ckpt), device="cuda").generate(prompts, SamplingParams(max_tokens=8))
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+
+
+def test_generation_config_defaults_and_the_templates_system_role(tmp_path, llama_ckpt):
+    """The sampling settings a checkpoint recommends (generation_config.json), as vLLM takes them: top_k 0 is
+    transformers' "off" (-1 here), a value SamplingParams refuses is left out, other keys are not sampling
+    settings; and whether the chat template renders a system message (refused, dropped, or rendered)."""
+    generation = {"temperature": 0.3, "top_p": 0.85, "top_k": 0, "min_p": 1.5, "repetition_penalty": 1.1,
+                  "do_sample": True, "max_new_tokens": 77}
+    refuses = LLM(str(instruct_view(llama_ckpt, tmp_path / "refuses", generation, NO_SYSTEM_TEMPLATE)))
+    assert refuses.generation_defaults == {"temperature": 0.3, "top_p": 0.85, "top_k": -1, "repetition_penalty": 1.1}
+    assert not refuses.system_role
+    drops = LLM(str(instruct_view(llama_ckpt, tmp_path / "drops", {}, DROPS_SYSTEM_TEMPLATE)))
+    assert drops.generation_defaults == {} and not drops.system_role
+    plain = LLM(str(llama_ckpt))
+    assert plain.generation_defaults == {} and plain.system_role

@@ -7,11 +7,13 @@ import os
 import sqlite3
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from engine.outputs import Delta, Final, Timings, Usage
-from tui.session import Session
-from tui.store import REPLY_FIELDS, SCHEMA_VERSION, Store, StoreError, this_process
+from engine.params import SamplingParams
+from tui.session import CONSOLE_DEFAULTS, EngineModel, Session
+from tui.store import MIGRATIONS, REPLY_FIELDS, SCHEMA_VERSION, Store, StoreError, this_process
 
 
 def conversation(name: str, prompt: str, answer: str) -> Session:
@@ -99,7 +101,7 @@ def test_an_older_file_is_migrated_and_the_list_previews_the_last_exchange(tmp_p
         db.execute("INSERT INTO turns VALUES ('old', 1, 'second', ?)", ('{"rid": "r1", "text": "two"}',))
     db.close()
     store = Store(path)
-    assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     old = store.load("old")
     assert old.titled and [t.reply.text for t in old.turns] == ["one", "two"]
     fresh = conversation("chat 2", "x" * 500, "y" * 500)
@@ -108,6 +110,40 @@ def test_an_older_file_is_migrated_and_the_list_previews_the_last_exchange(tmp_p
     rows = {row.name: row for row in store.sessions()}
     assert (rows["chat 1"].last_prompt, rows["chat 1"].last_reply) == ("second", "two")
     assert len(rows["chat 2"].last_prompt) == len(rows["chat 2"].last_reply) == 200  # only the start is read
+    store.close()
+
+
+def test_sessions_keep_the_settings_chosen_and_their_model_and_a_schema_3_file_is_migrated(tmp_path: Path) -> None:
+    """Schema 3 stored every sampling field of a session; from 4 a session keeps only those a person chose
+    (the rest follow the model of the engine it talks to), and the model its replies came from with that
+    model's context, which the list shows."""
+    path = tmp_path / "v3.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(V1_SCHEMA.replace("PRAGMA user_version = 1;", "") + str(MIGRATIONS[1]) + str(MIGRATIONS[2])
+                         + "PRAGMA user_version = 3;")
+        old = msgspec.json.encode(SamplingParams(max_tokens=256, temperature=0.3, top_p=0.95, top_k=-1)).decode()
+        db.execute("INSERT INTO sessions VALUES ('old', 'old', '', ?, 0, 1.0, 2.0, 0, 1, NULL)", (old,))
+    db.close()
+    store = Store(path)
+    migrated = store.load("old")
+    assert migrated.chosen == {"temperature": 0.3} and migrated.model is None  # top_p 0.95 was the console's
+    assert migrated.params == msgspec.structs.replace(CONSOLE_DEFAULTS, temperature=0.3)
+    migrated.follow(EngineModel("tiny-instruct", 512, {"temperature": 0.2, "top_p": 0.9}))
+    assert (migrated.params.temperature, migrated.params.top_p) == (0.3, 0.9)  # chosen over the model's
+
+    session = conversation("with a model", "hi", "hello")
+    session.follow(EngineModel("tiny-instruct", 512, {"top_k": 20}))
+    session.answered_by_engine()
+    store.save(session)
+    store.close()
+    store = Store(path)
+    back = store.load(session.uid)
+    assert (back.model, back.context, back.chosen, back.engine) == ("tiny-instruct", 512, {"temperature": 0.3}, None)
+    assert back.params.top_k == CONSOLE_DEFAULTS.top_k  # the model's default is not kept: its engine tells it
+    assert {row.name: row.model for row in store.sessions()} == {"with a model": "tiny-instruct", "old": None}
+    back.follow(EngineModel("llama", 16384))
+    assert back.other_model() == ("this conversation was with tiny-instruct (context 512); the engine now runs llama "
+                                  "(context 16384), which gives the replies from here on")
     store.close()
 
 

@@ -940,7 +940,7 @@ def test_priority_is_a_session_setting_sent_with_its_requests(engine: str) -> No
             reply = await streaming_reply(pilot, "Who goes first?")
             running = app.query_one("#running", RequestTable)
             await wait_for(pilot, lambda: reply.rid in table_rids(app, "running"), "the request in the running set")
-            assert cell(running, reply.rid, "prio") == "3" and cell(running, reply.rid, "retracted") == ""
+            assert cell(running, reply.rid, "prio") == "3" and cell(running, reply.rid, "state") == "decode"
             stats = app.last_stats
             assert stats is not None and next(r for r in stats.running if r.rid == reply.rid).priority == 3
             # at 80 columns the status line still shows the running set and the queue first

@@ -302,7 +302,7 @@ def test_titles_regenerate_edit_and_copy(engine: str) -> None:
             table = app.screen.query_one(DataTable)
             row = [str(cell) for cell in table.get_row_at(0)]
             assert row[0] == "To be, or not to be: that is…"
-            assert row[2] == printable(f"{head(question)} → {head(last_reply(app).text)}")
+            assert row[5] == printable(f"{head(question)} → {head(last_reply(app).text)}")
 
     run(scenario)
 

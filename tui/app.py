@@ -56,27 +56,28 @@ class MinichatApp(App[None]):
     """Many concurrent chat sessions and the scheduler that serves them, in one terminal.
 
     Every key below is one that terminals and tmux pass through unchanged (function keys, ctrl+letter,
-    escape, page keys); alt+digit and alt+enter are not among them.
+    escape, page keys); alt+digit and alt+enter are not among them. The footer's labels are one word, so
+    that all of them fit 80 columns; the help screen (f1) says each in full (the tooltip).
     """
 
     CSS_PATH = "app.tcss"
     TITLE = "minichat"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("f1", "help", "Help"),
-        Binding("ctrl+n", "new_session", "New chat"),
-        Binding("ctrl+o", "list_sessions", "Conversations"),
+        Binding("ctrl+n", "new_session", "New", tooltip="New chat"),
+        Binding("ctrl+o", "list_sessions", "Saved", tooltip="Saved conversations: search, reopen, export"),
         Binding("ctrl+w", "close_session", "Close chat", priority=True, show=False),
         Binding("f2", "command('rename')", "Rename chat", show=False),
         Binding("ctrl+f", "command('fanout')", "Fan out", show=False),
         Binding("ctrl+g", "close_group", "Close this tab's fan-out group (all its tabs)", show=False),
         Binding("ctrl+r", "command('regen')", "Regenerate the last reply", show=False),
         Binding("ctrl+t", "list_tabs", "Open tabs; then 1…9 goes to that tab", show=False),
-        Binding("escape", "abort", "Stop reply"),
+        Binding("escape", "abort", "Stop", tooltip="Stop the reply (with none streaming: stop editing)"),
         Binding("ctrl+pagedown", "switch_session(1)", "Next chat", show=False),
         Binding("ctrl+pageup", "switch_session(-1)", "Previous chat", show=False),
         Binding("f3", "toggle_thinking", "Show/hide thinking", show=False),
         Binding("f4", "fleet", "Fleet"),
-        Binding("f5", "cycle_layout", "Chat/split/ops"),
+        Binding("f5", "cycle_layout", "Layout", tooltip="Chat, split or ops panels: the next of the three views"),
         # priority: the prompt box (a TextArea) would take f6 and f7 for selecting text
         Binding("f6", "switch_focus", "Next panel: the prompt box, then each ops table", show=False, priority=True),
         Binding("f7", f"resize_ops({-OPS_STEP})", "Ops panels narrower", show=False, priority=True),
@@ -100,7 +101,7 @@ class MinichatApp(App[None]):
         self._ops_restore = 50
         self._fan_outs = 0  # fan-outs so far: each names its group of tabs
         self._collapsed = False  # a split that a narrow terminal turned into one side
-        self._contexts: dict[int, int | None] = {}  # id(link) -> the model context its chat tabs' gauges show
+        self._followed: dict[int, object] = {}  # id(link) -> the engine (pid, model, context) its chat tabs follow
 
     # -- layout -----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -202,14 +203,15 @@ class MinichatApp(App[None]):
                 self.notify(state.detail, title=f"replica {link.address}", severity="warning")
 
     def chats_follow(self, link: EngineLink, state: LinkState) -> list[ChatPane]:
-        """The chats on `link` learn its model's context (once per engine) and have their replies interrupted
-        when it is lost; returns them."""
+        """The chats on `link` learn its model (its name, context, sampling defaults and chat template; once
+        per engine) and have their replies interrupted when it is lost; returns them."""
         panes = [pane for pane in self.query(ChatPane) if pane.link is link]
-        context = link.info.max_seq_len if link.info is not None else None
-        if state.connected and context != self._contexts.get(id(link)):
-            self._contexts[id(link)] = context
+        info = link.info
+        engine = (info.pid, info.model, info.max_seq_len) if info is not None else None
+        if state.connected and engine != self._followed.get(id(link)):
+            self._followed[id(link)] = engine
             for pane in panes:
-                pane.show_settings()
+                pane.follow_engine()
         if state.kind == "lost":
             for pane in panes:
                 pane.interrupt("interrupted", state.cause)
@@ -240,7 +242,7 @@ class MinichatApp(App[None]):
         name it is `chat N` until its first exchange gives it a title)."""
         session = Session(self.conversations.new_name(name), titled=name is not None)
         if like is not None:
-            session.system_prompt, session.params = like.system_prompt, like.params
+            session.system_prompt, session.chosen = like.system_prompt, dict(like.chosen)
         return await self.open_session(session, activate)
 
     async def open_session(self, session: Session, activate: bool = True) -> ChatPane:
@@ -311,6 +313,7 @@ class MinichatApp(App[None]):
             "system": pane.set_system_prompt,
             "think": pane.session.set_thinking,
             **{name: partial(pane.set_setting, name) for name in SETTINGS},
+            "reset": lambda _: pane.reset(),
             "fanout": lambda prompts: self.fan_out(parse_fanout(prompts), like=pane.session),
             "keep": lambda _: pane.keep(),
             "closegroup": lambda _: self.action_close_group(),
@@ -512,7 +515,7 @@ class MinichatApp(App[None]):
         group = f"fan {self._fan_outs}"
         panes = []
         for i, prompt in enumerate(prompts, 1):
-            pane = ChatPane(Session(f"{group}.{i}", like.system_prompt, like.params, titled=True, group=group),
+            pane = ChatPane(Session(f"{group}.{i}", like.system_prompt, dict(like.chosen), titled=True, group=group),
                             self.link)
             pane.start(prompt)
             panes.append(pane)
@@ -569,7 +572,9 @@ class MinichatApp(App[None]):
 
     def action_cycle_layout(self) -> None:
         """f5: split -> chat -> ops panels -> split. Below WIDE columns, where a split would leave both
-        sides cramped, chat <-> ops panels."""
+        sides cramped, chat <-> ops panels. Every view with the chat in it puts the typing in its prompt box
+        (the ops panels alone, in the running set): a table that kept focus took `/max_tokens 800` as a
+        filter and sent nothing."""
         if 0 < self.ops_width < 100:
             self._ops_restore, self.ops_width = self.ops_width, 0
         elif self.ops_width == 0:
@@ -577,6 +582,18 @@ class MinichatApp(App[None]):
         else:
             split = self._ops_restore if self._ops_restore < 100 else 50
             self.ops_width = split if self.size.width >= WIDE else 0
+        self.focus_side(ops=self.ops_width == 100)
+
+    def type_in_prompt(self, text: str) -> None:
+        """Text typed where it means nothing (an ops table, which takes only its keys): it goes to the prompt
+        box, bringing the chat back if the ops panels fill the screen, rather than nowhere."""
+        if self.ops_width == 100:
+            split = self._ops_restore if self._ops_restore < 100 else 50
+            self.ops_width = split if self.size.width >= WIDE else 0
+        if (pane := self.current) is not None:
+            box = pane.query_one(PromptInput)
+            box.focus()
+            box.insert(text)
 
     def on_resize(self, event: Resize) -> None:
         """Shrunk below WIDE columns, a split keeps the side that has focus; grown back, the split returns."""
@@ -601,6 +618,9 @@ class MinichatApp(App[None]):
             self.focus_side(ops=True)
         if self.last_stats is not None:
             self.ops.show_stats(self.last_stats, self.link.names)
+
+    def on_ops_panels_typed(self, event: OpsPanels.Typed) -> None:
+        self.type_in_prompt(event.text)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """f4 is offered only where there is a fleet to show."""
@@ -670,7 +690,7 @@ class MinichatApp(App[None]):
                              f"(escape)")
         pane.link = replica.link
         self.tabs.label(pane)
-        pane.show_settings()  # the context gauge: this engine's model
+        pane.follow_engine()  # this engine's model: its context, defaults and template
         self.notify(f"{pane.session.name!r} now talks to {replica.name}")
 
     # -- focus and help ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from tui.commands import parse_number
 from tui.keys import InOrderKeys
 from tui.names import printable
 from tui.panels.base import pack, update_text
-from tui.session import SETTINGS, Reply, Session, Turn, encodable, parse_setting
+from tui.session import SETTINGS, EngineModel, Reply, Session, Turn, encodable, parse_setting
 
 if TYPE_CHECKING:
     from tui.link import EngineLink
@@ -42,7 +42,8 @@ HINT = """\
 Type a message and press **enter**; **ctrl+j** starts a new line, and pasted text keeps its lines.
 **escape** stops a reply; a message sent meanwhile waits its turn. **pageup**/**pagedown** scroll.
 **up** in an empty box edits your last message, **ctrl+r** regenerates the last reply, `/copy` copies it.
-Settings: `/temperature 0.7`, `/max_tokens 128`, `/system You are terse.`; `/clear` starts afresh.
+Settings (from the model's own): `/temperature 0.7`, `/max_tokens 128`, `/system You are terse.`; `/reset`
+goes back to the model's; `/clear` starts afresh.
 **ctrl+o** lists saved conversations, **ctrl+t** the open tabs (then **1**-**9** jumps to one);
 **ctrl+f** fans a prompt out to several tabs at once (**ctrl+g** closes them all); **f5** shows the
 ops panels to watch them batch. **f1** lists every key, **ctrl+p** every command.
@@ -118,8 +119,35 @@ class PromptInput(InOrderKeys, TextArea):
         getattr(log, f"scroll_{how}")(animate=False)
 
 
+class PhraseLine(Static):
+    """Phrases joined by ` · ` that wrap between phrases, never inside one: the settings line in 80
+    columns reads `top-k off` on one line, not `top-k` at the end of one and `off` on the next, and a
+    reply's footer keeps each of its numbers whole."""
+
+    def __init__(self, classes: str) -> None:
+        super().__init__(classes=classes)
+        self.phrases: list[str] = []
+
+    def show(self, phrases: list[str]) -> None:
+        if phrases != self.phrases:
+            self.phrases = phrases
+            self.refresh(layout=True)
+
+    def get_content_width(self, container: Size, viewport: Size) -> int:
+        return len(" · ".join(self.phrases))
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(pack(self.phrases, width))
+
+    def render(self) -> Text:
+        """The phrases packed to the width (on one line while the line has none: in a hidden tab)."""
+        width = self.content_size.width
+        return Text("\n".join(pack(self.phrases, width) if width else [" · ".join(self.phrases)]))
+
+
 class ReplyView(Vertical):
-    """An assistant reply: Markdown that grows as text streams in, and a line of numbers under it.
+    """An assistant reply: Markdown that grows as text streams in, and its footer of numbers under it (one
+    phrase per field of the Reply's footer, tui/session.py, wrapped between phrases).
 
     While the reply streams, the view renders on a clock, not per token: a render re-parses the
     reply's last Markdown block and re-lays-out the screen, and with a few sessions streaming
@@ -157,7 +185,7 @@ class ReplyView(Vertical):
         self._rendered = len(self.reply.text)
         yield Markdown(printable(self.reply.text))
         yield Static(classes="reply-thinking")
-        yield Static(classes="reply-stats")
+        yield PhraseLine(classes="reply-stats")
 
     async def on_mount(self) -> None:
         """A live reply streams from now on; one that ended since `compose` shows the text it still lacks."""
@@ -225,15 +253,14 @@ class ReplyView(Vertical):
         if reply.state == "streaming" and now - self._shown_at < self.STREAMING_REFRESH:
             return
         self._shown_at = now
-        label = "waiting for engine…" if reply.state == "queued" else reply.summary()
+        phrases = ["waiting for engine…"] if reply.state == "queued" else reply.footer()
         if reply.state == "streaming":
-            label += " · streaming…"
-        for stats in self.query(".reply-stats").results(Static):  # none while the view is torn down
-            update_text(stats, Text(printable(label)))
+            phrases.append("streaming…")
+        for stats in self.query(".reply-stats").results(PhraseLine):  # none while the view is torn down
+            stats.show([printable(phrase) for phrase in phrases])
         self.show_thinking()
         for state in ("queued", "streaming", "done", "aborted", "error", "interrupted"):
             self.set_class(reply.state == state, f"-{state}")
-
 
     def show_thinking(self, unfolded: bool | None = None) -> None:
         """The reply's thinking under its text, dimmed: one line with its token count when folded, the
@@ -249,29 +276,6 @@ class ReplyView(Vertical):
             head = f"{'▾' if self.unfolded else '▸'} {doing} · {reply.reasoning_tokens} tokens " \
                    f"(f3 {'folds' if self.unfolded else 'unfolds'})"
             update_text(line, Text(printable(head + ("\n" + reply.reasoning.strip() if self.unfolded else ""))))
-
-
-class PhraseLine(Static):
-    """Phrases joined by ` · ` that wrap between phrases, never inside one: the settings line in 80
-    columns reads `top-k off` on one line, not `top-k` at the end of one and `off` on the next."""
-
-    def __init__(self, classes: str) -> None:
-        super().__init__(classes=classes)
-        self.phrases: list[str] = []
-
-    def show(self, phrases: list[str]) -> None:
-        if phrases != self.phrases:
-            self.phrases = phrases
-            self.refresh(layout=True)
-
-    def get_content_width(self, container: Size, viewport: Size) -> int:
-        return len(" · ".join(self.phrases))
-
-    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return len(pack(self.phrases, width))
-
-    def render(self) -> Text:
-        return Text("\n".join(pack(self.phrases, self.content_size.width)))
 
 
 class ChatPane(Vertical):
@@ -305,6 +309,7 @@ class ChatPane(Vertical):
         with Horizontal(classes="chat-bar"):
             yield PhraseLine(classes="chat-settings")
             yield Static(classes="chat-gauge")
+        yield PhraseLine(classes="chat-note")
         with VerticalScroll(classes="chat-log"):
             if not self.session.turns:
                 yield Markdown(HINT, classes="chat-hint")
@@ -315,9 +320,23 @@ class ChatPane(Vertical):
 
     async def on_mount(self) -> None:
         self.query_one(".chat-log", VerticalScroll).anchor()
-        self.show_settings()
+        self.follow_engine()
         self.show_pending()
         await self.show_context_mark()
+
+    def follow_engine(self) -> None:
+        """The pane's engine answered (first, again, or another one): the session takes its model's sampling
+        defaults and chat template, and the header says which model it is, and whether the conversation was
+        had with another (said once as a notification too)."""
+        info = self.link.info
+        if info is None:
+            self.show_settings()
+            return
+        before = self.session.other_model() if self.session.engine is not None else None
+        self.session.follow(EngineModel.of(info))
+        self.show_settings()
+        if (other := self.session.other_model()) is not None and other != before and self.is_attached:
+            self.notify(f"{self.session.name}: {other}", title="another model", severity="warning", timeout=10)
 
     @property
     def context(self) -> int | None:
@@ -325,11 +344,23 @@ class ChatPane(Vertical):
         return self.link.info.max_seq_len if self.link.info is not None else None
 
     def show_settings(self) -> None:
+        """The header: the model, the system prompt and the settings, the context gauge, and a note when the
+        conversation was had with another model than the engine's."""
         if not self.is_attached or self.closing:  # stats arrive at any time, also while the pane goes
             return
-        system = printable(self.session.system_prompt.replace("\n", " "))
-        self.query_one(".chat-settings", PhraseLine).show([f"system: {system}" if system else "no system prompt",
-                                                           *self.session.settings()])
+        session = self.session
+        system = printable(session.system_prompt.replace("\n", " "))
+        if system and not session.takes_system:
+            system = f"system, sent in the first message (the model's chat template has no system role): {system}"
+        elif system:
+            system = f"system: {system}"
+        model = [printable(session.engine.name)] if session.engine is not None else []
+        self.query_one(".chat-settings", PhraseLine).show([*model, system or "no system prompt",
+                                                           *session.settings()])
+        note = self.query_one(".chat-note", PhraseLine)
+        other = session.other_model()
+        note.display = other is not None
+        note.show([printable(other)] if other is not None else [])
         used, context = self.session.context_used or 0, self.context
         gauge = Text("context ")
         if context:
@@ -404,7 +435,9 @@ class ChatPane(Vertical):
             return None
         reply = self.start(prompt)
         await self.query(".chat-hint").remove()
-        await self.query_one(".chat-log", VerticalScroll).mount_all(self._turn_widgets(self.session.turns[-1]))
+        log = self.query_one(".chat-log", VerticalScroll)
+        await log.mount_all(self._turn_widgets(self.session.turns[-1]))
+        log.scroll_end(animate=False)  # scrolled back (pageup) or not, the new reply streams in view
         self.post_message(self.StateChanged(self))
         return reply
 
@@ -475,6 +508,13 @@ class ChatPane(Vertical):
             raise ValueError(f"max_tokens must be below the model's context of {self.context} tokens; got {value}")
         self.session.set(name, value)
 
+    def reset(self) -> None:
+        """/reset: the sampling settings back to the model's recommendations (the console's where it has none)."""
+        self.session.reset()
+        defaults = self.session.model_defaults
+        where = "the model's defaults" if defaults else "the console's defaults (the model recommends none)"
+        self.notify(f"{self.session.name}: sampling settings back to {where}: {self.session.describe()}")
+
     def copy_reply(self, number: str = "") -> None:
         """/copy N: reply N's text (default: the last) through the terminal (OSC 52), which most terminals put
         on the clipboard."""
@@ -518,6 +558,8 @@ class ChatPane(Vertical):
         state, and the first exchange's end titles a session still called `chat N`."""
         try:
             client = await self.link.ready()
+            self.follow_engine()  # its model's defaults and template, whichever engine answers now
+            self.session.answered_by_engine()
             await self._fit(client, prompt)
             # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
             label = f"console: {self.session.name}"[:128]  # the owner the ops panels and other consoles show

@@ -49,9 +49,15 @@ COMMANDS = (
     Command("temperature", "Set temperature", "sampling temperature; 0 is greedy", "value"),
     Command("top_p", "Set top-p", "nucleus sampling: keep the smallest set of tokens with this much mass", "value"),
     Command("top_k", "Set top-k", "sample among the k likeliest tokens; -1 turns it off", "value"),
+    Command("min_p", "Set min-p", "drop tokens less likely than this share of the likeliest one's probability; 0 "
+            "turns it off", "value"),
+    Command("repetition_penalty", "Set repetition penalty", "make tokens already in the prompt or the reply less "
+            "likely by this factor (transformers' rule; above 1 discourages repeats); 1 turns it off", "value"),
     Command("max_tokens", "Set max tokens", "the longest reply, in tokens (below the model's context)", "value"),
     Command("ignore_eos", "Set ignore EOS", "on: keep generating past the end-of-text token, up to max tokens "
             "(long replies, to watch batching)", "on|off"),
+    Command("reset", "Reset the sampling settings", "back to the model's own defaults (its generation_config.json, "
+            "shown as `model default`), the console's where it has none: forgets the settings chosen in this session"),
     Command("priority", "Set priority", "this session's requests' scheduling priority: lower runs first under the "
             "engine's --schedule-policy priority, and is retracted last (default 0)", "value"),
     Command("think", "Thinking on or off", "ask the chat template to let the model think (on) or not (off), "
@@ -71,7 +77,8 @@ COMMANDS = (
     Command("help", "Help: keys and commands", "list every key binding and command"),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
-ALIASES = {"temp": "temperature", "top-p": "top_p", "top-k": "top_k", "max": "max_tokens", "prio": "priority",
+ALIASES = {"temp": "temperature", "top-p": "top_p", "top-k": "top_k", "min-p": "min_p", "max": "max_tokens",
+           "rep": "repetition_penalty", "repetition": "repetition_penalty", "prio": "priority", "defaults": "reset",
            "fan": "fanout", "stop": "abort", "sys": "system", "list": "sessions", "open": "sessions",
            "regenerate": "regen", "retry": "regen", "closefan": "closegroup"}
 

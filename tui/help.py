@@ -31,7 +31,7 @@ requests' remaining output: their whole budget under `--admission reserve`, the 
 admission expects now under `optimistic` (the default), where a step that runs out of pages
 **retracts** running requests back to the queue (the latest to arrive first; under the priority
 policy the lowest priority first). A retracted request resumes where it was: the waiting queue marks
-it `retracted ×N` with the tokens it keeps, the running set counts its retractions, and the status
+it `retracted ×N` with the tokens it keeps, the running set marks its state `×N`, and the status
 line and the throughput panel count them all. `/priority N` sets a session's priority. When
 snapshots stop coming, the status line says how old the last one is.
 
@@ -63,11 +63,12 @@ Row = tuple[str, str, str]
 
 
 def key_rows(sections: Iterable[tuple[str, Iterable[BindingType]]]) -> list[Row]:
-    """(keys, what they do, where) for every binding with a description (the others are internal)."""
+    """(keys, what they do, where) for every binding with a description (the others are internal), in full:
+    the tooltip where the footer's label is a word."""
     rows = [(App.COMMAND_PALETTE_BINDING, "Command palette: every command below, searchable", "everywhere")]
     for where, bindings in sections:
-        rows += [(b.key_display or " / ".join(k.strip() for k in b.key.split(",")), b.description, where)
-                 for b in bindings if isinstance(b, Binding) and b.description]
+        rows += [(b.key_display or " / ".join(k.strip() for k in b.key.split(",")), b.tooltip or b.description,
+                  where) for b in bindings if isinstance(b, Binding) and b.description]
     return rows
 
 

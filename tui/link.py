@@ -36,11 +36,13 @@ STATS_EVERY = 0.25  # seconds between two stats callbacks: four frames a second 
 @dataclass
 class LinkState:
     """`kind` is one of: connecting, starting, connected, stalled, lost, failed. `detail` is the status
-    line's sentence; `cause` what happened, without what the link does next (for interrupted replies)."""
+    line's sentence; `cause` what happened, without what the link does next (for interrupted replies);
+    `model` the engine's model while connected (the status line keeps it where it cuts the detail)."""
 
     kind: str
     detail: str
     cause: str = ""
+    model: str = ""
 
     @property
     def connected(self) -> bool:
@@ -132,9 +134,9 @@ class EngineLink:
         """Why replies cannot continue right now (None while connected)."""
         return None if self.state.connected else self.state.detail
 
-    def _set(self, kind: str, detail: str, cause: str = "") -> None:
-        if (kind, detail) != (self.state.kind, self.state.detail):
-            self.state = LinkState(kind, detail, cause or detail)
+    def _set(self, kind: str, detail: str, cause: str = "", model: str = "") -> None:
+        if (kind, detail, model) != (self.state.kind, self.state.detail, self.state.model):
+            self.state = LinkState(kind, detail, cause or detail, model)
             self.on_state(self.state)
 
     async def ready(self) -> AsyncEngineClient:
@@ -252,9 +254,9 @@ class EngineLink:
             self.info = await self.client.info(timeout=5.0)
         except EngineUnavailable:
             return f"the engine at {self.address} did not answer"
-        connected = " · ".join([model_id(self.info.model), *model_summary(self.info), f"pid {self.info.pid}",
-                                self.address])
-        self._set("connected", connected)
+        connected = " · ".join([*model_summary(self.info), f"pid {self.info.pid}", self.address])
+        model = model_id(self.info.model)
+        self._set("connected", connected, model=model)
         self._ready.set()
         while True:
             try:
@@ -262,9 +264,9 @@ class EngineLink:
             except EngineUnavailable:
                 if not await asyncio.to_thread(listening, self.address):
                     return f"the engine at {self.address} stopped"
-                self._set("stalled", f"no stats for {STALL_AFTER:g} s; the engine is busy or stuck")
+                self._set("stalled", f"no stats for {STALL_AFTER:g} s; the engine is busy or stuck", model=model)
                 continue
-            self._set("connected", connected)
+            self._set("connected", connected, model=model)
             self.stats, self.stats_at = stats, time.monotonic()
             self.on_stats(stats)
             await asyncio.sleep(self.stats_every)

@@ -1,8 +1,8 @@
 """Chat sessions as plain data: history, settings and per-reply stats.
 
 Kept apart from the widgets so that a lost engine, a closed panel or a re-rendered tab never loses a
-conversation, and so the rules (what history is sent, how a reply's numbers are computed) can be
-read and tested without a terminal.
+conversation, and so the rules (what history is sent, how a reply's numbers are computed, which settings
+are the model's and which a person chose) can be read and tested without a terminal.
 """
 
 from __future__ import annotations
@@ -16,11 +16,17 @@ from typing import Any
 
 import msgspec
 
+from engine.config import model_id
 from engine.outputs import Delta, Final
 from engine.params import SamplingParams
+from engine.service.protocol import Info
 
-DEFAULT_PARAMS = SamplingParams(max_tokens=256, temperature=0.8, top_p=0.95, top_k=-1)
+CONSOLE_DEFAULTS = SamplingParams(max_tokens=256, temperature=0.8, top_p=0.95, top_k=-1)
+"""What a setting is that neither a person chose nor the model recommends (its generation_config.json)."""
 TITLE_WIDTH = 30  # characters of an automatic title
+MIN_RATE_TOKENS = 8
+"""Decode tokens (after the first) a reply needs before its rate is shown: a rate over fewer is a few steps'
+timing noise (a 5-token reply read "2443.7 tok/s" when the console timed tokens that arrived together)."""
 
 
 def _flag(text: str) -> bool:
@@ -31,27 +37,47 @@ def _flag(text: str) -> bool:
     raise ValueError(text)
 
 
-# The settings a person may change per session: name -> (parse, what is allowed). The range itself is
-# SamplingParams' to check, as the engine checks it.
-SETTINGS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "temperature": (float, "a number, 0 or more (0 = greedy)"),
-    "top_p": (float, "a number in (0, 1]"),
-    "top_k": (int, "-1 (off) or an integer of at least 1"),
-    "max_tokens": (int, "an integer of at least 1"),
-    "ignore_eos": (_flag, "on or off"),
-    "priority": (int, "an integer (lower runs first under --schedule-policy priority; default 0)"),
+# The settings a person may change per session: name -> (parse, what is allowed, the settings line's phrase).
+# The range itself is SamplingParams' to check, as the engine checks it.
+SETTINGS: dict[str, tuple[Callable[[str], Any], str, Callable[[Any], str]]] = {
+    "temperature": (float, "a number, 0 or more (0 = greedy)", lambda v: f"temp {v:g}"),
+    "top_p": (float, "a number in (0, 1]", lambda v: f"top-p {v:g}"),
+    "top_k": (int, "-1 (off) or an integer of at least 1", lambda v: f"top-k {'off' if v == -1 else v}"),
+    "min_p": (float, "a number in [0, 1] (0 = off)", lambda v: f"min-p {v:g}"),
+    "repetition_penalty": (float, "a number in (0, 100] (1 = off)", lambda v: f"repetition penalty {v:g}"),
+    "max_tokens": (int, "an integer of at least 1", lambda v: f"max {v} tok"),
+    "ignore_eos": (_flag, "on or off", lambda v: "ignore EOS"),
+    "priority": (int, "an integer (lower runs first under --schedule-policy priority; default 0)",
+                 lambda v: f"priority {v}"),
 }
+ALWAYS_SHOWN = ("temperature", "top_p", "top_k", "max_tokens")  # the others only when they do something
 
 
 def parse_setting(name: str, text: str) -> Any:
     """The value of setting `name` written as `text`; ValueError naming the allowed range otherwise."""
-    parse, allowed = SETTINGS[name]
+    parse, allowed, _ = SETTINGS[name]
     try:
         value = parse(text.strip())
     except ValueError:
         raise ValueError(f"{name} must be {allowed}; got {text.strip()!r}") from None
     SamplingParams(**{name: value})  # InvalidParams (a ValueError) in the engine's words
     return value
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """The model a session's engine runs, as its `info` says: its name and context, the sampling settings it
+    recommends (generation_config.json; engine/generation_defaults.py) and whether its chat template takes a
+    system message."""
+
+    name: str
+    context: int
+    defaults: dict[str, Any] = field(default_factory=dict)
+    system_role: bool = True
+
+    @classmethod
+    def of(cls, info: Info) -> EngineModel:
+        return cls(model_id(info.model), info.max_seq_len, dict(info.generation_defaults), info.system_role)
 
 
 @dataclass
@@ -62,8 +88,9 @@ class Reply:
     Two clocks, shown apart because they answer different questions: `ttft` and `total` are the
     person's, from the moment the message was sent (`started`) to its first token and to its end;
     `queue` and `engine_ttft` are the engine's own (the Final's timings, from when the engine received
-    the request): how long it waited for admission, and until its first token (so prefill is the
-    difference). A slow console or a busy link shows in the first and not in the second."""
+    the request): how long it waited for admission, until its first token (so prefill is the difference) and
+    until its last (so decoding is the difference again). A slow console or a busy link shows in the first
+    and not in the second."""
 
     rid: str
     text: str = ""
@@ -79,6 +106,10 @@ class Reply:
     max_tokens: int | None = None  # what was asked for: a shorter `length` finish means the context ran out
     queue: float | None = None
     engine_ttft: float | None = None
+    engine_total: float | None = None
+    cached_tokens: int | None = None  # of the prompt's, served from the engine's prefix cache
+    draft_tokens: int = 0  # speculative drafts the engine verified for it (0: it does not speculate)
+    accepted_tokens: int = 0  # of them accepted (part of completion_tokens)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -99,9 +130,10 @@ class Reply:
             self.reasoning_tokens = out.usage.reasoning_tokens
             self.finish_reason = out.finish_reason
             self.state = "aborted" if out.finish_reason == "abort" else "done"
-            self.prompt_tokens = out.usage.prompt_tokens
+            self.prompt_tokens, self.cached_tokens = out.usage.prompt_tokens, out.usage.cached_tokens
             self.completion_tokens = out.usage.completion_tokens
-            self.queue, self.engine_ttft = out.timings.queue, out.timings.ttft
+            self.draft_tokens, self.accepted_tokens = out.usage.draft_tokens, out.usage.accepted_tokens
+            self.queue, self.engine_ttft, self.engine_total = out.timings.queue, out.timings.ttft, out.timings.total
             self.total = now - self.started
 
     def fail(self, state: str, why: str) -> None:
@@ -115,11 +147,14 @@ class Reply:
             self.completion_tokens < self.max_tokens
 
     @property
-    def tokens_per_s(self) -> float | None:
-        """Decode speed: tokens after the first over the time after the first (what a reader feels)."""
-        if self.ttft is None or self.total is None or self.completion_tokens < 2 or self.total <= self.ttft:
+    def decode_rate(self) -> float | None:
+        """Tokens per second over the decode phase alone (from the first token to the last, on the engine's
+        clock, so neither the queue, the prefill nor the link's batching counts); None before the Final and
+        for a reply too short to time (MIN_RATE_TOKENS)."""
+        if self.engine_ttft is None or self.engine_total is None:
             return None
-        return (self.completion_tokens - 1) / (self.total - self.ttft)
+        tokens, seconds = self.completion_tokens - 1, self.engine_total - self.engine_ttft
+        return tokens / seconds if tokens >= MIN_RATE_TOKENS and seconds > 0 else None
 
     def engine_split(self) -> str | None:
         """The engine's side of the wait, e.g. `engine: 1.70 s queued + 0.10 s prefill` (None before the Final)."""
@@ -129,23 +164,60 @@ class Reply:
             return f"engine: first token {self.engine_ttft:.2f} s"
         return f"engine: {self.queue:.2f} s queued + {self.engine_ttft - self.queue:.2f} s prefill"
 
+    def footer(self) -> list[str]:
+        """The numbers under the reply, a phrase per field of FOOTER that has something to say."""
+        return [phrase for show in FOOTER if (phrase := show(self))]
+
     def summary(self) -> str:
-        """One line of numbers for under the reply, e.g. `12 → 40 tok · first token in 1.84 s (engine: 1.70 s
-        queued + 0.10 s prefill) · 31.5 tok/s · stop`."""
-        prompt = "" if self.prompt_tokens is None else f"{self.prompt_tokens} → "
-        parts = [f"{prompt}{self.completion_tokens} tok"]
-        if self.ttft is not None:
-            split = self.engine_split()
-            parts.append(f"first token in {self.ttft:.2f} s" + (f" ({split})" if split else ""))
-        if (rate := self.tokens_per_s) is not None:
-            parts.append(f"{rate:.1f} tok/s")
-        if self.state == "done" and self.context_full:
-            parts.append("length: the model's context is full (/clear starts afresh)")
-        elif self.state == "done":
-            parts.append(self.finish_reason or "done")
-        elif self.state in ("aborted", "error", "interrupted"):
-            parts.append(self.state + (f": {self.error}" if self.error else ""))
-        return " · ".join(parts)
+        """The footer on one line, e.g. `12 → 40 tok · 8 prompt tok from cache · first token in 1.84 s (engine:
+        1.70 s queued + 0.10 s prefill) · decode 31.5 tok/s · stop`."""
+        return " · ".join(self.footer())
+
+
+def _token_counts(reply: Reply) -> str:
+    prompt = "" if reply.prompt_tokens is None else f"{reply.prompt_tokens} → "
+    return f"{prompt}{reply.completion_tokens} tok"
+
+
+def _cached(reply: Reply) -> str | None:
+    return f"{reply.cached_tokens} prompt tok from cache" if reply.cached_tokens else None
+
+
+def _first_token(reply: Reply) -> str | None:
+    if reply.ttft is None:
+        return None
+    split = reply.engine_split()
+    return f"first token in {reply.ttft:.2f} s" + (f" ({split})" if split else "")
+
+
+def _thinking(reply: Reply) -> str | None:
+    return f"{reply.reasoning_tokens} thinking" if reply.reasoning_tokens else None
+
+
+def _drafts(reply: Reply) -> str | None:
+    return f"{reply.accepted_tokens} of {reply.draft_tokens} drafts accepted" if reply.draft_tokens else None
+
+
+def _decode_rate(reply: Reply) -> str | None:
+    return f"decode {rate:.1f} tok/s" if (rate := reply.decode_rate) is not None else None
+
+
+def _ending(reply: Reply) -> str | None:
+    if reply.state == "done" and reply.context_full:
+        return "length: the model's context is full (/clear starts afresh)"
+    if reply.state == "done":
+        return reply.finish_reason or "done"
+    if reply.state in ("aborted", "error", "interrupted"):
+        return reply.state + (f": {reply.error}" if reply.error else "")
+    return None
+
+
+FOOTER: tuple[Callable[[Reply], str | None], ...] = (_token_counts, _thinking, _cached, _first_token, _decode_rate,
+                                                     _drafts, _ending)
+"""The reply footer's fields, in order: each reads the Reply (which took its numbers from the Final) and says
+something or nothing (a reply without thinking, or from an engine that does not speculate, shows neither). A
+number the engine comes to report is one more field here and one more Reply field (saved with it:
+tui/store.py's REPLY_FIELDS)."""
 
 
 def encodable(text: str) -> str:
@@ -178,8 +250,12 @@ class Turn:
 
 @dataclass
 class Session:
-    """A conversation with its own system prompt and sampling parameters.
+    """A conversation with its own system prompt and sampling settings.
 
+    A setting is the person's where they chose one (`chosen`, /temperature 0.7), else the recommendation of
+    the model its engine runs (`engine`, from the engine's info), else the console's (CONSOLE_DEFAULTS);
+    /reset forgets the person's. `model` and `context` are the model its replies came from and that model's
+    context, kept with the conversation, so that reopened under another model it can say so.
     Turns before `context_start` stay on screen and in the store but are no longer sent: the oldest
     turns are dropped when the history outgrows the model's context, and `/clear` drops them all.
     `titled`: the name is a person's or already the automatic title, not the console's `chat N`.
@@ -188,7 +264,7 @@ class Session:
 
     name: str
     system_prompt: str = ""
-    params: SamplingParams = DEFAULT_PARAMS
+    chosen: dict[str, Any] = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: float = field(default_factory=time.time)
@@ -197,6 +273,37 @@ class Session:
     titled: bool = False
     group: str | None = None
     thinking: bool | None = None  # `/think on|off`: enable_thinking for the chat template; None: its default
+    model: str | None = None
+    context: int | None = None
+    engine: EngineModel | None = None  # not kept: the engine it talks to now tells it again
+
+    @property
+    def model_defaults(self) -> dict[str, Any]:
+        """The settings the engine's model recommends (none before an engine has said)."""
+        return self.engine.defaults if self.engine is not None else {}
+
+    @property
+    def params(self) -> SamplingParams:
+        """What the next request is sent with: the person's settings over the model's over the console's."""
+        return msgspec.structs.replace(CONSOLE_DEFAULTS, **{**self.model_defaults, **self.chosen})
+
+    def follow(self, engine: EngineModel) -> None:
+        """The engine this session talks to runs `engine`: its defaults and chat template apply from now on."""
+        self.engine = engine
+
+    def answered_by_engine(self) -> None:
+        """A reply is being asked of the engine's model: the conversation is now one with it."""
+        if self.engine is not None:
+            self.model, self.context = self.engine.name, self.engine.context
+
+    def other_model(self) -> str | None:
+        """What to say when the conversation was had with another model (or context) than its engine's now."""
+        now, then = self.engine, (self.model, self.context)
+        if now is None or self.model is None or then == (now.name, now.context):
+            return None
+        had = self.model + (f" (context {self.context})" if self.context else "")
+        return (f"this conversation was with {had}; the engine now runs {now.name} (context {now.context}), "
+                f"which gives the replies from here on")
 
     @property
     def live(self) -> Reply | None:
@@ -208,13 +315,25 @@ class Session:
         to render with the chat template.
 
         Turns whose reply has no text are left out, so user and assistant messages alternate (some
-        templates refuse anything else); an aborted reply's partial text counts as said.
+        templates refuse anything else); an aborted reply's partial text counts as said. Where the chat
+        template has no system role (it refuses one, or drops it), the system prompt goes as the first
+        message's opening paragraph, the one place such a template leaves for it.
         """
-        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        system = self.system_prompt if self.takes_system else ""
+        msgs = [{"role": "system", "content": system}] if system else []
         for turn in self.turns[self.context_start if start is None else start:]:
             if turn.reply.text:
                 msgs += [{"role": "user", "content": turn.prompt}, {"role": "assistant", "content": turn.reply.text}]
-        return [*msgs, {"role": "user", "content": prompt}]
+        msgs.append({"role": "user", "content": prompt})
+        if self.system_prompt and not system:  # a template without a system role: it opens the first message
+            msgs[0] = {"role": "user", "content": f"{self.system_prompt}\n\n{msgs[0]['content']}"}
+        return msgs
+
+    @property
+    def takes_system(self) -> bool:
+        """Whether the engine's chat template renders a system message (else the system prompt opens the first
+        message sent); true until an engine says otherwise."""
+        return self.engine is None or self.engine.system_role
 
     async def fit(self, prompt: str, context: int, count: Callable[[list[dict[str, str]]], Awaitable[int]]) -> int:
         """Drop the oldest turns until the history plus `prompt` leaves room for a reply in a
@@ -281,16 +400,26 @@ class Session:
         return turn
 
     def set(self, name: str, text: str) -> None:
-        """Change one sampling setting from its text form (ValueError if out of range)."""
-        self.params = msgspec.structs.replace(self.params, **{name: parse_setting(name, text)})
+        """Choose one sampling setting from its text form (ValueError if out of range)."""
+        self.chosen = {**self.chosen, name: parse_setting(name, text)}
+
+    def reset(self) -> None:
+        """Back to the model's recommendations (the console's where it makes none): forget what was chosen."""
+        self.chosen = {}
 
     def settings(self) -> list[str]:
-        """The sampling settings as short phrases, e.g. `temp 0.8`, `top-k off` (wrapped between, never inside)."""
-        p = self.params
-        phrases = [f"temp {p.temperature:g}", f"top-p {p.top_p:g}", f"top-k {'off' if p.top_k == -1 else p.top_k}",
-                   f"max {p.max_tokens} tok"]
-        thinking = [] if self.thinking is None else [f"thinking {'on' if self.thinking else 'off'}"]
-        return phrases + ["ignore EOS"] * p.ignore_eos + [f"priority {p.priority}"] * bool(p.priority) + thinking
+        """The sampling settings as short phrases (wrapped between, never inside): those the model recommends
+        and nobody changed as one, e.g. `model default: temp 0.2, top-p 0.9`, then the rest, e.g. `top-k off`,
+        `max 256 tok` (those that do nothing at their neutral value, such as min-p 0, only when set)."""
+        params, neutral = self.params, SamplingParams()
+        from_model = [name for name in SETTINGS if name in self.model_defaults and name not in self.chosen]
+        phrases = ["model default: " + ", ".join(SETTINGS[name][2](getattr(params, name)) for name in from_model)] \
+            if from_model else []
+        for name, (_, _, phrase) in SETTINGS.items():
+            value = getattr(params, name)
+            if name not in from_model and (name in ALWAYS_SHOWN or value != getattr(neutral, name)):
+                phrases.append(phrase(value))
+        return phrases + ([] if self.thinking is None else [f"thinking {'on' if self.thinking else 'off'}"])
 
     def set_thinking(self, text: str) -> None:
         """`/think on|off`: whether the chat template is asked to let the model think."""

@@ -18,10 +18,13 @@ from textual.widgets import DataTable, Input, Label
 
 from tui.keys import InOrderKeys
 from tui.names import printable
+from tui.session import TITLE_WIDTH
 from tui.store import SessionRow, Store
 
 Choice = tuple[str, str]  # (open | rename | delete | export, session uid)
 PREVIEW = 32  # characters of the last prompt and of the last reply in the list
+NAME_WIDTH = TITLE_WIDTH  # characters of a name in the list (an automatic title's), and of a model's: with the
+MODEL_WIDTH = 14  # turns and the dates, 80 columns hold them
 
 
 def head(text: str, width: int = PREVIEW) -> str:
@@ -71,7 +74,8 @@ class SessionsScreen(ModalScreen[Choice | None]):
                         "d: delete · escape: close", classes="dialog-hint")
 
     def on_mount(self) -> None:
-        self.query_one(DataTable).add_columns("conversation", "turns", "last exchange", "updated", "started")
+        # the preview last: it is what a narrow terminal cuts, not the dates
+        self.query_one(DataTable).add_columns("conversation", "turns", "updated", "started", "model", "last exchange")
         self.show()
 
     def show(self) -> None:
@@ -79,8 +83,8 @@ class SessionsScreen(ModalScreen[Choice | None]):
         table.clear()
         self.rows = self.store.sessions(self.search)
         for row in self.rows:
-            table.add_row(printable(row.name), str(row.turns), preview(row), when(row.updated), when(row.created),
-                          key=row.uid)
+            table.add_row(printable(head(row.name, NAME_WIDTH)), str(row.turns), when(row.updated), when(row.created),
+                          printable(head(row.model or "?", MODEL_WIDTH)), preview(row), key=row.uid)
         self.query_one(Label).update(f"{len(self.rows)} conversation{'s' * (len(self.rows) != 1)}"
                                      + (f" matching {self.search!r}" if self.search else "")
                                      + " · enter: open · ↓: to the list, then r: rename · e: export Markdown · "

@@ -28,6 +28,11 @@ def summary(stats: Stats, info: Info | None = None) -> list[str]:
             lines.append("model: " + "; ".join(f"{k} {v}" for k, v in info.model_info.items()))
         if info.execution:
             lines.append("running: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in info.execution.items()))
+        if info.generation_defaults:
+            lines.append("the model's sampling defaults: " + ", ".join(f"{k} {v:g}"
+                                                                         for k, v in info.generation_defaults.items()))
+        if not info.system_role:
+            lines.append("its chat template takes no system message")
     return [
         *lines,
         f"request slots {busy}/{len(stats.slots)} busy; waiting {len(stats.waiting)}; running {len(stats.running)}",

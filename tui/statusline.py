@@ -64,9 +64,9 @@ class StatusLine(Static):
     def show(self, state: LinkState, stats: Stats | None, stats_at: float, fleet: Fleet | None,
              problem: str) -> None:
         """The state, the engine's live counts (`stats`, taken at monotonic time `stats_at`), anything amiss,
-        the rates, and the engine's name and address (or what went wrong) last: a narrow terminal loses the
-        rates and the retraction count first and then cuts the end. `problem`: why conversations are not
-        saved, if they are not."""
+        the rates, the engine's model, and its weights, pid and address (or what went wrong) last: a narrow
+        terminal loses the rates and the retraction count first and then cuts the end, never the model's
+        name. `problem`: why conversations are not saved, if they are not."""
         pieces = engine_pieces(stats, stats_at) if stats is not None and state.connected else []
         if fleet is not None:
             states = [r.state for r in fleet.readings()]
@@ -74,6 +74,8 @@ class StatusLine(Static):
             pieces.append((1, 2, Text(f"fleet {up}/{len(states)} up", "dim" if up == len(states) else "yellow")))
         if problem:
             pieces.append((2, 1, Text("not saving", "bold red")))
+        if state.model:  # kept whole where the detail (weights, pid, address) is cut
+            pieces.append((3, 0, Text(state.model, "bold")))
         head = Text(f" {state.kind} ", STATE_STYLES.get(state.kind, "bold"))
         update_text(self, fit_status(head, pieces, Text(state.detail), self.app.size.width))
         self.set_class(not state.connected, "-problem")

@@ -5,10 +5,11 @@ A save writes the session's row and only the turns that changed since this store
 last turn costs. Each session has one writer: the console that has it open (`writer`, its process).
 A second console on the same data directory does not reopen a session another live console holds, and
 opening one explicitly gives a copy to write to; a writer that died leaves its sessions to whoever
-comes next. Reading is lenient: a damaged reply, a params field this version does not know or a
-session that cannot be decoded at all is skipped with a sentence, and the rest of the history stays
-reachable. The schema version is SQLite's `user_version`, and an older file is migrated in place; a
-file from a newer minichat, a file that is not a database or one another program holds locked becomes
+comes next. A session keeps the sampling settings a person chose (the others follow the model it talks to,
+tui/session.py) and the model its replies came from. Reading is lenient: a damaged reply, a setting this
+version does not know or a session that cannot be decoded at all is skipped with a sentence, and the rest
+of the history stays reachable. The schema version is SQLite's `user_version`, and an older file is migrated
+in place; a file from a newer minichat, a file that is not a database or one another program holds locked becomes
 a StoreError with a sentence a person can act on, and the console runs on without saving.
 """
 
@@ -18,29 +19,32 @@ import json
 import os
 import socket
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from engine.params import SamplingParams
-from tui.session import Reply, Session, Turn, encodable
+from tui.session import SETTINGS, Reply, Session, Turn, encodable
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SCHEMA = """
 CREATE TABLE sessions (
     uid TEXT PRIMARY KEY,
     name TEXT NOT NULL,
     system_prompt TEXT NOT NULL,
-    params TEXT NOT NULL,          -- the SamplingParams as JSON
+    params TEXT NOT NULL,          -- the sampling settings a person chose, as JSON (the rest follow the model)
     context_start INTEGER NOT NULL, -- turns before this one are no longer sent (trimmed or /clear)
     created REAL NOT NULL,         -- seconds since the epoch
     updated REAL NOT NULL,
     open INTEGER NOT NULL,         -- shown in a tab when the console last ran: reopened at start
     titled INTEGER NOT NULL DEFAULT 1, -- named by a person or by its first exchange (not `chat N`)
-    writer TEXT                    -- the console that has it open (host:pid:start), else NULL
+    writer TEXT,                   -- the console that has it open (host:pid:start), else NULL
+    model TEXT,                    -- the model its replies came from (its id), and that model's context
+    context INTEGER
 );
 CREATE TABLE turns (
     session_uid TEXT NOT NULL REFERENCES sessions(uid) ON DELETE CASCADE,
@@ -52,9 +56,32 @@ CREATE TABLE turns (
 """
 DB_NAME = "conversations.sqlite3"
 REPLY_FIELDS = ("rid", "text", "state", "finish_reason", "error", "prompt_tokens", "completion_tokens", "ttft",
-                "total", "max_tokens", "queue", "engine_ttft")
-MIGRATIONS = {1: "ALTER TABLE sessions ADD COLUMN titled INTEGER NOT NULL DEFAULT 1;",  # from version N to N + 1
-              2: "ALTER TABLE sessions ADD COLUMN writer TEXT;"}
+                "total", "max_tokens", "queue", "engine_ttft", "engine_total", "cached_tokens", "reasoning_tokens",
+                "draft_tokens", "accepted_tokens")
+V3_DEFAULTS = msgspec.structs.asdict(SamplingParams(max_tokens=256, temperature=0.8, top_p=0.95, top_k=-1))
+"""The console's settings before sessions followed their model (schema 3 stored every field of them)."""
+
+
+def _settings_chosen(db: sqlite3.Connection) -> None:
+    """Schema 3 -> 4: a session's params were all of them; now only those a person chose, which (as nothing
+    recorded the choice) are those that differ from the console's settings of the time."""
+    db.execute("ALTER TABLE sessions ADD COLUMN model TEXT")
+    db.execute("ALTER TABLE sessions ADD COLUMN context INTEGER")
+    for uid, params in db.execute("SELECT uid, params FROM sessions").fetchall():
+        try:
+            fields = json.loads(params)
+        except ValueError:
+            continue  # damaged: reading says so, and gives the defaults
+        if isinstance(fields, dict):
+            chosen = {k: v for k, v in fields.items() if k in SETTINGS and v != V3_DEFAULTS.get(k)}
+            db.execute("UPDATE sessions SET params = ? WHERE uid = ?", (json.dumps(chosen), uid))
+
+
+MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {  # from version N to N + 1
+    1: "ALTER TABLE sessions ADD COLUMN titled INTEGER NOT NULL DEFAULT 1;",
+    2: "ALTER TABLE sessions ADD COLUMN writer TEXT;",
+    3: _settings_chosen,
+}
 PREVIEW_CHARS = 200  # of the last prompt and reply, for the list's preview
 
 
@@ -103,6 +130,7 @@ class SessionRow:
     updated: float
     last_prompt: str = ""
     last_reply: str = ""
+    model: str | None = None
 
 
 def _explain(path: Path, e: sqlite3.Error) -> StoreError:
@@ -148,7 +176,13 @@ class Store:
             return
         for old in range(version, SCHEMA_VERSION):  # an older minichat's file, brought up to date in place
             with self._transaction():
-                self.db.executescript(f"BEGIN; {MIGRATIONS[old]} PRAGMA user_version = {old + 1};")
+                step = MIGRATIONS[old]
+                if isinstance(step, str):  # a script runs its own BEGIN (executescript commits what is pending)
+                    self.db.executescript(f"BEGIN; {step} PRAGMA user_version = {old + 1};")
+                else:
+                    self.db.execute("BEGIN")
+                    step(self.db)
+                    self.db.execute(f"PRAGMA user_version = {old + 1}")
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -181,9 +215,9 @@ class Store:
         (StoreError: the console opened it as a copy, see `claim`)."""
         writer = self.writer if is_open else None
         # text that reached the session another way than the prompt box (which cleans it) is cleaned here too
-        row = (session.uid, encodable(session.name), encodable(session.system_prompt),
-               msgspec.json.encode(session.params).decode(),
-               session.context_start, session.created, session.updated, int(is_open), int(session.titled), writer)
+        row = (session.uid, encodable(session.name), encodable(session.system_prompt), json.dumps(session.chosen),
+               session.context_start, session.created, session.updated, int(is_open), int(session.titled), writer,
+               session.model, session.context)
         stored = self._stored.get(session.uid, [])
         changed, kept = [], []
         for i, turn in enumerate(session.turns):
@@ -202,10 +236,11 @@ class Store:
                 raise StoreError(f"conversation {session.name!r} is open in another console ({holder[0]}); "
                                  "not saved over it")
             # an upsert, not INSERT OR REPLACE: replacing the row would cascade to every stored turn
-            self.db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(uid) DO UPDATE "
-                            "SET name = excluded.name, system_prompt = excluded.system_prompt, params = "
+            self.db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(uid) DO "
+                            "UPDATE SET name = excluded.name, system_prompt = excluded.system_prompt, params = "
                             "excluded.params, context_start = excluded.context_start, updated = excluded.updated, "
-                            "open = excluded.open, titled = excluded.titled, writer = excluded.writer", row)
+                            "open = excluded.open, titled = excluded.titled, writer = excluded.writer, "
+                            "model = excluded.model, context = excluded.context", row)
             if session.uid not in self._stored:  # first write from this store: whatever was there is replaced
                 self.db.execute("DELETE FROM turns WHERE session_uid = ?", (session.uid,))
             else:
@@ -246,7 +281,7 @@ class Store:
             rows = self.db.execute(
                 "SELECT s.uid, s.name, (SELECT count(*) FROM turns t WHERE t.session_uid = s.uid), s.created, "
                 f"s.updated, coalesce((SELECT substr(t.prompt, 1, ?2) {last}), ''), "
-                f"coalesce((SELECT substr(json_extract(t.reply, '$.text'), 1, ?2) {last}), '') "
+                f"coalesce((SELECT substr(json_extract(t.reply, '$.text'), 1, ?2) {last}), ''), s.model "
                 "FROM sessions s WHERE s.name LIKE ?1 OR EXISTS (SELECT 1 FROM turns t WHERE "
                 "t.session_uid = s.uid AND (t.prompt LIKE ?1 OR json_extract(t.reply, '$.text') LIKE ?1)) "
                 "ORDER BY s.updated DESC", (pattern, PREVIEW_CHARS)).fetchall()
@@ -264,17 +299,18 @@ class Store:
         becomes an error reply, unknown or invalid params fall back to the defaults; a session whose own
         row cannot be read is a StoreError (and is no longer reopened at start)."""
         with self._errors():
-            row = self.db.execute("SELECT name, system_prompt, params, context_start, created, updated, titled "
-                                  "FROM sessions WHERE uid = ?", (uid,)).fetchone()
+            row = self.db.execute("SELECT name, system_prompt, params, context_start, created, updated, titled, "
+                                  "model, context FROM sessions WHERE uid = ?", (uid,)).fetchone()
             if row is None:
                 raise StoreError(f"no saved session {uid}")
             turns = self.db.execute("SELECT prompt, reply FROM turns WHERE session_uid = ? ORDER BY position",
                                     (uid,)).fetchall()
-        name, system_prompt, params, context_start, created, updated, titled = row
+        name, system_prompt, params, context_start, created, updated, titled, model, context = row
         try:
-            session = Session(str(name), str(system_prompt), self._params(str(name), params), uid=uid,
+            session = Session(str(name), str(system_prompt), self._chosen(str(name), params), uid=uid,
                               created=float(created), updated=float(updated), context_start=int(context_start),
-                              titled=bool(titled))
+                              titled=bool(titled), model=None if model is None else str(model),
+                              context=None if context is None else int(context))
         except (TypeError, ValueError) as e:
             self.set_open(uid, False)
             raise StoreError(f"conversation {uid} is damaged ({e}) and was skipped") from None
@@ -293,16 +329,26 @@ class Store:
             self.problems.append(f"{name}: {damaged} damaged repl{'ies' if damaged > 1 else 'y'} skipped")
         return session
 
-    def _params(self, name: str, text: str) -> SamplingParams:
-        """Stored params, leniently: fields this version does not know are dropped, and values it refuses
-        (or text that is not JSON) give the defaults, said in `problems`."""
+    def _chosen(self, name: str, text: str) -> dict[str, Any]:
+        """The settings a person chose, leniently: names this version does not know are dropped, and values it
+        refuses (or text that is not JSON) are forgotten, said in `problems`."""
         try:
-            fields = msgspec.json.decode(text)
-            known = {k: v for k, v in fields.items() if k in SamplingParams.__struct_fields__}
-            if len(known) < len(fields):
-                self.problems.append(f"{name}: settings this version does not know were dropped "
-                                     f"({', '.join(sorted(set(fields) - set(known)))})")
-            return SamplingParams(**known)
-        except (msgspec.DecodeError, AttributeError, TypeError, ValueError) as e:
+            fields = json.loads(text)
+            if not isinstance(fields, dict):
+                raise ValueError(f"not an object: {text[:40]!r}")
+        except ValueError as e:
             self.problems.append(f"{name}: damaged settings replaced by the defaults ({e})")
-            return SamplingParams()
+            return {}
+        unknown = sorted(set(fields) - set(SETTINGS))
+        if unknown:
+            self.problems.append(f"{name}: settings this version does not know were dropped ({', '.join(unknown)})")
+        chosen = {}
+        for key, value in fields.items():
+            if key in SETTINGS:
+                try:
+                    SamplingParams(**{key: value})
+                except (TypeError, ValueError) as e:
+                    self.problems.append(f"{name}: its {key} was damaged and is back to the default ({e})")
+                    continue
+                chosen[key] = value
+        return chosen

@@ -2,11 +2,11 @@
 (ggml's own reader) and transformers' GGUF conversion.
 
 The first open of a file turns its metadata into an ordinary checkpoint directory in the cache (config.json
-with `architectures`, the tokenizer's files with its chat template, and an index of the tensors:
-name, format, shape, offset), keyed by the file's path, size and modification time. Reading that metadata
-takes seconds (the reader walks every vocabulary entry, transformers reads the file once for the config
-and once more for the tokenizer), so later opens, and tensor-parallel workers, read the cache and map the
-file's tensors directly.
+with `architectures`, the tokenizer's files with its chat template, a generation_config.json from llama.cpp's
+`general.sampling.*` keys when the file has them, and an index of the tensors: name, format, shape, offset),
+keyed by the file's path, size and modification time. Reading that metadata takes seconds (the reader walks
+every vocabulary entry, transformers reads the file once for the config and once more for the tokenizer), so
+later opens, and tensor-parallel workers, read the cache and map the file's tensors directly.
 
 Weights come out under their Hugging Face names, as the safetensors loader yields them: float tensors
 (F32, F16, BF16) as torch tensors, block formats as `BlockSource` rows left as the file has them. llama.cpp
@@ -34,6 +34,8 @@ import numpy as np
 import torch
 
 from engine.config import model_id
+from engine.generation_defaults import FILE as GENERATION_CONFIG
+from engine.generation_defaults import GGUF_KEYS
 from engine.model.quantized import BlockSource
 from kernels.cpu.build import cache_dir
 from kernels.quant import BLOCK_TYPES, QTYPES
@@ -47,7 +49,7 @@ GGUF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
 refused naming these."""
 PERMUTED_ARCHS = ("llama",)
 """GGUF architectures whose q/k rows llama.cpp permuted (its converter's LlamaModel.permute)."""
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: generation_config.json from the sampling metadata
 EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+\.weight)")
 """A per-expert HF name (prefix, expert, projection), which GGUF stores in one stacked tensor per projection."""
 
@@ -138,6 +140,10 @@ def _convert_metadata(path: Path, meta: Path) -> None:
     try:
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        sampling = {key: _decimal(reader.fields[name].contents()) for name, key in GGUF_KEYS.items()
+                    if name in reader.fields}
+        if sampling:  # read back like any checkpoint's (engine/generation_defaults.py)
+            (tmp / GENERATION_CONFIG).write_text(json.dumps(sampling))
         (tmp / "tensors.json").write_text(json.dumps({"architecture": arch, "file": str(path), "tensors": tensors}))
         try:
             os.rename(tmp, meta)
@@ -146,6 +152,11 @@ def _convert_metadata(path: Path, meta: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _decimal(value: object) -> object:
+    """A float32 from the file as the decimal it was written from (0.7, not 0.699999988)."""
+    return float(f"{value:.7g}") if isinstance(value, float) else value
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -177,6 +177,10 @@ class Info(_EngineMsg, tag="info"):
     model_info: dict[str, str] = msgspec.field(default_factory=dict)
     tool_format: str | None = None  # how the model writes tool calls (engine/tools.py); None: it does not
     think_markers: list[str] | None = None  # its think block's start and end (engine/reasoning.py); None: none
+    # the sampling settings the checkpoint recommends (its generation_config.json: engine/generation_defaults.py),
+    # which clients may start from; empty when it names none
+    generation_defaults: dict[str, float | int] = msgspec.field(default_factory=dict)
+    system_role: bool = True  # whether the chat template renders a system message (some refuse or drop one)
 
 
 class ShuttingDown(_EngineMsg, tag="shutting_down"):

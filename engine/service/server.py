@@ -499,7 +499,8 @@ class EngineServer:
                              stats_address=self.sockets.stats_address, max_seq_len=self.llm.max_seq_len,
                              num_pages=self.llm.num_pages, config=config, execution=self.llm.execution,
                              model_info=self.llm.model_info, tool_format=self.llm.tool_format,
-                             think_markers=_markers(self.llm.think_markers))
+                             think_markers=_markers(self.llm.think_markers),
+                             generation_defaults=self.llm.generation_defaults, system_role=self.llm.system_role)
 
     # -- sending ----------------------------------------------------------------------------------
     def _send(self, identity: bytes, msg: msgspec.Struct) -> bool:

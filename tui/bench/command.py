@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 from collections.abc import Coroutine
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,6 +63,41 @@ def prompt_vocab(model_path: str) -> tuple[list[int], Spell | None]:
     words = [i for i in ordinary if str(tok.convert_ids_to_tokens(i))[:1] in ("Ġ", "▁")
              and (word := say([i])) is not None and word.strip().isalpha()]
     return (ordinary, None) if len(words) < MIN_WORDS else (words, say)
+
+
+class Machine(TypedDict):
+    """How busy the machine was as the benchmark began: what its numbers can be compared with."""
+
+    load_average_1m: float
+    cpus: int  # those this process may run on
+    busy: bool  # the load average exceeds them
+
+
+def machine_load() -> Machine:
+    """The 1-minute load average, read before the benchmark starts anything (its own engine and client would
+    count in a later reading), against the CPUs this process may use."""
+    load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    return Machine(load_average_1m=round(load, 2), cpus=cpus, busy=load > cpus)
+
+
+def load_warning(machine: Machine) -> str | None:
+    """What a busy machine does to the numbers, said before them; None on a machine that is not busy."""
+    if not machine["busy"]:
+        return None
+    return (f"this machine is busy: its load average ({machine['load_average_1m']:.1f}) exceeds its "
+            f"{machine['cpus']} CPUs, so other processes take CPU time from the engine, and from the baseline at "
+            f"other moments and by other amounts. The numbers understate what it does on an idle machine, and a "
+            f"ratio between runs (or against --baseline) measures the load as much as the engines: compare runs "
+            f"made on an idle machine.")
+
+
+def announce_load(machine: Machine) -> str:
+    """Print the warning of a busy machine before any number; returns the note each ratio then carries, on a line
+    of its own (none on a machine that is not busy)."""
+    if (warning := load_warning(machine)) is None:
+        return ""
+    console.print(f"[bold yellow]warning:[/bold yellow] {warning}")
+    return "\n[yellow](measured on a busy machine: see the warning above)[/yellow]"
 
 
 def connect(address: str | None, engine_options: dict[str, Any]) -> EngineHandle:
@@ -163,6 +199,8 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
               api_key: str | None = None, json_schema: Path | None = None, prefix_len: int = 0,
               num_prefixes: int = 1, endpoint: str = "completions") -> dict:
     schema = _checked_options(concurrency, baseline, json_schema, backend, endpoint)
+    machine = machine_load()
+    busy = announce_load(machine)
     shape = Shape(concurrency=concurrency, request_rate=request_rate, seed=seed, ignore_eos=ignore_eos,
                   temperature=temperature, timeout=timeout, json_schema=schema)
     handle: EngineHandle | None = None
@@ -217,6 +255,7 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
                        "json_schema": schema, **target.config},
             "engine": summary.to_dict(),
             "records": [asdict(r) | {"tpot": r.tpot} for r in records],
+            "machine": machine,
         }
         console.print(render(target.title + (" · JSON schema" if schema else ""), summary))
         if baseline == "unconstrained":  # the same workload again, free: what structure costs the batch
@@ -226,10 +265,10 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
             free = summarize(records[len(warm):], duration, peak)
             console.print(render(target.title + " · unconstrained (baseline)", free))
             ratio = summary.output_throughput / free.output_throughput if free.output_throughput else math.inf
-            console.print(f"output throughput JSON schema / unconstrained: [bold]{ratio:.2f}x[/bold]")
+            console.print(f"output throughput JSON schema / unconstrained: [bold]{ratio:.2f}x[/bold]{busy}")
             result |= {"baseline": free.to_dict(), "ratio_output_throughput": ratio}
         if baseline == "hf":
-            result |= _baseline(info, measured, concurrency, ignore_eos, temperature, seed, result["engine"])
+            result |= _baseline(info, measured, concurrency, ignore_eos, temperature, seed, result["engine"], busy)
     finally:
         if handle is not None:
             handle.stop()
@@ -262,7 +301,7 @@ def _checked_options(concurrency: int, baseline: str | None, json_schema: Path |
 
 
 def _baseline(info, workload: list[BenchRequest], concurrency: int, ignore_eos: bool, temperature: float,
-              seed: int, engine_summary: dict) -> dict:
+              seed: int, engine_summary: dict, busy: str) -> dict:
     from tui.bench.hf_baseline import run_hf_baseline
 
     records, duration = run_hf_baseline(info.model, workload, concurrency, str(info.config.get("dtype", "float32")),
@@ -270,5 +309,5 @@ def _baseline(info, workload: list[BenchRequest], concurrency: int, ignore_eos: 
     summary = summarize(records, duration, min(concurrency, len(workload)))
     console.print(render("transformers generate, static batches (baseline)", summary))
     ratio = engine_summary["output_throughput"] / summary.output_throughput if summary.output_throughput else math.inf
-    console.print(f"output throughput engine / baseline: [bold]{ratio:.2f}x[/bold]")
+    console.print(f"output throughput engine / baseline: [bold]{ratio:.2f}x[/bold]{busy}")
     return {"baseline": summary.to_dict(), "ratio_output_throughput": ratio}

@@ -14,10 +14,12 @@ from collections import Counter
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Container, Horizontal, Vertical
 from textual.events import Resize
+from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Input, Static
 
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 PANELS = (("waiting", "waiting queue"), ("running", "running set"), ("steps", "step timeline"),
           ("slots", "request slots"), ("pages", "KV pages"), ("throughput", "throughput"), ("history", "history"))
 SIDE_BY_SIDE = 100  # columns from which the two groups sit next to each other
+SHORT = 26  # rows below which, stacked, the throughput and history panels share a row (all on screen at 80x24;
+# from 26 rows each has a row of its own)
 
 __all__ = ["PANELS", "OpsPanels", "RequestTable"]
 
@@ -68,6 +72,14 @@ class OpsPanels(Container, can_focus=True):
         Binding("escape", "leave", "Clear the filter, else back to the prompt box", show=False),
     ]
 
+    class Typed(Message):
+        """A character typed in a table (or the panels) that is none of their keys: it belongs in the prompt
+        box (the app puts it there), not nowhere."""
+
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
     def __init__(self, link: EngineLink, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.link = link
@@ -87,7 +99,7 @@ class OpsPanels(Container, can_focus=True):
             yield WaitingTable(id="waiting")
             yield RunningTable(id="running")
             yield StepTimeline(id="steps")
-        with Vertical(classes="ops-group"):
+        with Vertical(classes="ops-group ops-resources"):
             yield SlotGrid(id="slots")
             yield PageGrid(id="pages")
             yield ThroughputPanel(id="throughput")
@@ -147,7 +159,19 @@ class OpsPanels(Container, can_focus=True):
         return tables or [self]
 
     def on_resize(self, event: Resize) -> None:
-        self.set_class(event.size.width >= SIDE_BY_SIDE, "-side-by-side")
+        side_by_side = event.size.width >= SIDE_BY_SIDE
+        self.set_class(side_by_side, "-side-by-side")
+        self.set_class(not side_by_side and event.size.height < SHORT, "-short")
+
+    def on_key(self, event: events.Key) -> None:
+        """A character that is none of the focused table's or the panels' keys (which stay theirs: `x`, `/`,
+        the digits...) is passed on as Typed, before it would fall through to nothing."""
+        focused = self.app.focused
+        if not (event.is_printable and event.character) or not (isinstance(focused, RequestTable) or focused is self):
+            return
+        if event.key not in self.screen.active_bindings:
+            event.stop()
+            self.post_message(self.Typed(event.character))
 
     # -- acting on requests -----------------------------------------------------------------------
     def on_request_table_abort_requested(self, event: RequestTable.AbortRequested) -> None:

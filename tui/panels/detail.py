@@ -80,6 +80,9 @@ class RequestDetailScreen(ModalScreen[None]):
                 yield Static(id="detail-text")
 
     def on_mount(self) -> None:
+        """Draw what is known now (the owner; the engine answers `describe` between steps, so during a long one
+        the first answer takes a while), then follow the request."""
+        update_text(self.query_one("#detail-facts", Static), self.facts(reachable=True))
         self.run_worker(self.follow(), name="describe", exclusive=True)
 
     async def follow(self) -> None:
@@ -119,7 +122,8 @@ class RequestDetailScreen(ModalScreen[None]):
         names = self.link.names
         if d is None:
             state = "no longer live (finished or aborted)" if self.gone else "asking the engine…"
-            lines.append(("state", state if reachable or self.gone else "the engine does not answer"))
+            lines += [("owner", names.owner(self.rid)),
+                      ("state", state if reachable or self.gone else "the engine does not answer")]
         else:
             owner = names.owner(self.rid) if names.is_own(self.rid) else (printable(d.client) or "?")
             lines += [("owner", owner), ("state", self.state_text(d, reachable))]
@@ -144,7 +148,7 @@ class RequestDetailScreen(ModalScreen[None]):
                                         f"verifications ({s.mean_accepted_length:.2f} tokens each)"))
             rate = ""
             if d.ttft is not None and d.generated > 1 and d.age > d.ttft:
-                rate = f" · {(d.generated - 1) / (d.age - d.ttft):.1f} tok/s since"
+                rate = f" · decoding at {(d.generated - 1) / (d.age - d.ttft):.1f} tok/s since its first token"
             lines.append(("timings", f"age {d.age:.1f} s · queued {seconds(d.queue)} · first token "
                                      f"{seconds(d.ttft)}{rate}"))
         text = Text()

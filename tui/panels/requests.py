@@ -50,17 +50,12 @@ def reason(code: str, retractions: int = 0, kept: int = 0) -> Text:
     return Text.assemble((f"retracted ×{retractions}", RETRACTED), f" · keeps {kept} tok · ", (text, style))
 
 
-def retracted(count: int) -> Text:
-    """A running request's retraction count: blank until it has been sent back to the queue."""
-    return Text(f"×{count}", RETRACTED) if count else Text("")
 
 
-def drafts(spec: Speculation | None) -> Text:
-    """A running request's speculation: drafts accepted of proposed and tokens per verification, e.g.
-    `41/52 · 3.1`; blank while it has verified none."""
-    if spec is None or not spec.verifications:
-        return Text("")
-    return Text(f"{spec.accepted_tokens}/{spec.draft_tokens} · {spec.mean_accepted_length:.1f}", "green")
+def drafts(spec: Speculation | None) -> str:
+    """A running request's speculative drafts, accepted of verified, for its state cell, e.g. ` 41/52`; empty while
+    it has verified none."""
+    return f" {spec.accepted_tokens}/{spec.draft_tokens}" if spec is not None and spec.verifications else ""
 
 
 def owner(rid: str, names: RequestNames) -> Text:
@@ -78,7 +73,7 @@ class RequestTable(DataTable):
     enter opens it in detail, `s` / `r` sort."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("x,delete", "abort_request", "Abort the selected request"),
+        Binding("x,delete", "abort_request", "Abort", tooltip="Abort the selected request (asks first)"),
         Binding("s", "sort", "Sort by the next column (engine order first and last)", show=False),
         Binding("r", "reverse", "Reverse the sort order", show=False),
     ]
@@ -259,11 +254,14 @@ class WaitingTable(RequestTable):
 
 
 class RunningTable(RequestTable):
-    """Requests holding a request slot: a prompt mid-chunk (prefilling) or generating (running), with
-    how often each was retracted (sent back to the queue when the KV pool ran dry) so far."""
+    """Requests holding a request slot: a prompt mid-chunk (prefilling) or generating (running), its state
+    marked with how often it was retracted (sent back to the queue when the KV pool ran dry) so far and, with
+    speculative decoding, its drafts accepted of verified, e.g. `decode ×2 41/52`: columns of their own did not
+    fit the 80 columns a split gives the panels."""
 
     TITLE = "Running set"
-    COLUMNS = ("request", "owner", "slot", "prio", "state", "progress", "pages", "retracted", "drafts")
+    COLUMNS = ("request", "owner", "slot", "prio", "state", "progress", "pages")
+    BAR = 8  # cells of the progress bar: with the numbers after it, the row fits 80 columns
 
     def entries(self, stats: Stats) -> list[Entry]:
         return list(stats.running)
@@ -271,22 +269,26 @@ class RunningTable(RequestTable):
     def cells(self, entry: Entry, names: RequestNames) -> Row:
         assert isinstance(entry, RunningEntry)
         return (names.styled(entry.rid), owner(entry.rid, names), str(entry.slot), str(entry.priority),
-                *self._progress(entry), str(entry.pages), retracted(entry.retractions), drafts(entry.spec))
+                *self._progress(entry), str(entry.pages))
 
     def state(self, entry: Entry) -> str:
         assert isinstance(entry, RunningEntry)
-        return "prefilling prefill" if entry.state == "prefilling" else "running decode"
+        retracted = f" retracted ×{entry.retractions}" if entry.retractions else ""
+        speculating = " drafts" if entry.spec is not None and entry.spec.verifications else ""
+        return ("prefilling prefill" if entry.state == "prefilling" else "running decode") + retracted + speculating
 
     def sort_value(self, entry: Entry, column: int, names: RequestNames) -> str | float:
         assert isinstance(entry, RunningEntry)
         done = entry.prefilled / max(1, entry.prompt_tokens) if entry.state == "prefilling" else \
             1 + entry.generated / max(1, entry.max_tokens)
-        accepted = entry.spec.accepted_tokens / max(1, entry.spec.draft_tokens) if entry.spec else -1.0
-        return (names.label(entry.rid, 200), names.owner(entry.rid), entry.slot, entry.priority, entry.state, done,
-                entry.pages, entry.retractions, accepted)[column]
+        return (names.label(entry.rid, 200), names.owner(entry.rid), entry.slot, entry.priority,
+                f"{entry.state} {entry.retractions:09d}", done, entry.pages)[column]
 
-    @staticmethod
-    def _progress(r: RunningEntry) -> tuple[Text, Text]:
+    def _progress(self, r: RunningEntry) -> tuple[Text, Text]:
+        state = Text("prefill", "magenta") if r.state == "prefilling" else Text("decode", "cyan")
+        if r.retractions:
+            state.append(f" ×{r.retractions}", RETRACTED)
+        state.append(drafts(r.spec), "green")
         if r.state == "prefilling":
-            return Text("prefill", "magenta"), bar(r.prefilled, r.prompt_tokens)
-        return Text("decode", "cyan"), bar(r.generated, r.max_tokens)
+            return state, bar(r.prefilled, r.prompt_tokens, self.BAR)
+        return state, bar(r.generated, r.max_tokens, self.BAR)

@@ -56,7 +56,7 @@ class ThroughputPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         for name, _, _ in RATES:
-            with Horizontal(classes="rate"):
+            with Horizontal(classes="rate", id=f"rate-row-{name}"):
                 yield Label(name, id=f"rate-{name}", classes="rate-label")
                 yield Sparkline(list(self.history[name]), summary_function=max, id=f"spark-{name}")
         yield Totals(id="counters")
