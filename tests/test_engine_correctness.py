@@ -161,6 +161,29 @@ def test_prepacked_weights(checkpoints, hf, family, prepack):
     assert_matches_hf(llm, path, hf, mixed_prompts(6, seed=9), max_tokens=8)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_small_float32_models_decode_few_rows_in_one_c_call(checkpoints, hf, family):
+    """A small float32 model keeps its projections' rows (CausalLM.keep_float_rows): steps of up to ROWS_ONE_CALL
+    rows run every layer in one C call (decode.c over the F32 rows), bigger ones through oneDNN layer by layer.
+    Twelve requests of different lengths make steps of both kinds: transformers' tokens either way, and the
+    log-probabilities of the run with the one-call path switched off to float32 summation order."""
+    path = checkpoints[family]
+    prompts = mixed_prompts(12, seed=13)
+    params = [SamplingParams(max_tokens=2 + i, logprobs=0, ignore_eos=True) for i in range(len(prompts))]
+    runs = []
+    for one_call in (True, False):
+        llm = LLM(str(path))
+        llm.model.one_call = one_call
+        assert llm.model.float_rows is not None and llm.model.runs_one_call == one_call
+        outs = llm.generate(prompts, params)
+        assert (llm.model._fused is not None) == one_call
+        runs.append(outs)
+    for prompt, p, ours, layered in zip(prompts, params, *runs, strict=True):
+        hf.check_greedy(ours.token_ids, path, prompt, p.max_tokens)
+        if ours.token_ids == layered.token_ids:
+            assert [e.logprob for e in ours.logprobs] == pytest.approx([e.logprob for e in layered.logprobs], abs=1e-4)
+
+
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c_kernels", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cpu_kernels(checkpoints, hf, family, cpu_kernels):

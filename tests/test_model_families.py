@@ -111,7 +111,7 @@ def test_gemma_caps_its_logits(checkpoints, hf):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_engine_says_what_the_model_is(checkpoints, family):
     """Family, experts and windows in the engine's description (the console, `minichat status` and /v1/models
-    show it); the layers a new family cannot run in one C call say so in `execution`."""
+    show it); `execution` says which families' layers run in one C call."""
     llm = LLM(str(checkpoints[family]))
     info = llm.model_info
     assert info["family"] == {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral",
@@ -125,7 +125,8 @@ def test_the_engine_says_what_the_model_is(checkpoints, family):
     window = {"gemma2": "12 tokens on 1 of 2 layers (the others see everything)", "mistral_window":
               "12 tokens on every layer", "mixtral_window": "12 tokens on every layer"}
     assert info["window"] == window.get(family, "none" if family != "gemma3" else window["gemma2"])
-    assert llm.execution["layers"] == "one call each"
+    # Llama-shaped dense layers keep their float32 rows for one-call steps of few rows; MoE and Gemma layers cannot
+    assert llm.execution["layers"].startswith("one C call a step") == (family in ("phi3", "mistral_window"))
     if "experts" in info:
         assert llm.execution["experts"] == "grouped by expert, one GEMM per expert over its tokens (float32 prepacked)"
     assert ("activation" in llm.execution) == family.startswith("gemma")  # GELU: torch's, not the C SiLU

@@ -35,7 +35,7 @@ from engine.model.quantized import finish_block_weights
 from kernels.attention.base import AttentionBackend
 from kernels.attention.cpu import PagedStep
 from kernels.cpu import DENSE_ROWS
-from kernels.quant import BlockMatrix
+from kernels.quant import QTYPES, BlockMatrix, Segment
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
     from transformers import PretrainedConfig
@@ -47,6 +47,14 @@ if TYPE_CHECKING:  # transformers is imported only where a config is read, not b
 DENSE_BUFFER = 4 * 2**20
 """Float32 values a block-format model expands its weights into, a chunk of rows at a time, for steps of
 DENSE_ROWS tokens or more (16 MiB: 1,024 rows of a 4,096-wide projection)."""
+ROWS_ONE_CALL = 8
+"""A float32 model keeping its projections' rows (`CausalLM.keep_float_rows`) runs steps of at most this many
+rows in one C call, more through oneDNN layer by layer: on the demo model a decode step of one stream took
+1.2 ms one-call against 3.3 ms layer by layer (oneDNN and the calls around it), the two were even at 8-12
+rows, and at 32 oneDNN's GEMMs were 10-35% faster (2026-12-04, /tmp-run alternations in one process)."""
+FLOAT_ROWS_MAX_BYTES = 256 << 20
+"""The float32 projections a model keeps a second copy of as rows, at most: for a larger model the weights' own
+reading outweighs the per-call costs the one-call path saves (0.5B: ~100 ms a step against ~1.5 ms)."""
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 Targets = dict[str, tuple[WeightTarget, ...]]
@@ -413,6 +421,7 @@ class CausalLM(nn.Module):
         self.triton: TritonOps | None = None  # the fused Triton kernels, on the Triton backend
         self._fused: tuple[KVPool, FusedLayers] | None = None  # the layers as one C call, for the pool it was built on
         self.one_call = True  # run the layers as one C call where `_fused_layers` can (off: layer by layer, as tested)
+        self.float_rows: list[list[BlockMatrix]] | None = None  # per layer, its projections' rows (keep_float_rows)
 
     def make_layer(self, spec: ModelSpec, index: int, tp: TensorParallel) -> DecoderLayer:
         return self.layer_class(spec, index, tp)
@@ -520,7 +529,8 @@ class CausalLM(nn.Module):
         if not self.cos_sin:
             raise RuntimeError("CausalLM.load_weights() must run before the first step")
         residual: torch.Tensor | None = None
-        few_rows = isinstance(meta, PagedStep) and x.shape[0] < DENSE_ROWS  # many rows: torch's GEMM, per layer
+        most = ROWS_ONE_CALL if self.float_rows is not None else DENSE_ROWS - 1  # more: per layer, torch's GEMM
+        few_rows = isinstance(meta, PagedStep) and x.shape[0] <= most
         fused = self._fused_layers(kv) if few_rows and self.triton is None else None
         if fused is not None and isinstance(meta, PagedStep):  # every layer in one C call (decode.c), x in place
             x = x.contiguous()
@@ -539,6 +549,8 @@ class CausalLM(nn.Module):
         """How this model's layers run here, beyond the engine's options (LLM.execution): `layers`, and what a
         family's layers run otherwise than the shared decoder's (`DecoderLayer.execution`)."""
         layers = "one C call a step" if self.runs_one_call else "one call each"
+        if self.runs_one_call and self.float_rows is not None:
+            layers = f"one C call a step of up to {ROWS_ONE_CALL} rows (float32 rows kept), oneDNN layer by layer above"
         if self.one_call and not all(layer.in_one_call for layer in self.layers) and \
                 all(layer.block_kernels is not None for layer in self.layers):
             layers += " (the one-call path runs Llama-shaped dense layers; this model's are not)"
@@ -550,27 +562,50 @@ class CausalLM(nn.Module):
     @property
     def runs_one_call(self) -> bool:
         """Whether steps the CPU attention kernel takes whole run every layer in one C call (`_fused_layers`):
-        every layer Llama-shaped (`DecoderLayer.in_one_call`) with its products in block formats."""
-        return self.one_call and all(layer.in_one_call and layer.block_kernels is not None for layer in self.layers)
+        every layer Llama-shaped (`DecoderLayer.in_one_call`) with its products in block formats, or with its
+        float32 rows kept (`keep_float_rows`, then for steps of at most ROWS_ONE_CALL rows)."""
+        in_blocks = all(layer.block_kernels is not None for layer in self.layers)
+        return self.one_call and all(layer.in_one_call for layer in self.layers) and \
+            (in_blocks or (self.float_rows is not None and self.kernels is not None))
+
+    def keep_float_rows(self) -> None:
+        """For a small float32 model on one rank, its layers Llama-shaped, before its weights are prepacked: each
+        projection's rows copied as an F32 block matrix, which decode.c multiplies by (quant.c), so that a step of
+        few rows runs every layer in one C call instead of some ten calls a layer, each paying the interpreter, a
+        oneDNN dispatch and an OpenMP team's start and join (see ROWS_ONE_CALL); bigger steps keep oneDNN's GEMMs.
+        Up to FLOAT_ROWS_MAX_BYTES of projections; the same float32 numbers, summed in another order."""
+        weights = [[p.weight for p in layer.projections()] for layer in self.layers]
+        flat = [w for ws in weights for w in ws]
+        if not all(layer.in_one_call and layer.tp.size == 1 for layer in self.layers) or not all(
+                isinstance(w, torch.Tensor) and w.dtype == torch.float32 and not w.is_mkldnn for w in flat) or \
+                sum(cast(torch.Tensor, w).numel() * 4 for w in flat) > FLOAT_ROWS_MAX_BYTES:
+            return
+        self.float_rows = [[BlockMatrix.join(w.shape[1], [Segment(QTYPES["F32"], w.detach().contiguous().clone()
+                                                                  .view(torch.uint8), w.shape[0])])
+                            for w in cast(list[torch.Tensor], ws)] for ws in weights]
 
     def _fused_layers(self, kv: KVPool) -> FusedLayers | None:
         """The layers as one C call, for a model whose every layer runs its products in block formats
-        (`DecoderLayer.block_kernels`) and steps the CPU attention kernel takes whole; built once per pool."""
-        kernels = self.layers[0].block_kernels
+        (`DecoderLayer.block_kernels`) or keeps their float32 rows, on steps the CPU attention kernel takes
+        whole; built once per pool."""
+        kernels = self.layers[0].block_kernels or self.kernels
         if not self.runs_one_call or kernels is None or not self.cos_sin:
             return None
         if self._fused is None or self._fused[0] is not kv:
             from kernels.cpu.decode import FusedLayers, LayerWeights
 
-            def projection(p: nn.Module) -> tuple[BlockMatrix, torch.Tensor | None]:
-                return cast(BlockMatrix, p.weight), cast("torch.Tensor | None", p.bias)
+            def product(i: int, layer: DecoderLayer, j: int) -> tuple[BlockMatrix, torch.Tensor | None]:
+                """The layer's j-th projection (projections() order) as decode.c multiplies by it, and its bias."""
+                p = layer.projections()[j]
+                weight = self.float_rows[i][j] if self.float_rows is not None else p.weight
+                return cast(BlockMatrix, weight), cast("torch.Tensor | None", p.bias)
 
             layers = [LayerWeights(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 None if layer.q_norm is None else layer.q_norm.weight,
                 None if layer.k_norm is None else layer.k_norm.weight,
-                projection(layer.qkv_proj), projection(layer.o_proj), projection(layer.gate_up_proj),
-                projection(layer.down_proj), kv.k(i), kv.v(i), layer.window or 0)
+                product(i, layer, 0), product(i, layer, 1), product(i, layer, 2), product(i, layer, 3),
+                kv.k(i), kv.v(i), layer.window or 0)
                 for i, layer in enumerate(self.layers)]
             s = self.spec
             table = self.cos_sin[0]

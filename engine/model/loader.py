@@ -221,6 +221,8 @@ def build_model(spec: ModelSpec, checkpoint: Checkpoint, options: LoadOptions,
     except ValueError as e:
         raise ValueError(f"{checkpoint.path}: {e}") from e
     set_linear_dtype(model, resolve_linear_dtype(options.linear_dtype, dtype, torch.device(options.device)))
+    if options.cpu_kernels and options.device == "cpu" and dtype == torch.float32:
+        model.keep_float_rows()  # a small model's decode steps in one C call (before prepacking replaces the rows)
     if options.prepack_weights:
         prepack_linear_weights(model)
         for layer in model.layers:

@@ -641,46 +641,57 @@ static void panel_rows(int type, const uint8_t *panel, const act_block *a, int64
 #undef BY_ROWS
 }
 
-/* part[r][lane] = float weight row `lane` . x row r, for nr rows of x and `width` rows of w ([width, k]): two
- * weight rows against up to four rows of x at a time, eight values a multiply-add, each (row, lane) summed in
- * its own vector and reduced once at the end (the weights stream through once per four rows of x). */
-static void f32_columns(const float *w, int width, const float *x, int64_t x_stride, int nr, int64_t k,
-                        float part[ROWS_PER_PASS][PANEL]) {
-    for (int lane = 0; lane < width; lane += 2) {
-        const float *w0 = w + lane * k, *w1 = w + (lane + 1 < width ? lane + 1 : lane) * k;
-        float s0[ROWS_PER_PASS] = {0}, s1[ROWS_PER_PASS] = {0};
-        int64_t i = 0;
+/* part[r][lane0 + l] = float weight row lane0 + l . x row r, for the R rows of x and L rows of w from lane0 (R, L
+ * constants, so the accumulators stay in registers): each (row, lane) sums eight products at a time in a vector of
+ * its own, reduced once at the end. R * L accumulators of 16 registers; the weight rows stream through once per R
+ * rows of x. Values past the last multiple of 8 are added one by one. */
+static inline __attribute__((always_inline)) void f32_block(const float *w, int64_t lane0, const float *x,
+                                                            int64_t x_stride, int64_t k, int r0, const int R,
+                                                            const int L, float part[ROWS_PER_PASS][PANEL]) {
+    x += r0 * x_stride;
+    float sums[ROWS_PER_PASS][PANEL] = {{0}};
+    int64_t i = 0;
 #ifdef QUANT_AVX2
-        __m256 a0[ROWS_PER_PASS], a1[ROWS_PER_PASS];
-        for (int r = 0; r < ROWS_PER_PASS; r++) a0[r] = a1[r] = _mm256_setzero_ps();
-        for (; i + 8 <= k; i += 8) {
-            const __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
-            for (int r = 0; r < ROWS_PER_PASS; r++) {
-                if (r >= nr) break;
-                const __m256 xv = _mm256_loadu_ps(x + r * x_stride + i);
-                a0[r] = _mm256_fmadd_ps(xv, v0, a0[r]);
-                a1[r] = _mm256_fmadd_ps(xv, v1, a1[r]);
-            }
+    __m256 acc[ROWS_PER_PASS][PANEL];
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < L; l++) acc[r][l] = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) {
+        __m256 v[PANEL];
+        for (int l = 0; l < L; l++) v[l] = _mm256_loadu_ps(w + (lane0 + l) * k + i);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + r * x_stride + i);
+            for (int l = 0; l < L; l++) acc[r][l] = _mm256_fmadd_ps(xv, v[l], acc[r][l]);
         }
-        for (int r = 0; r < nr; r++) {
-            float l0[8], l1[8];
-            _mm256_storeu_ps(l0, a0[r]);
-            _mm256_storeu_ps(l1, a1[r]);
-            for (int j = 0; j < 8; j++) {
-                s0[r] += l0[j];
-                s1[r] += l1[j];
-            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < L; l++) {
+            const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][l]), _mm256_extractf128_ps(acc[r][l], 1));
+            const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            sums[r][l] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
         }
 #endif
-        for (int r = 0; r < nr; r++) {
-            const float *xr = x + r * x_stride;
-            for (int64_t j = i; j < k; j++) {
-                s0[r] += w0[j] * xr[j];
-                s1[r] += w1[j] * xr[j];
-            }
-            part[r][lane] = s0[r];
-            if (lane + 1 < width) part[r][lane + 1] = s1[r];
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < L; l++) {
+            const float *wr = w + (lane0 + l) * k, *xr = x + r * x_stride;
+            float sum = sums[r][l];
+            for (int64_t j = i; j < k; j++) sum += wr[j] * xr[j];
+            part[r0 + r][lane0 + l] = sum;
         }
+}
+
+/* part[r][lane] = float weight row `lane` . x row r, for nr rows of x and `width` rows of w ([width, k]): a row of
+ * x against all 8 weight rows (8 independent sums keep the multiply-adds flowing; a single one would wait on its
+ * own latency), two rows against 4, three or four against 2. */
+static void f32_columns(const float *w, int width, const float *x, int64_t x_stride, int nr, int64_t k,
+                        float part[ROWS_PER_PASS][PANEL]) {
+    const int lanes = nr == 1 ? 8 : nr == 2 ? 4 : 2;
+    for (int lane = 0; lane < width; lane += lanes) {
+        const int L = width - lane < lanes ? width - lane : lanes;
+#define F32_CASE(R_, L_) if (nr == (R_) && L == (L_)) { f32_block(w, lane, x, x_stride, k, 0, R_, L_, part); continue; }
+        F32_CASE(1, 8) F32_CASE(2, 4) F32_CASE(3, 2) F32_CASE(4, 2)
+#undef F32_CASE
+        for (int l = 0; l < L; l++) /* a segment's last panel, partly filled: its rows one by one */
+            for (int r = 0; r < nr; r++) f32_block(w, lane + l, x, x_stride, k, r, 1, 1, part);
     }
 }
 
