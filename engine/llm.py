@@ -37,6 +37,7 @@ from engine.model.loader import (
     resolve_checkpoint,
 )
 from engine.model.quantized import weight_footprint
+from engine.onednn import cache_capacities
 from engine.outputs import Final, RequestOutput, StepResult
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import Prompt, Tools, is_chat, is_token_ids
@@ -400,6 +401,7 @@ class LLM:
         if self.device.type == "cpu":
             execution["threads"] = self._threads()
             execution["omp_wait"] = wait_policy()
+            execution["onednn_caches"] = cache_capacities()
         return execution
 
     def _threads(self) -> str:

@@ -21,7 +21,8 @@ entries by default. Steps have any row count, so a server fed varied prompt leng
 bound (demo model: 425 -> 680 MiB over 30 rounds of 40 requests, about 8 MiB a round; flat only with
 both caches capped, and each cached (rows, threads) pair costs about 1.3 MiB). Prepacked GEMMs
 therefore run on row counts rounded up to a bucket (`row_bucket`), 68 of them up to 4,096 rows; the
-padding rows are zeros and are dropped from the output. Up to 64 rows a GEMM is bound by reading the
+padding rows are zeros and are dropped from the output. Buckets times team sizes still took hours to fill
+1,024 entries, so the server caps both caches (engine/onednn.py). Up to 64 rows a GEMM is bound by reading the
 weights, so coarse buckets cost next to nothing there; above, eight buckets per power of two keep
 the padding of a prefill under 12.5%.
 """

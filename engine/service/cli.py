@@ -19,6 +19,7 @@ from collections.abc import Callable
 import typer
 
 from engine.config import EngineConfig
+from engine.onednn import prepare_onednn
 from engine.service.client import AUTH_ENV
 from engine.service.options import ApiOptions
 from engine.threads import prepare_openmp
@@ -163,7 +164,8 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
     With --http HOST:PORT, run the engine as a child process instead and the OpenAI-compatible HTTP
     API in the foreground; stopping the API stops that engine.
     """
-    prepare_openmp()  # before torch loads libgomp, here and in the engine child or the TP workers
+    prepare_openmp()  # before torch loads libgomp and oneDNN, here and in the engine child or the TP workers
+    prepare_onednn()
     if engine_options.get("node_rank"):  # another node of a multi-node engine: only its ranks run here
         _serve_node(log_level, engine_options)
         return
