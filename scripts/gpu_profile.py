@@ -24,8 +24,9 @@ What is counted per step:
   says n/a rather than 0). On a CPU the outermost aten ops and minichat's C kernels (RMSNorm, RoPE,
   SiLU*up, paged attention, the block-format products and the one-call layers), which the script marks
   with `record_function` because ctypes calls are invisible to the profiler otherwise.
-- families: each kernel's (CUDA) or outermost op's (CPU) time, grouped by its name into layers (a
-  block-format model's one-call layers: everything but the embedding, final norm and head), gemm,
+- families: each kernel's (CUDA) or outermost op's (CPU) time, grouped by its name into layers (the
+  one-call layers, a block-format model's or a small float32 model's: everything but the embedding, final
+  norm and head), gemm,
   attention, norm, rope, activation, sampling, elementwise, copy/index (K/V cache writes included) and
   other. Names are all there is inside a CUDA graph, so generic elementwise kernels land in
   "elementwise" whatever they compute (residual adds; on CUDA the multiply after SiLU and RoPE's
@@ -609,7 +610,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="CPU compute threads (default: the engine's choice)")
     parser.add_argument("--dequantize", action="store_true", help="a GGUF file's blocks expanded to --dtype")
     parser.add_argument("--one-call", action=argparse.BooleanOptionalAction, default=True,
-                        help="a block-format model's layers in one C call where they can (off: layer by layer)")
+                        help="the layers in one C call where they can: a block-format model's, or a small float32 "
+                             "model's kept rows (off: layer by layer)")
     parser.add_argument("--top", type=int, default=6, help="kernels listed per row")
     parser.add_argument("--json", type=Path, help="also write the report here as JSON ('-': stdout, no table)")
     parser.add_argument("--trace", type=Path, help="also write the profile here as a Chrome trace (JSON)")

@@ -146,6 +146,14 @@ def instruct_view(src: Path, out: Path, generation: dict[str, object], chat_temp
     return out
 
 
+LONG_CONTEXT = 65536
+"""The context of the tests' long tiny llama (conftest.long_ckpt): a request of UNTIL_ABORTED tokens runs until the
+test aborts it."""
+UNTIL_ABORTED = 64000
+"""max_tokens of a request meant to run until aborted: ~150 s of decoding on an idle machine (the tiny llama runs a
+step in one C call; 16,000 tokens took 10 s, less than some tests hold one)."""
+
+
 def with_context(src: Path, out: Path, max_positions: int) -> Path:
     """A copy of `src` whose config allows `max_positions` positions (RoPE extends without retraining)."""
     shutil.copytree(src, out)

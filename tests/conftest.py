@@ -18,7 +18,7 @@ import zmq
 from engine.service.client import EngineClient
 from engine.service.launcher import EngineHandle
 from kernels.cpu.build import cache_dir
-from tests.checkpoints import make_checkpoint, with_context
+from tests.checkpoints import LONG_CONTEXT, make_checkpoint, with_context
 from tests.wire import raw_dealer
 
 torch.set_num_threads(2)
@@ -65,9 +65,9 @@ def llama_ckpt(checkpoints: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def long_ckpt(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama with a 16k context, so a request can stay running or mid-chunk until aborted
-    (with 512 positions it would finish in well under a second on an idle machine)."""
-    return with_context(llama_ckpt, tmp_path_factory.mktemp("long") / "llama", 16384)
+    """The tiny llama with a 64k context, so a request can stay running or mid-chunk until aborted
+    (with 512 positions it would finish in well under a second on an idle machine; see UNTIL_ABORTED)."""
+    return with_context(llama_ckpt, tmp_path_factory.mktemp("long") / "llama", LONG_CONTEXT)
 
 
 NEAR_TIE = 1e-4

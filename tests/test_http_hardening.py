@@ -33,7 +33,7 @@ from engine.service.client import AsyncEngineClient, EngineClient, EngineError, 
 from engine.service.launcher import EngineHandle, start
 from engine.service.protocol import Stats
 from engine.structured import MAX_GRAMMAR_RULES, MAX_JSON_DEPTH, GrammarSpec
-from tests.checkpoints import with_context
+from tests.checkpoints import UNTIL_ABORTED, with_context
 from tests.test_http_api import START_TIMEOUT, free_port, minichat, stop, wait_http
 from tests.wire import pack, raw_dealer, reply
 from tui.bench.metrics import RequestRecord
@@ -653,9 +653,11 @@ def nested_schema(levels: int) -> dict:
 
 
 def chain_grammar(rules: int) -> str:
-    """An EBNF grammar of `rules` rules after its root, each naming the next through character classes (which make every
-    state's token mask costly to compute over a real vocabulary: ~0.9 s for 1,024 rules over SmolLM2's 49k)."""
-    return "\n".join(["root ::= r0", *(f'r{i} ::= [a-zA-Z0-9 ]* "k{i}" r{i + 1} | [a-z]+ ","'
+    """An EBNF grammar of `rules` rules after its root, each naming the next through six alternatives of character
+    classes (which make every state's token mask costly to compute over a real vocabulary: ~1.9 s for 1,024 rules
+    over SmolLM2's 49k here and on CI; two alternatives took 0.5 s, too close to GAP_BOUND on a quiet machine)."""
+    return "\n".join(["root ::= r0", *(f'r{i} ::= [a-zA-Z0-9 ]* "k{i}" r{i + 1} | [a-z]+ "," | [A-Z0-9]+ ";" '
+                                       f'r{i + 1} | [ -~]* "." | [b-y]+ [0-9]* "q{i}" r{i + 1} | [^\\n]+ "!"'
                                        for i in range(rules - 1)), f'r{rules - 1} ::= "z"'])
 
 
@@ -797,7 +799,7 @@ def test_sigterm_of_serve_http_bounds_the_drain(long_ckpt: Path, tmp_path: Path)
     front = serve_api(["serve", "--address", address, "--model", str(long_ckpt), "--drain-timeout", "2"], NO_KEY,
                       tmp_path / "api.log", None, address)
     try:
-        stream = Stream(front, 16_000)
+        stream = Stream(front, UNTIL_ABORTED)
         assert stream.next() is not None
         began = time.monotonic()
         front.process.send_signal(signal.SIGTERM)

@@ -28,6 +28,7 @@ from engine.outputs import Delta, Final, Timings, Usage
 from engine.service.client import AsyncEngineClient
 from engine.service.launcher import EngineHandle, start
 from engine.service.protocol import Stats
+from tests.checkpoints import UNTIL_ABORTED
 from tui.app import MinichatApp
 from tui.chat import ChatPane, PromptInput, ReplyView
 from tui.commands import COMMANDS
@@ -95,7 +96,7 @@ async def type_and_send(pilot: Pilot, text: str) -> None:
 async def long_replies(pilot: Pilot) -> None:
     """Make the current session's replies run until aborted."""
     await type_and_send(pilot, "/ignore_eos on")
-    await type_and_send(pilot, "/max_tokens 16000")
+    await type_and_send(pilot, f"/max_tokens {UNTIL_ABORTED}")
 
 
 def last_reply(app: MinichatApp) -> Reply:
@@ -200,7 +201,7 @@ def test_abort_another_clients_request_from_the_ops_panel(engine: str) -> None:
         app = MinichatApp(EngineLink(address=engine, autostart=False))
         async with app.run_test(size=SIZE) as pilot, AsyncEngineClient(engine) as other:
             await connected_app(pilot)
-            stream = other.generate("benchmark load", max_tokens=16000, ignore_eos=True, rid="bench-load-1")
+            stream = other.generate("benchmark load", max_tokens=UNTIL_ABORTED, ignore_eos=True, rid="bench-load-1")
             first = asyncio.ensure_future(anext(stream))
             await wait_for(pilot, lambda: "bench-load-1" in table_rids(app, "running"), "the other client's request")
             await first
@@ -499,7 +500,8 @@ def test_abort_in_the_ops_panel_follows_the_selected_request(engine: str) -> Non
         async with app.run_test(size=SIZE) as pilot, AsyncEngineClient(engine) as other:
             await connected_app(pilot)
             rids = ["load-a", "load-b", "load-c", "load-d", "load-e"]  # four slots: load-e waits for one
-            streams = [other.generate("benchmark load", max_tokens=16000, ignore_eos=True, rid=rid) for rid in rids]
+            streams = [other.generate("benchmark load", max_tokens=UNTIL_ABORTED, ignore_eos=True, rid=rid)
+                       for rid in rids]
             firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]  # submits each
             table = app.query_one("#running", RequestTable)
             await wait_for(pilot, lambda: set(rids[:4]) <= table_rids(app, "running"), "four requests running")

@@ -23,6 +23,7 @@ from textual.widgets import DataTable, Label, Static
 
 from engine.service.client import EngineClient
 from engine.service.protocol import Stats
+from tests.checkpoints import UNTIL_ABORTED
 from tests.test_tui import (
     SIZE,
     box,
@@ -222,7 +223,7 @@ def test_an_80_column_terminal_keeps_the_live_counts_and_whole_phrases(engine: s
             await wait_for(pilot, lambda: settings.size.height > 1, "the settings line to wrap")
             lines = visible_text(settings).splitlines()
             assert len(lines) == settings.size.height
-            for phrase in ("temp 0.8", "top-p 0.95", "top-k off", "max 16000 tok", "ignore EOS"):
+            for phrase in ("temp 0.8", "top-p 0.95", "top-k off", f"max {UNTIL_ABORTED} tok", "ignore EOS"):
                 assert any(phrase in line for line in lines), (phrase, lines)  # each phrase on one line
             assert all(len(line) <= settings.content_size.width for line in lines)
 

@@ -14,6 +14,7 @@ import pytest
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Static
 
+from tests.checkpoints import UNTIL_ABORTED
 from tests.test_tui import (
     box,
     cell,
@@ -103,7 +104,7 @@ def test_a_message_sent_after_scrolling_back_streams_in_view(engine: str, size: 
             assert log.max_scroll_y > log.size.height
             await pilot.press("pageup", "pageup")
             assert log.scroll_y < log.max_scroll_y
-            await type_and_send(pilot, "/max_tokens 16000")
+            await type_and_send(pilot, f"/max_tokens {UNTIL_ABORTED}")
             reply = await streaming_reply(pilot, "and now?")
             view = app.query(ReplyView).last()
             await wait_for(pilot, lambda: reply.completion_tokens > 60 and log.scroll_y >= log.max_scroll_y - 1 and

@@ -22,7 +22,7 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Static
 from textual.widgets._footer import FooterKey
 
-from tests.checkpoints import NO_SYSTEM_TEMPLATE, instruct_view
+from tests.checkpoints import LONG_CONTEXT, NO_SYSTEM_TEMPLATE, UNTIL_ABORTED, instruct_view
 from tests.test_tui import connected_app, last_reply, notes, run, start_engine, status, type_and_send, wait_for
 from tui.app import MinichatApp
 from tui.chat import PhraseLine, ReplyView
@@ -76,14 +76,14 @@ def test_the_models_generation_config_is_the_default_sent_and_reset_to(instruct:
             await wait_for(pilot, lambda: "(the model's chat template has no system role)" in drawn(header(app)),
                            "the system prompt's notice")
             await type_and_send(pilot, "/ignore_eos on")
-            await type_and_send(pilot, "/max_tokens 16000")
+            await type_and_send(pilot, f"/max_tokens {UNTIL_ABORTED}")
             await type_and_send(pilot, "Hello")
             reply = last_reply(app)
             await wait_for(pilot, lambda: reply.text, "a streaming reply")
             sent = await app.link.describe(reply.rid)
             assert sent is not None and sent.params is not None
             assert (sent.params.temperature, sent.params.top_p, sent.params.top_k, sent.params.repetition_penalty,
-                    sent.params.max_tokens) == (0.3, 0.85, 40, 1.1, 16000)
+                    sent.params.max_tokens) == (0.3, 0.85, 40, 1.1, UNTIL_ABORTED)
             assert "<|user|>user: Answer in verse.\n\nHello\n" in sent.prompt_head  # no system message was sent
             await pilot.press("escape")
             await wait_for(pilot, lambda: reply.state == "aborted", "the abort")
@@ -121,7 +121,8 @@ def test_a_conversation_reopened_under_another_model_says_so(engine: str, instru
             await connected_app(pilot)
             pane = app.current
             assert pane is not None and pane.session.name == "remember the model"
-            said = (f"this conversation was with llama (context 16384); the engine now runs {MODEL} (context 16384), "
+            said = (f"this conversation was with llama (context {LONG_CONTEXT}); the engine now runs {MODEL} "
+                    f"(context {LONG_CONTEXT}), "
                     f"which gives the replies from here on")
             note = pane.query_one(".chat-note", Static)
             await wait_for(pilot, lambda: note.display and said in drawn(note), "the note on the other model")
@@ -175,7 +176,9 @@ def test_the_footer_times_the_decode_phase_and_says_what_the_cache_served(engine
             await connected_app(pilot)
             await type_and_send(pilot, "/ignore_eos on")
             await type_and_send(pilot, "/max_tokens 5")
-            await type_and_send(pilot, "A short one")
+            # a first message that fills a KV page by itself: the reply is sampled, and where its text re-encodes
+            # otherwise than its tokens the second prompt shares none of it
+            await type_and_send(pilot, "A short one, after a first line long enough to fill a page of the cache")
             short = last_reply(app)
             await wait_for(pilot, lambda: short.state == "done", "the short reply")
             view = app.query(ReplyView).last()

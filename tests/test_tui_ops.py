@@ -18,6 +18,7 @@ from textual.widgets import Label, Sparkline, Static
 from engine.outputs import Final, Output
 from engine.service.client import AsyncEngineClient, EngineError
 from engine.service.launcher import start
+from tests.checkpoints import UNTIL_ABORTED
 from tests.test_tui import (
     ENGINE_OPTIONS,
     SIZE,
@@ -37,7 +38,7 @@ from tui.panels.abort import AbortScreen
 from tui.panels.detail import RequestDetailScreen
 from tui.panels.history import HistoryPanel
 
-FOREVER = {"max_tokens": 16000, "ignore_eos": True}
+FOREVER = {"max_tokens": UNTIL_ABORTED, "ignore_eos": True}
 
 
 pytestmark = pytest.mark.usefixtures("data_dir")  # conversations in a private directory (conftest.py)
@@ -220,7 +221,7 @@ def test_request_detail_shows_owner_params_timings_and_output_and_aborts(engine:
             await wait_for(pilot, lambda: "timings" in shown(facts), "the description")
             text = shown(facts)
             assert "owner     nightly eval" in text and "state     decoding" in text and "priority  3" in text
-            assert "max_tokens 16000 · temperature 0.5 · ignore_eos True · seed 7" in text
+            assert f"max_tokens {UNTIL_ABORTED} · temperature 0.5 · ignore_eos True · seed 7" in text
             assert "from the prefix cache" in text and "KV pages held" in text and "queued " in text
             assert "first token " in text and "unto the breach" in shown(detail.query_one("#detail-prompt", Static))
             output = detail.query_one("#detail-text", Static)
