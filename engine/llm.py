@@ -6,10 +6,12 @@ import functools
 import logging
 import os
 import secrets
+import shutil
 import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -21,9 +23,12 @@ from engine.cuda_graph import DecodeGraphs
 from engine.distributed import TensorParallel
 from engine.distributed.workers import WorkerPool, launch
 from engine.generation_defaults import generation_defaults
-from engine.kv import make_cache_manager
+from engine.kv import KVTiers, make_cache_manager
+from engine.kv.disk import default_dir
+from engine.kv.fingerprint import WEIGHTS_MEMO, fingerprint
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
+from engine.kv.tiers import open_tiers
 from engine.loop import StepLoop
 from engine.model.families import describe
 from engine.model.loader import (
@@ -163,7 +168,7 @@ class LLM:
         self.kv = KVPool(spec.num_layers, num_pages + int(use_graphs), cfg.page_size, self.model.num_kv_heads,
                          spec.head_dim, TORCH_DTYPES[cfg.dtype], self.device)
         self.table = RequestTable(cfg.request_slots, self.max_seq_len, self.device)
-        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
+        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size, self._kv_tiers())
         graphs = None
         if use_graphs:
             # Off CUDA (Triton under its interpreter) the same padded path runs without capture.
@@ -181,6 +186,34 @@ class LLM:
         self._uid = 0
         self._live: dict[str, Req] = {}
         self._token_texts: dict[int, str] = {}
+
+    def _kv_tiers(self) -> KVTiers | None:
+        """The tiers under the prefix cache (EngineConfig's kv_* fields), keyed by this model's fingerprint: its
+        weights' and config's bytes, dtype, weight format, page size, tensor-parallel and pool layout."""
+        cfg = self.config
+        if not cfg.kv_tiers_possible:
+            return None
+        if cfg.kv_host_gib is not None:
+            host = int(cfg.kv_host_gib * 2**30)
+        elif self.device.type == "cuda":
+            host = min(self.kv.buffer.numel() * self.kv.buffer.element_size(),
+                       os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
+        else:
+            host = 0
+        where = Path(cfg.kv_cache_dir).expanduser() if cfg.kv_cache_dir else default_dir()
+        disk = int(cfg.kv_disk_gib * 2**30) if cfg.kv_disk_gib is not None else -1
+        if disk < 0:  # the default: 8 GiB, at most half of what the file system has free
+            free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free
+            disk = min(8 << 30, free // 2)
+        if not host and not disk:
+            return None
+        spec = self.model.spec
+        facts = {"dtype": cfg.dtype, "quantization": cfg.quantization, "dequantize": cfg.dequantize,
+                 "page_size": cfg.page_size, "tensor_parallel": [cfg.tensor_parallel_size, self.model.num_kv_heads],
+                 "kv": [spec.num_layers, self.model.num_kv_heads, spec.head_dim, str(self.kv.buffer.dtype)]}
+        files = [*self.checkpoint.weight_files(), self.checkpoint.meta / "config.json"]
+        return open_tiers(self.kv, fingerprint(files, where / WEIGHTS_MEMO, facts), host, where if disk else None,
+                          disk, pin=self.device.type == "cuda")
 
     def _speculator(self, num_pages: int) -> Speculator | None:
         """The proposer `speculative` asks for, if any: prompt lookup, or a draft model loaded beside the target
@@ -394,6 +427,9 @@ class LLM:
                 f"draft model {model_id(str(cfg.speculative_model))}"
             execution["speculative"] = (f"{source}, up to {cfg.num_speculative_tokens} drafts a step (as many as "
                                         "measure faster)")
+        execution["kv_tiers"] = ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB"
+                                          + (f" in {t.where}" if t.where else "") for t in self.cache.tier_use()) \
+            or "none below the pool"
         if self.device.type == "cuda":
             graphed = f"decode batches up to {self.config.graph_max_bs}"
             execution["cuda_graph"] = graphed if self.runner.graphs else "off"
@@ -426,7 +462,7 @@ class LLM:
         Worker ranks hold no page state of their own (rank 0's allocator places every rank's K/V, so
         pages freed here are freed on every rank); for them the check is that each ran exactly the
         steps rank 0 sent."""
-        self.cache.check_integrity()
+        self.cache.check_integrity(idle=not self.has_unfinished())
         if not self.has_unfinished():
             held = [h for h in self.table.holder if h is not None]
             if held or self.cache.allocator.owner:
@@ -440,8 +476,15 @@ class LLM:
         if self.workers is not None:
             self.workers.check()
 
+    def flush_kv(self, timeout: float = 60.0) -> bool:
+        """Write every cached KV page down to the disk tier and wait for the writes (at idle: every page is then
+        final); False if that took longer than `timeout` seconds. Nothing to do without a disk tier."""
+        return self.cache.flush(timeout)
+
     def close(self) -> None:
-        """Stop the worker ranks (if any). With one rank there is nothing to release but memory."""
+        """Write the cached KV pages down and stop the tiers' threads; stop the worker ranks (if any)."""
+        if hasattr(self, "cache"):
+            self.cache.close()
         if self.workers is not None:
             self.workers.close()
         self.tp.close()
