@@ -93,8 +93,8 @@ class EngineStatsCollector(Collector):
         c = s.counters
         hits = CounterMetricFamily("minichat_kv_hit_tokens", "Prompt tokens admission found cached, by the tier that "
                                    "held them (pool, host, disk).", labels=["tier"])
-        for tier, value in (("pool", c.hit_tokens_pool), ("host", c.hit_tokens_host), ("disk", c.hit_tokens_disk)):
-            hits.add_metric([tier], value)
+        for name, value in (("pool", c.hit_tokens_pool), ("host", c.hit_tokens_host), ("disk", c.hit_tokens_disk)):
+            hits.add_metric([name], value)
         yield hits
         per_tier = {
             "pages": (GaugeMetricFamily, "minichat_kv_tier_pages", "KV pages a tier below the pool holds."),
