@@ -71,11 +71,10 @@ class PageRejected(Exception):
 
 @dataclass
 class DiskCounts:
-    """What the tier did since start: pages written and read back, files refused by reason, failed writes,
-    pages not written (the queue was full or writing paused), and the seconds spent writing and reading."""
+    """What the tier did since start: pages written, files refused by reason, failed writes, pages not written
+    (the queue was full or writing paused), and the seconds spent writing and reading."""
 
     written: int = 0
-    loaded: int = 0
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTIONS, 0))
     write_errors: int = 0
     skipped: int = 0
@@ -178,10 +177,10 @@ class DiskTier:
         return self.dir / hexkey[:2] / f"{hexkey}{SUFFIX}"
 
     def write(self, page: PageFile, data: torch.Tensor) -> bool:
-        """Queue one page's K/V (a contiguous host tensor of `page_shape`) for writing; False when it will not
-        be (already stored, writing paused, or the queue holds `max_pending_bytes`)."""
+        """Queue one page's K/V (a contiguous host tensor of `page_shape`) for writing; False when it will not be
+        stored (writing paused, or the queue holds `max_pending_bytes`), True if it is or will be."""
         if page.key in self._ours:
-            return False
+            return True
         with self._lock:
             if time.monotonic() < self._paused_until or self._pending + self.payload > self.max_pending_bytes \
                     or self.file_bytes > self.cap_bytes:
@@ -251,7 +250,6 @@ class DiskTier:
         with self._lock:
             if path in self._files:
                 self._files.move_to_end(path)
-            self.counts.loaded += 1
             self.counts.read_seconds += time.perf_counter() - start
         tensor = torch.frombuffer(data, dtype=torch.uint8, offset=at, count=self.payload)
         return tensor.view(self.dtype).view(self.page_shape)

@@ -22,7 +22,6 @@ class HostTier:
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self._free = list(range(capacity - 1, -1, -1))
         self.stored = 0  # pages put here since start
-        self.loaded = 0  # pages copied back to the pool
         self.page_bytes = self.buffer[0].numel() * self.buffer.element_size() if capacity else 0
 
     def __contains__(self, key: bytes) -> bool:
@@ -49,7 +48,6 @@ class HostTier:
         for key in keys:
             self.slots.move_to_end(key)
             slots.append(self.slots[key])
-        self.loaded += len(keys)
         return self.buffer[torch.tensor(slots, dtype=torch.int64)]
 
     def check_integrity(self) -> None:

@@ -168,9 +168,8 @@ class RadixCacheManager(CacheManager):
                 heapq.heappush(leaves, (parent.last_access, parent.page, parent))
         if self.tiers is not None:  # down a tier, before the pages are the pool's again (a page still written: not)
             final = [n for n in evicted if self._pending.pop(n, None) is None]
-            self.tiers.demote([n.stored_as() for n in final], [n.stored_as() for n in final if not n.stored])
-            for node in final:
-                node.stored = True
+            self.tiers.demote([n.stored_as() for n in final])
+            self._store(final)
         self.allocator.reclaim([n.page for n in evicted])
         return len(evicted)
 
@@ -180,10 +179,9 @@ class RadixCacheManager(CacheManager):
         if self.tiers is None:
             return
         fresh = [n for n in nodes if not n.stored]
-        for node in fresh:
-            node.stored = True
+        for node, stored in zip(fresh, self.tiers.store([n.stored_as() for n in fresh]), strict=True):
+            node.stored = stored
             self._pending.pop(node, None)
-        self.tiers.store([n.stored_as() for n in fresh])
 
     def _store_later(self, nodes: list[Node]) -> None:
         """Write these through once the batch being scheduled is processed (it, or the one before, may write them)."""

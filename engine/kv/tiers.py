@@ -120,6 +120,7 @@ class KVTiers:
         self.loads: list[KVLoad] = []
         self._loading: dict[bytes, KVLoad] = {}  # the keys being loaded
         self._arrived = threading.Event()  # set by the disk tier's reader after each read
+        self.loaded = {"host": 0, "disk": 0}  # pages copied back into the pool from each tier
         if disk is not None:
             disk.on_read = self._arrived.set
 
@@ -154,15 +155,21 @@ class KVTiers:
 
     # -- loading ----------------------------------------------------------------------------------
     def start(self, load: KVLoad) -> None:
-        """Host pages are copied into the pool now; disk pages are read on the disk tier's thread."""
+        """Host pages are copied into the pool now; disk pages are read on the disk tier's thread. A host page
+        evicted from the host tier since it was found (making room for this load can) fails there."""
         load.ready = [False] * len(load.lower)
         hosted = [i for i, p in enumerate(load.lower) if p.tier == "host"]
+        gone = [i for i in hosted if self.host is None or load.lower[i].key not in self.host]
+        if gone:
+            load.failed = gone[0]
+            hosted = [i for i in hosted if i < gone[0]]
         if hosted:
             assert self.host is not None
             self.pool.write_pages([load.pages[i] for i in hosted], self.host.get([load.lower[i].key for i in hosted]))
             for i in hosted:
                 load.ready[i] = True
-        for i, page in enumerate(load.lower):
+            self.loaded["host"] += len(hosted)
+        for i, page in enumerate(load.lower[: load.usable]):
             if page.tier == "disk":
                 assert self.disk is not None
                 load.reads[i] = self.disk.read(PageFile(self.root, page.key, page.parent, page.tokens))
@@ -188,6 +195,7 @@ class KVTiers:
                 self.pool.write_pages([load.pages[i] for i, _ in good], torch.stack([data for _, data in good]))
                 for i, _ in good:
                     load.ready[i] = True
+                self.loaded["disk"] += len(good)
             if load.complete:
                 complete.append(load)
         for load in complete:
@@ -214,21 +222,20 @@ class KVTiers:
         self._arrived.wait(timeout)
 
     # -- storing --------------------------------------------------------------------------------
-    def store(self, pages: list[Stored]) -> None:
-        """Write these pool pages (final: no batch writes them again) through to the disk tier."""
+    def store(self, pages: list[Stored]) -> list[bool]:
+        """Write these pool pages (final: no batch writes them again) through to the disk tier; for each, whether
+        it is (or will be) stored there."""
         if self.disk is None or not pages:
-            return
+            return [False] * len(pages)
         data = self.pool.read_pages([p.page for p in pages])
-        for page, kv in zip(pages, data, strict=True):
-            self.disk.write(page.file(self.root), kv)
+        return [self.disk.write(page.file(self.root), kv) for page, kv in zip(pages, data, strict=True)]
 
-    def demote(self, evicted: list[Stored], unstored: list[Stored]) -> None:
-        """Pages the pool evicts: into the host tier, and those never written to disk (`unstored`) to disk."""
+    def demote(self, evicted: list[Stored]) -> None:
+        """Pages the pool evicts (final) go into the host tier."""
         if self.host is not None and evicted:
             data = self.pool.read_pages([p.page for p in evicted])
             for page, kv in zip(evicted, data, strict=True):
                 self.host.put(page.key, kv)
-        self.store(unstored)
 
     # -- the rest -------------------------------------------------------------------------------
     def use(self) -> list[TierUse]:
@@ -237,12 +244,12 @@ class KVTiers:
         if self.host is not None:
             h = self.host
             out.append(TierUse(name="host", pages=len(h), capacity=h.capacity, bytes=len(h) * h.page_bytes,
-                               capacity_bytes=h.capacity * h.page_bytes, stored=h.stored, loaded=h.loaded))
+                               capacity_bytes=h.capacity * h.page_bytes, stored=h.stored, loaded=self.loaded["host"]))
         if self.disk is not None:
             d, c = self.disk, self.disk.counts
-            loading = sum(len(load.reads) for load in self.loads)
             out.append(TierUse(name="disk", pages=d.pages, capacity=d.cap_bytes // d.file_bytes, bytes=d.total_bytes,
-                               capacity_bytes=d.cap_bytes, stored=c.written, loaded=c.loaded, loading=loading,
+                               capacity_bytes=d.cap_bytes, stored=c.written, loaded=self.loaded["disk"],
+                               loading=sum(len(load.reads) for load in self.loads),
                                rejected={k: v for k, v in c.rejected.items() if v}, write_errors=c.write_errors,
                                skipped=c.skipped, write_seconds=c.write_seconds, read_seconds=c.read_seconds,
                                degraded=d.degraded, where=str(d.dir)))

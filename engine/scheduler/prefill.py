@@ -48,25 +48,26 @@ class PrefillAdder:
 
     def try_add_one(self, req: Req) -> WaitReason | None:
         """Admit `req` (None), or name the limit it does not fit; "loading_kv" when pages of its prefix are found
-        below the pool and must be loaded first (PrefillManager then passes it over until they are in)."""
-        if self.table.available_size == 0:
-            return "slot"
-        if self.token_budget <= 0:
-            return "token_budget"
+        below the pool and must be loaded first (PrefillManager then passes it over until they are in). The load
+        starts once its KV estimate fits, also while it waits for a slot or the next step's budget."""
         # Match at most fill_len - 1 tokens: the last one must be computed to get logits. A prompt to
         # score is computed whole: its cached part would have no logits.
         match = PrefixMatch() if req.scoring_prompt else self.cache.match_prefix(req.tokens(0, req.fill_len - 1))
         self.cache.lock(match.handle)  # locking can make cached pages unevictable, so check after it
         req.pages = list(match.pages)
         need = self.admission.claim(req)
-        if need + self.claimed > self.cache.available_size:
+        limit: WaitReason | None = "kv_pages" if need + self.claimed > self.cache.available_size else None
+        if limit is None and (below := self._load_below(req, match)) is not None:
+            if below == "loaded":  # from host memory, in the tree already: match again
+                self.cache.unlock(match.handle)
+                return self.try_add_one(req)
+            limit = "loading_kv"
+        limit = limit or ("slot" if self.table.available_size == 0 else
+                          "token_budget" if self.token_budget <= 0 else None)
+        if limit is not None:
             self.cache.unlock(match.handle)
             req.pages = []
-            return "kv_pages"
-        if (below := self._load_below(req, match)) is not None:
-            self.cache.unlock(match.handle)
-            req.pages = []
-            return "loading_kv" if below == "loading" else self.try_add_one(req)
+            return limit
         self._take_loaded(req)
         req.prefix = match
         req.cached_len = len(match.pages) * self.page_size

@@ -1,0 +1,255 @@
+"""KV tiers under the radix cache (engine/kv/tiers.py): a prefix served from the pool, host memory or disk gives the
+cold run's tokens (and transformers'), with KV bitwise equal to KV computed afresh; bad files are refused and
+recomputed; the disk cap holds; engines share a directory; a request aborted while its KV loads frees everything;
+and the tiers keep to the scheduler's other paths (retraction, n choices, prompt log-probabilities, speculation,
+sliding windows)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kv.disk import HEADER, SUFFIX
+from engine.kv.tiers import chain_key
+from engine.scheduler.snapshot import SchedulerCounters
+
+PAGE = 16
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(n: int = 8) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def run(llm: LLM, prompt: list[int], params: SamplingParams | None = None) -> list[int]:
+    return llm.generate([prompt], params or greedy())[0].token_ids
+
+
+def hits(llm: LLM) -> SchedulerCounters:
+    return llm.stats().counters
+
+
+def kv_of(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """The pool's K/V of the prompt's cached full pages (the prefix cache's match)."""
+    return llm.kv.read_pages(llm.cache.match_prefix(prompt).pages)
+
+
+def page_files(root: Path) -> list[Path]:
+    return sorted(root.rglob(f"*{SUFFIX}"))
+
+
+def page_paths(root: Path, prompt: list[int]) -> list[Path]:
+    """Where the disk tier keeps the prompt's full pages, in order (one model's files under `root`)."""
+    (fingerprint_dir,) = [d for d in root.iterdir() if d.is_dir()]
+    parent, paths = bytes.fromhex(fingerprint_dir.name), []
+    for start in range(0, len(prompt) - PAGE + 1, PAGE):
+        parent = chain_key(parent, tuple(prompt[start:start + PAGE]))
+        paths.append(fingerprint_dir / parent.hex()[:2] / f"{parent.hex()}{SUFFIX}")
+    return paths
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_a_prefix_from_each_tier_gives_the_cold_runs_tokens_and_kv(llama_ckpt, hf, tmp_path, overlap):
+    """The same prompt cold (no tiers), from the pool, from the host tier (after the pool evicted it) and from disk
+    after a restart: the same greedy tokens as transformers, and the loaded KV bitwise the KV computed afresh."""
+    prompt = ids(90, 1)  # 5 full pages, whose last token is not the prompt's (always computed)
+    with LLM(str(llama_ckpt), kv_disk_gib=0, overlap=overlap) as cold_engine:
+        assert cold_engine.stats().pages.tiers == ()
+        cold = run(cold_engine, prompt)
+        fresh = kv_of(cold_engine, prompt)
+    hf.check_greedy(cold, llama_ckpt, prompt, 8)
+    assert fresh.shape[0] == 5
+
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), kv_host_gib=1 / 1024, num_pages=16,
+             overlap=overlap) as llm:
+        assert run(llm, prompt) == cold  # computed, and written through to disk
+        assert run(llm, prompt) == cold and hits(llm).hit_tokens_pool == 80
+        for seed in range(4):  # other prompts take the pool: the first one's pages move to host memory
+            run(llm, ids(90, 10 + seed))
+        assert llm.cache.match_prefix(prompt).pages == []
+        assert run(llm, prompt) == cold and hits(llm).hit_tokens_host == 80
+        assert torch.equal(kv_of(llm, prompt), fresh)
+        llm.check_integrity()
+
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), overlap=overlap) as restarted:
+        out = restarted.generate([prompt], greedy())[0]
+        assert out.token_ids == cold and out.usage.cached_tokens == 80
+        assert hits(restarted).hit_tokens_disk == 80 and hits(restarted).hit_tokens_pool == 0
+        assert torch.equal(kv_of(restarted, prompt), fresh)
+        restarted.check_integrity()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign"])
+def test_a_bad_page_file_is_refused_counted_logged_deleted_and_recomputed(llama_ckpt, hf, tmp_path, damage, caplog):
+    """Page 3 of 5 is damaged: a byte flipped in its K/V, cut short, or another model's page under its name. The
+    next engine loads pages 0-2, refuses page 3 (counted by why, logged, deleted) and computes the rest: the cold
+    run's tokens."""
+    prompt = ids(90, 2)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv")) as first:
+        cold = run(first, prompt)
+    hf.check_greedy(cold, llama_ckpt, prompt, 8)
+    bad = page_paths(tmp_path / "kv", prompt)[3]
+    data = bytearray(bad.read_bytes())
+    if damage == "corrupt":
+        data[HEADER.size + 8 * PAGE + 100] ^= 0x10
+        bad.write_bytes(data)
+    elif damage == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+    else:  # the same tokens' page 3 of the model in bfloat16: another fingerprint, a valid file
+        with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "other"), dtype="bfloat16") as other:
+            run(other, prompt)
+        foreign = page_paths(tmp_path / "other", prompt)[3]
+        bad.write_bytes(foreign.read_bytes())
+
+    caplog.set_level(logging.WARNING, logger="engine.kv.disk")
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv")) as llm:
+        out = llm.generate([prompt], greedy())[0]
+        assert out.token_ids == cold and out.usage.cached_tokens == 48
+        tier = llm.stats().pages.tiers[0]
+        assert tier.rejected == {damage: 1} and tier.loaded == 3
+        assert hits(llm).hit_tokens_disk == 48
+        llm.check_integrity()
+        assert llm.flush_kv()
+        assert bad.is_file()  # deleted when refused, then written again from the recomputed page
+    assert any(damage in r.getMessage() and str(bad) in r.getMessage() for r in caplog.records)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv")) as again:  # the rewritten file is good
+        assert run(again, prompt) == cold and hits(again).hit_tokens_disk == 80
+        assert again.stats().pages.tiers[0].rejected == {}
+
+
+def test_the_disk_cap_holds_and_keeps_the_most_recently_used(llama_ckpt, tmp_path):
+    """A cap of ten page files under 36 pages written: the directory never passes it, the oldest prompts' pages go,
+    the newest one's stay."""
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), kv_disk_gib=1e-9) as probe:  # below one file: nothing
+        run(probe, ids(40, 3))
+        assert probe.flush_kv() and page_files(tmp_path) == [] and probe.stats().pages.tiers[0].skipped > 0
+        file_bytes = probe.cache.tiers.disk.file_bytes  # type: ignore[attr-defined]
+    cap = 10 * file_bytes
+    prompts = [ids(90, 20 + i) for i in range(6)]  # 6 full pages each, with their output
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), kv_disk_gib=cap / 2**30) as llm:
+        for prompt in prompts:
+            run(llm, prompt)
+            assert llm.flush_kv()
+            assert sum(f.stat().st_size for f in page_files(tmp_path)) <= cap
+            llm.check_integrity()
+        tier = llm.stats().pages.tiers[0]
+        assert tier.stored == 36 and tier.pages == len(page_files(tmp_path)) <= 10 and tier.bytes <= cap
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), kv_disk_gib=cap / 2**30) as restarted:
+        run(restarted, prompts[-1])
+        assert hits(restarted).hit_tokens_disk == 80
+        run(restarted, prompts[0])
+        assert hits(restarted).hit_tokens_disk == 80  # long gone
+
+
+def test_an_abort_while_its_kv_loads_frees_everything(llama_ckpt, tmp_path):
+    """A request aborted while its pages load from disk, and one aborted once they are in (it then waits for a
+    slot, holding them): every page and slot free or cached at idle, no load left, the tiers consistent."""
+    prompt, other = ids(200, 4), ids(30, 5)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as first:
+        run(first, prompt)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), max_running_requests=1) as llm:
+        rid = llm.add_request(prompt, greedy())
+        llm.step()  # the load starts: 12 pages on their way
+        (waiting,) = llm.stats().waiting
+        assert waiting.reason == "loading_kv" and llm.stats().pages.held == 12
+        llm.abort(rid)
+        while llm.has_unfinished():
+            llm.step()
+        llm.check_integrity()
+        assert llm.stats().pages.held == 0 and not llm.cache.loading
+
+        busy = llm.add_request(other, SamplingParams(max_tokens=200, ignore_eos=True))
+        llm.step()  # it holds the only slot
+        rid = llm.add_request(prompt, greedy())
+        while llm.request(rid).loading is None or not llm.request(rid).loading.done:
+            llm.step()  # loaded: in the tree, locked for it, waiting for the slot
+        assert llm.stats().pages.locked >= 12 and llm.stats().waiting[0].reason == "slot"
+        llm.abort(rid)
+        llm.abort(busy)
+        while llm.has_unfinished():
+            llm.step()
+        llm.check_integrity()
+        assert llm.stats().pages.locked == 0 and llm.stats().pages.held == 0
+
+
+def test_two_engines_share_a_directory(llama_ckpt, tmp_path):
+    """Two engine processes on one directory write the same prompts' pages at once and their own: a third engine
+    loads every prompt whole from it, with no file refused and no temporary file left."""
+    from engine.service.client import EngineClient
+    from engine.service.launcher import start
+
+    shared, own = [ids(70, 30 + i) for i in range(3)], [[ids(70, 40 + 10 * e + i) for i in range(2)] for e in (0, 1)]
+    engines = [start(f"ipc://{tmp_path}/e{e}.sock", model=str(llama_ckpt), timeout=120,
+                     kv_cache_dir=str(tmp_path / "kv"), max_running_requests=4) for e in (0, 1)]
+    try:
+        import concurrent.futures
+
+        def drive(e: int) -> list[list[int]]:
+            with EngineClient(engines[e].address) as client:
+                return [client.complete(p, greedy()).token_ids for p in shared + own[e]]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(drive, (0, 1)))
+    finally:
+        for engine in engines:
+            engine.stop()
+    assert outs[0][:3] == outs[1][:3]
+    assert not list((tmp_path / "kv").rglob("*.tmp"))
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv")) as third:
+        for prompt, expected in zip(shared + own[0] + own[1], outs[0] + outs[1][3:], strict=True):
+            before = hits(third).hit_tokens_disk
+            assert run(third, prompt) == expected
+            assert hits(third).hit_tokens_disk - before == 64
+        assert third.stats().pages.tiers[0].rejected == {}
+        third.check_integrity()
+
+
+def test_a_disk_that_refuses_writes_is_a_logged_degradation(llama_ckpt, hf, tmp_path):
+    """Every page write fails (as on a full disk: a file-size limit makes each one fail with EFBIG, in an engine of
+    its own process): the engine serves on with the same tokens, says so once in its log, counts the failures
+    and the pages it did not store."""
+    prompt = ids(90, 6)
+    script = textwrap.dedent(f"""
+        import json, resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        from engine import LLM, SamplingParams
+        llm = LLM({str(llama_ckpt)!r}, kv_cache_dir={str(tmp_path)!r})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        outs = [llm.generate([{prompt!r}], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+                for _ in range(2)]
+        llm.flush_kv()
+        tier = llm.stats().pages.tiers[0]
+        print(json.dumps({{"outs": outs, "errors": tier.write_errors, "skipped": tier.skipped,
+                          "degraded": tier.degraded, "pages": tier.pages}}))
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent.parent, env=os.environ | {"PYTHONPATH": "."})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    hf.check_greedy(report["outs"][0], llama_ckpt, prompt, 8)
+    assert report["outs"][1] == report["outs"][0]
+    assert report["errors"] >= 1 and report["pages"] == 0 and "paused" in report["degraded"]
+    assert report["errors"] + report["skipped"] >= 6  # every page either failed or was not tried while paused
+    assert done.stderr.count("KV disk tier: writing to") == 1 and "File too large" in done.stderr
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_tiers_are_refused_where_they_cannot_go(llama_ckpt):
+    for options in ({"kv_host_gib": 1.0, "prefix_cache": "naive"}, {"kv_disk_gib": -1.0},
+                    {"kv_cache_dir": "/tmp/x", "tensor_parallel_size": 2}):
+        with pytest.raises(ValueError, match="kv_"):
+            LLM(str(llama_ckpt), **options)
+    with LLM(str(llama_ckpt), prefix_cache="naive") as naive:  # the defaults just stay off
+        assert naive.stats().pages.tiers == () and naive.execution["kv_tiers"] == "none below the pool"
