@@ -135,7 +135,7 @@ def test_the_disk_cap_holds_and_keeps_the_most_recently_used(llama_ckpt, tmp_pat
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), kv_disk_gib=1e-9) as probe:  # below one file: nothing
         run(probe, ids(40, 3))
         assert probe.flush_kv() and page_files(tmp_path) == [] and probe.stats().pages.tiers[0].skipped > 0
-        file_bytes = probe.cache.tiers.disk.file_bytes  # type: ignore[attr-defined]
+        file_bytes = probe.cache.tiers.disk.file_bytes
     cap = 10 * file_bytes
     prompts = [ids(90, 20 + i) for i in range(6)]  # 6 full pages each, with their output
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), kv_disk_gib=cap / 2**30) as llm:
@@ -253,3 +253,123 @@ def test_tiers_are_refused_where_they_cannot_go(llama_ckpt):
             LLM(str(llama_ckpt), **options)
     with LLM(str(llama_ckpt), prefix_cache="naive") as naive:  # the defaults just stay off
         assert naive.stats().pages.tiers == () and naive.execution["kv_tiers"] == "none below the pool"
+
+
+# -- the tiers beside the scheduler's other paths -------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_retraction_with_tiers_stays_exact(llama_ckpt, hf, tmp_path, overlap):
+    """A pool too small for the crowd, host and disk tiers under it: retracted requests' pages move down and come
+    back; a second pass finds the prompts below the pool and loads them, retractions and all; transformers'
+    tokens throughout."""
+    from tests.test_retraction import OUT, assert_all_free, crowd, tight
+
+    prompts = crowd()[:32]
+    llm = tight(llama_ckpt, overlap=overlap, kv_cache_dir=str(tmp_path), kv_host_gib=1 / 1024)
+    outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=OUT))]
+    assert llm.stats().counters.retractions >= 3
+    for prompt, out in zip(prompts, outs, strict=True):
+        hf.check_greedy(out, llama_ckpt, prompt, OUT, eos=sorted(llm.eos_ids))
+    assert_all_free(llm)
+    again = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=OUT))]
+    assert again == outs
+    assert hits(llm).hit_tokens_host + hits(llm).hit_tokens_disk > 0
+    assert_all_free(llm)
+    llm.close()
+
+
+def test_n_choices_share_a_prefix_loaded_from_disk(llama_ckpt, hf, tmp_path):
+    """After a restart the first of three choices loads the prompt from disk and the others share it from the pool."""
+    prompt = ids(70, 7)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as first:
+        run(first, prompt)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as llm:
+        outs = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, n=3))
+        assert len(outs) == 3
+        for out in outs:
+            hf.check_greedy(out.token_ids, llama_ckpt, prompt, 8)
+        assert hits(llm).hit_tokens_disk == 64 and hits(llm).hit_tokens_pool == 2 * 64
+        llm.check_integrity()
+
+
+def test_prompt_logprobs_skip_the_tiers(llama_ckpt, hf, tmp_path):
+    """A prompt to score is computed whole: its pages on disk are not loaded, its log-probabilities transformers'."""
+    from tests.test_logprobs import assert_logprobs
+
+    prompt = ids(70, 8)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as first:
+        run(first, prompt)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as llm:
+        scored = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+        assert scored.usage.cached_tokens == 0 and hits(llm).hit_tokens_disk == 0
+        assert llm.stats().pages.tiers[0].loaded == 0
+        assert scored.prompt_logprobs is not None
+        assert_logprobs(scored.prompt_logprobs[1:], hf.log_softmax(llama_ckpt, prompt)[:-1], prompt[1:], 2)
+        llm.check_integrity()
+
+
+def test_speculative_decoding_over_a_prefix_from_disk(llama_ckpt, hf, tmp_path):
+    """Prompt lookup's drafts verified after the prompt came from disk: the rejected drafts' pages go back (freed,
+    never cached), the output is transformers', every tier adds up at idle."""
+    from tests.test_speculative import prompts as repeating
+
+    batch = repeating()[:3]
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as first:
+        first.generate(batch, greedy(24))
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), speculative="ngram", speculative_adaptive=False) as llm:
+        outs = llm.generate(batch, greedy(24))
+        for prompt, out in zip(batch, outs, strict=True):
+            hf.check_greedy(out.token_ids, llama_ckpt, prompt, 24)
+        c = llm.stats().counters
+        assert c.spec_drafts > 0 and c.spec_accepted_tokens < c.spec_draft_tokens
+        assert c.hit_tokens_disk == sum((len(p) - 1) // PAGE * PAGE for p in batch)
+        llm.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_a_sliding_window_models_early_pages_reach_disk(checkpoints, hf, tmp_path, overlap):
+    """Every layer windowed (12 positions): pages the window passed are handed to the cache while the request runs,
+    written through once the batch that may still write them is processed; after a restart the whole prefix
+    comes back from disk, and the tokens are transformers'."""
+    path = checkpoints["mistral_window"]
+    prompt = ids(70, 9)
+    with LLM(str(path), kv_cache_dir=str(tmp_path), max_prefill_tokens=16, overlap=overlap, page_size=8) as first:
+        cold = run(first, prompt, greedy(12))
+        first.check_integrity()
+    hf.check_greedy(cold, path, prompt, 12)
+    with LLM(str(path), kv_cache_dir=str(tmp_path), overlap=overlap, page_size=8) as llm:
+        assert run(llm, prompt, greedy(12)) == cold
+        assert hits(llm).hit_tokens_disk == 64
+        llm.check_integrity()
+
+
+def test_the_api_status_and_metrics_tell_the_tiers(llama_ckpt, tmp_path):
+    """Through `serve --http`, restarted on the same directory: the SDK's cached_tokens counts the prompt tokens that
+    came from disk, /metrics has the disk hits and files, `minichat status` a line per tier."""
+    import httpx
+    import openai
+    from typer.testing import CliRunner
+
+    from tests.served import serve_http
+    from tui.cli import app
+
+    prompt = "A page of the cache holds sixteen tokens of keys and values. " * 6
+    options = ("--kv-cache-dir", str(tmp_path))
+    cold = []
+    for url, _ in serve_http(llama_ckpt, *options):
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        cold.append(sdk.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0))
+    assert cold[0].usage.prompt_tokens_details.cached_tokens == 0
+    for url, address in serve_http(llama_ckpt, *options):  # restarted: the prompt's pages are on disk
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        out = sdk.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0)
+        n = out.usage.prompt_tokens
+        assert out.usage.prompt_tokens_details.cached_tokens == (n - 1) // PAGE * PAGE
+        assert out.choices[0].text == cold[0].choices[0].text
+        metrics = httpx.get(f"{url}/metrics").text
+        assert f'minichat_kv_hit_tokens_total{{tier="disk"}} {float((n - 1) // PAGE * PAGE)}' in metrics
+        assert 'minichat_kv_tier_pages{tier="disk"}' in metrics
+        assert 'minichat_kv_disk_rejected_files_total{reason="corrupt"} 0.0' in metrics
+        status = CliRunner().invoke(app, ["status", "--address", address])
+        assert status.exit_code == 0, status.output
+        (line,) = [s for s in status.output.splitlines() if s.startswith("KV tiers: ")]
+        assert "pool 0 tokens hit" in line and f"{(n - 1) // PAGE * PAGE:,} tokens hit" in line and "disk " in line
