@@ -371,5 +371,56 @@ def test_the_api_status_and_metrics_tell_the_tiers(llama_ckpt, tmp_path):
         assert 'minichat_kv_disk_rejected_files_total{reason="corrupt"} 0.0' in metrics
         status = CliRunner().invoke(app, ["status", "--address", address])
         assert status.exit_code == 0, status.output
-        (line,) = [s for s in status.output.splitlines() if s.startswith("KV tiers: ")]
+        (line,) = [s for s in status.output.splitlines() if s.startswith("KV pages ")]
         assert "pool 0 tokens hit" in line and f"{(n - 1) // PAGE * PAGE:,} tokens hit" in line and "disk " in line
+
+
+def test_the_console_resumes_a_conversation_from_disk_after_a_restart(long_ckpt, tmp_path, data_dir):
+    """A conversation had with one engine, whose pages reach its disk tier as each reply ends; the console quits,
+    the engine restarts: the reopened tab sends its history ahead, which the new engine loads from disk, and the
+    next message finds the whole conversation cached."""
+    import asyncio
+
+    from engine.service.launcher import start
+    from tests.test_tui import SIZE, connected_app, last_reply, type_and_send, wait_for
+    from tui.app import MinichatApp
+    from tui.link import EngineLink
+
+    address = f"ipc://{tmp_path}/engine.sock"
+    options = {"max_running_requests": 4, "max_prefill_tokens": 256, "kv_cache_dir": str(tmp_path / "kv")}
+
+    def disk(app: MinichatApp) -> tuple[int, int]:
+        stats = app.last_stats
+        tier = next((t for t in stats.pages.tiers if t.name == "disk"), None) if stats is not None else None
+        return (tier.stored, stats.counters.hit_tokens_disk) if tier is not None and stats is not None else (0, 0)
+
+    async def first_run() -> None:
+        app = MinichatApp(EngineLink(address=address, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await type_and_send(pilot, "/max_tokens 24")
+            for text in ("Tell me about the sea and the ships upon it.", "And what of the harbour at night?"):
+                await type_and_send(pilot, text)
+                await wait_for(pilot, lambda: last_reply(app).state == "done", "the reply")
+            prompt = last_reply(app).prompt_tokens or 0
+            await wait_for(pilot, lambda: disk(app)[0] >= prompt // PAGE, "the conversation written through")
+            await pilot.press("ctrl+q")
+            await wait_for(pilot, lambda: not app.is_running, "the app to quit")
+            history.append(prompt + (last_reply(app).completion_tokens or 0))
+
+    async def second_run() -> None:
+        app = MinichatApp(EngineLink(address=address, autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            assert app.current is not None and len(app.current.session.turns) == 2
+            await wait_for(pilot, lambda: disk(app)[1] > 0, "the history loaded from disk")
+            assert disk(app)[1] >= (history[0] - 2 * PAGE) // PAGE * PAGE
+            await type_and_send(pilot, "Goodnight.")
+            await wait_for(pilot, lambda: last_reply(app).state == "done", "the next reply")
+            assert (last_reply(app).cached_tokens or 0) >= (history[0] - 2 * PAGE) // PAGE * PAGE
+
+    history: list[int] = []
+    with start(address, model=str(long_ckpt), timeout=120, **options):
+        asyncio.run(first_run())
+    with start(address, model=str(long_ckpt), timeout=120, **options):
+        asyncio.run(second_run())

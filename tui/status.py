@@ -37,8 +37,8 @@ def summary(stats: Stats, info: Info | None = None) -> list[str]:
         *lines,
         f"request slots {busy}/{len(stats.slots)} busy; waiting {len(stats.waiting)}; running {len(stats.running)}",
         f"KV pages ({p.page_size} tokens each): {p.free} free, {p.held} held, {p.cached} cached, "
-        f"{p.locked} locked, {p.total} total; {p.claimed} more counted for admitted requests",
-        "KV tiers: " + "; ".join(kv_tiers(stats)),
+        f"{p.locked} locked, {p.total} total; {p.claimed} more counted for admitted requests; "
+        + "; ".join(kv_tiers(stats)),
         f"admission {stats.admission}; order {stats.policy}; {c.retractions} retractions",
         f"rates: prefill {c.prefill_tokens_per_s:.1f} tok/s, decode {c.decode_tokens_per_s:.1f} tok/s, "
         f"{c.steps_per_s:.1f} steps/s",
@@ -68,7 +68,7 @@ def kv_tiers(stats: Stats, brief: bool = False) -> list[str]:
     for tier in stats.pages.tiers:
         parts.append(_tier(tier, hits.get(tier.name, 0), brief))
     if not stats.pages.tiers and not brief:
-        parts.append("none below the pool")
+        parts.append("no tier below the pool")
     return parts
 
 
