@@ -118,7 +118,7 @@ class PageFile:
         return start
 
 
-Job = tuple[PageFile, torch.Tensor] | threading.Event | None  # a page to write, a flush's event, or close
+Job = tuple[PageFile, torch.Tensor, Callable[[], None]] | threading.Event | None  # a write, a flush, close
 
 
 class DiskTier:
@@ -128,7 +128,7 @@ class DiskTier:
     read, so a waiting scheduler can wake."""
 
     def __init__(self, root: Path, fingerprint: bytes, page_shape: tuple[int, ...], dtype: torch.dtype,
-                 cap_bytes: int, max_pending_bytes: int, on_read: Callable[[], None] = lambda: None) -> None:
+                 cap_bytes: int, on_read: Callable[[], None] = lambda: None) -> None:
         self.root = root
         self.fingerprint = fingerprint
         self.dir = root / fingerprint.hex()
@@ -136,7 +136,6 @@ class DiskTier:
         self.dtype = dtype
         self.payload = torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size()
         self.cap_bytes = cap_bytes
-        self.max_pending_bytes = max_pending_bytes
         self.on_read = on_read
         self.counts = DiskCounts()
         self.degraded = ""  # why writing is paused now ("" when it is not)
@@ -144,7 +143,7 @@ class DiskTier:
         self._files: OrderedDict[Path, int] = OrderedDict()  # every page file in `root`, least recently used first
         self._ours: set[bytes] = set()  # the keys of this fingerprint's files
         self._total = 0
-        self._pending = 0  # bytes queued for writing
+        self._pending = 0  # writes queued
         self._paused_until = 0.0
         self._scanned_at = -float("inf")
         self._jobs: queue.Queue[Job] = queue.Queue()
@@ -176,19 +175,26 @@ class DiskTier:
         hexkey = key.hex()
         return self.dir / hexkey[:2] / f"{hexkey}{SUFFIX}"
 
-    def write(self, page: PageFile, data: torch.Tensor) -> bool:
+    def write(self, page: PageFile, data: torch.Tensor, done: Callable[[], None]) -> bool:
         """Queue one page's K/V (a contiguous host tensor of `page_shape`) for writing; False when it will not be
-        stored (writing paused, or the queue holds `max_pending_bytes`), True if it is or will be."""
+        stored (writing is paused, or a page does not fit the cap), True if it is or will be. `done()` is called
+        once `data` is no longer needed: at once, or on the writer thread after the write."""
         if page.key in self._ours:
+            done()
             return True
         with self._lock:
-            if time.monotonic() < self._paused_until or self._pending + self.payload > self.max_pending_bytes \
-                    or self.file_bytes > self.cap_bytes:
+            if time.monotonic() < self._paused_until or self.file_bytes > self.cap_bytes:
                 self.counts.skipped += 1
+                done()
                 return False
-            self._pending += self.payload
-        self._jobs.put((page, data))
+            self._pending += 1
+        self._jobs.put((page, data, done))
         return True
+
+    def skipped(self, pages: int) -> None:
+        """Pages not handed to `write` at all (there was no room to stage them)."""
+        with self._lock:
+            self.counts.skipped += pages
 
     def read(self, page: PageFile) -> Future[torch.Tensor]:
         """The page's K/V read back and checked (PageRejected if the file must not be used)."""
@@ -267,12 +273,13 @@ class DiskTier:
             if isinstance(job, threading.Event):  # flush: everything queued before it is done
                 job.set()
                 continue
-            page, data = job
+            page, data, done = job
             try:
                 self._store(page, data)
             finally:
+                done()
                 with self._lock:
-                    self._pending -= self.payload
+                    self._pending -= 1
 
     def _store(self, page: PageFile, data: torch.Tensor) -> None:
         if page.key in self._ours:

@@ -39,18 +39,22 @@ class KVPool:
         layers, _, slots, heads, dim = self.buffer.shape
         return self.buffer.view(layers, 2, slots // self.page_size, self.page_size, heads, dim)
 
-    def read_pages(self, pages: list[int]) -> torch.Tensor:
-        """The K/V of `pages`, copied to host memory: [len(pages), *page_shape], contiguous (synchronous on a
-        GPU: the copy is done when this returns)."""
+    def read_pages(self, pages: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The K/V of `pages`, copied to host memory: [len(pages), *page_shape], contiguous, into `out` if given
+        (memory used again: a fresh tensor costs its page faults, several times the copy); synchronous on a GPU,
+        the copy is done when this returns."""
         index = torch.tensor(pages, dtype=torch.int64, device=self.buffer.device)
-        gathered = self._paged().index_select(2, index).permute(2, 0, 1, 3, 4, 5)
-        return gathered.to("cpu").contiguous()
+        paged = self._paged().permute(2, 0, 1, 3, 4, 5)
+        if out is not None and self.buffer.device.type == "cpu":
+            return torch.index_select(paged, 0, index, out=out)
+        gathered = paged.index_select(0, index)
+        return gathered.to("cpu") if out is None else out.copy_(gathered)
 
     def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
         """Put `data` ([len(pages), *page_shape], host memory, as `read_pages` gives it) into `pages`
         (synchronous: `data` may be reused when this returns)."""
         index = torch.tensor(pages, dtype=torch.int64, device=self.buffer.device)
-        self._paged().index_copy_(2, index, data.to(self.buffer.device).permute(1, 2, 0, 3, 4, 5))
+        self._paged().permute(2, 0, 1, 3, 4, 5).index_copy_(0, index, data.to(self.buffer.device))
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
