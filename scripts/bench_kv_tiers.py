@@ -10,7 +10,7 @@ In process, token ids only (the weights are random: what is measured is shapes a
 - `cold`: an engine without tiers (`kv_disk_gib=0`) gets the conversation plus a new turn; TTFT is the engine's own
   (RequestOutput.timings.ttft: arrival to first token), here the whole prompt's prefill;
 - `pool`: an engine with the disk tier (a fresh directory) has the conversation (its first turns, then the whole
-  history: every page written through), then the new turn arrives: TTFT with the history in the pool;
+  history: every page written through), then a new turn arrives: TTFT with the history in the pool;
 - `disk`: that engine is closed (its writes finished) and a new one opened on the directory (with
   `--drop-page-cache`, the page files are first dropped from the OS page cache with posix_fadvise, so they come
   from the device): TTFT of the same turn, the history loaded from disk while the request waits;
@@ -91,17 +91,19 @@ def copy_out_seconds(llm: LLM, pages: int = 64, repeats: int = 5) -> float:
     return best
 
 
-def conversation_round(model: str, options: dict, history: list[int], turn: list[int], work: Path,
-                       drop: bool) -> dict[str, float]:
-    """TTFT cold, from the pool and from disk after a restart; the disk tier's per-page timings."""
-    prompt = history + turn
+def conversation_round(model: str, options: dict, history: list[int], turns: tuple[list[int], list[int]],
+                       work: Path, drop: bool) -> dict[str, float]:
+    """TTFT cold, from the pool and from disk after a restart; the disk tier's per-page timings. The pool's turn
+    and the other two are different tokens, so that the restarted engine finds on disk the history alone, as the
+    pool had it (not the pool's turn too)."""
+    prompt = history + turns[1]
     with LLM(model, kv_disk_gib=0, **options) as cold_engine:
         cold = ttft(cold_engine, prompt)
     where = Path(tempfile.mkdtemp(prefix="kv-", dir=work))
     with LLM(model, kv_cache_dir=str(where), **options) as llm:
         ttft(llm, history[: len(history) // 2])  # the conversation so far, turn by turn
         ttft(llm, history)
-        pool = ttft(llm, prompt)
+        pool = ttft(llm, history + turns[0])
         copy = copy_out_seconds(llm)
         assert llm.flush_kv()
         (written,) = llm.stats().pages.tiers
@@ -111,7 +113,7 @@ def conversation_round(model: str, options: dict, history: list[int], turn: list
         start = time.perf_counter()
         out = restarted.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
         wall = time.perf_counter() - start
-        assert out.usage.cached_tokens >= len(history) // 16 * 16 - 16, out.usage
+        assert out.usage.cached_tokens == len(history) // 16 * 16, out.usage
         (read,) = restarted.stats().pages.tiers
     shutil.rmtree(where, ignore_errors=True)
     return {"cold": cold, "pool": pool, "disk": out.timings.ttft or wall, "copy_out": copy,
@@ -151,11 +153,11 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     options = {"dtype": args.dtype}
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    history, turn = tokens(args.conversation, 1, vocab), tokens(args.turn, 2, vocab)
+    history, turns = tokens(args.conversation, 1, vocab), (tokens(args.turn, 2, vocab), tokens(args.turn, 3, vocab))
     rows: list[dict[str, float]] = []
     rates: dict[bool, list[float]] = {False: [], True: []}
     for r in range(args.rounds):
-        rows.append(conversation_round(model, options, history, turn, args.work, args.drop_page_cache))
+        rows.append(conversation_round(model, options, history, turns, args.work, args.drop_page_cache))
         log(f"round {r + 1}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()))
         for tiers in (False, True) if r % 2 == 0 else (True, False):
             rates[tiers].append(throughput(model, options, tiers, args.requests, args.prompt_len, args.output_len,

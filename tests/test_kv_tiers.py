@@ -46,6 +46,13 @@ def kv_of(llm: LLM, prompt: list[int]) -> torch.Tensor:
     return llm.kv.read_pages(llm.cache.match_prefix(prompt).pages)
 
 
+def written(path: Path, where: Path, prompts: list[list[int]], params: SamplingParams | None = None,
+            **options: object) -> list[list[int]]:
+    """The prompts' tokens from an engine on `where` that then stops: their pages are on disk for the next one."""
+    with LLM(str(path), kv_cache_dir=str(where), **options) as first:
+        return [o.token_ids for o in first.generate(prompts, params or greedy())]
+
+
 def page_files(root: Path) -> list[Path]:
     return sorted(root.rglob(f"*{SUFFIX}"))
 
@@ -97,8 +104,7 @@ def test_a_bad_page_file_is_refused_counted_logged_deleted_and_recomputed(llama_
     next engine loads pages 0-2, refuses page 3 (counted by why, logged, deleted) and computes the rest: the cold
     run's tokens."""
     prompt = ids(90, 2)
-    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv")) as first:
-        cold = run(first, prompt)
+    (cold,) = written(llama_ckpt, tmp_path / "kv", [prompt])
     hf.check_greedy(cold, llama_ckpt, prompt, 8)
     bad = page_paths(tmp_path / "kv", prompt)[3]
     data = bytearray(bad.read_bytes())
@@ -108,8 +114,7 @@ def test_a_bad_page_file_is_refused_counted_logged_deleted_and_recomputed(llama_
     elif damage == "truncated":
         bad.write_bytes(data[: len(data) // 2])
     else:  # the same tokens' page 3 of the model in bfloat16: another fingerprint, a valid file
-        with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "other"), dtype="bfloat16") as other:
-            run(other, prompt)
+        written(llama_ckpt, tmp_path / "other", [prompt], dtype="bfloat16")
         foreign = page_paths(tmp_path / "other", prompt)[3]
         bad.write_bytes(foreign.read_bytes())
 
@@ -157,8 +162,7 @@ def test_an_abort_while_its_kv_loads_frees_everything(llama_ckpt, tmp_path):
     """A request aborted while its pages load from disk, and one aborted once they are in (it then waits for a
     slot, holding them): every page and slot free or cached at idle, no load left, the tiers consistent."""
     prompt, other = ids(200, 4), ids(30, 5)
-    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as first:
-        run(first, prompt)
+    written(llama_ckpt, tmp_path, [prompt])
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), max_running_requests=1) as llm:
         rid = llm.add_request(prompt, greedy())
         llm.step()  # the load starts: 12 pages on their way
@@ -280,8 +284,7 @@ def test_retraction_with_tiers_stays_exact(llama_ckpt, hf, tmp_path, overlap):
 def test_n_choices_share_a_prefix_loaded_from_disk(llama_ckpt, hf, tmp_path):
     """After a restart the first of three choices loads the prompt from disk and the others share it from the pool."""
     prompt = ids(70, 7)
-    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as first:
-        run(first, prompt)
+    written(llama_ckpt, tmp_path, [prompt])
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as llm:
         outs = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, n=3))
         assert len(outs) == 3
@@ -296,8 +299,7 @@ def test_prompt_logprobs_skip_the_tiers(llama_ckpt, hf, tmp_path):
     from tests.test_logprobs import assert_logprobs
 
     prompt = ids(70, 8)
-    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as first:
-        run(first, prompt)
+    written(llama_ckpt, tmp_path, [prompt])
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as llm:
         scored = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
         assert scored.usage.cached_tokens == 0 and hits(llm).hit_tokens_disk == 0
@@ -313,8 +315,7 @@ def test_speculative_decoding_over_a_prefix_from_disk(llama_ckpt, hf, tmp_path):
     from tests.test_speculative import prompts as repeating
 
     batch = repeating()[:3]
-    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as first:
-        first.generate(batch, greedy(24))
+    written(llama_ckpt, tmp_path, batch, greedy(24))
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), speculative="ngram", speculative_adaptive=False) as llm:
         outs = llm.generate(batch, greedy(24))
         for prompt, out in zip(batch, outs, strict=True):
@@ -332,9 +333,7 @@ def test_a_sliding_window_models_early_pages_reach_disk(checkpoints, hf, tmp_pat
     comes back from disk, and the tokens are transformers'."""
     path = checkpoints["mistral_window"]
     prompt = ids(70, 9)
-    with LLM(str(path), kv_cache_dir=str(tmp_path), max_prefill_tokens=16, overlap=overlap, page_size=8) as first:
-        cold = run(first, prompt, greedy(12))
-        first.check_integrity()
+    (cold,) = written(path, tmp_path, [prompt], greedy(12), max_prefill_tokens=16, overlap=overlap, page_size=8)
     hf.check_greedy(cold, path, prompt, 12)
     with LLM(str(path), kv_cache_dir=str(tmp_path), overlap=overlap, page_size=8) as llm:
         assert run(llm, prompt, greedy(12)) == cold
