@@ -15,7 +15,6 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.params import SamplingParams
 from engine.service.client import AsyncEngineClient, EngineClient, EngineError
 from tests import test_http_api as http_api
 from tests.test_http_api import CHAT, KEY, Server, assert_error
@@ -85,7 +84,7 @@ def test_engine_clients_refuse_bad_tokens(engine: EngineClient) -> None:
 def test_console_trims_its_history_by_the_engines_count(engine: EngineClient) -> None:
     """The console's Session.fit drops the fewest oldest turns that make the history fit, as the engine
     counts tokens (one tokenize call when it fits)."""
-    session = Session("trim", params=SamplingParams(max_tokens=16))
+    session = Session("trim", chosen={"max_tokens": 16})
     for i in range(9):
         turn = session.start_turn(f"turn {i}: {TEXT}")
         turn.reply.text = f"reply {i}: to be or not to be, that is the question " * (i % 3 + 1)

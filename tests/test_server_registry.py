@@ -39,10 +39,10 @@ def gate(server: EngineServer, monkeypatch: pytest.MonkeyPatch) -> threading.Eve
     opened = threading.Event()
     encode = server.llm.encode_prompt
 
-    def held(prompt: object, tools: object = None) -> list[int]:
+    def held(prompt: object, tools: object = None, template_kwargs: object = None) -> list[int]:
         if isinstance(prompt, str):
             assert opened.wait(30), "the test never opened the gate"
-        return encode(prompt, tools)  # type: ignore[arg-type]
+        return encode(prompt, tools, template_kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(server.llm, "encode_prompt", held)
     yield opened
