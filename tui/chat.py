@@ -416,9 +416,9 @@ class ChatPane(Vertical):
         the engine finds its KV pages on its disk tier where it wrote them before, and the next message starts from
         a warm prefix cache instead of computing the whole conversation. Nothing is shown; a failure is silent."""
         info = self.link.info
-        if info is None or info.pid == self.warmed or self.session.live is not None or self.closing or \
-                not self.session.messages(None) or not all(n.display for n in self.ancestors_with_self
-                                                            if isinstance(n, Widget)):
+        said = any(turn.reply.text for turn in self.session.turns[self.session.context_start:])
+        if info is None or info.pid == self.warmed or self.session.live is not None or self.closing or not said \
+                or not all(n.display for n in self.ancestors_with_self if isinstance(n, Widget)):
             return
         self.warmed = info.pid
         self.run_worker(self._warm(), group="warm", exclusive=True, exit_on_error=False)
