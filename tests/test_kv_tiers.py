@@ -423,3 +423,39 @@ def test_the_console_resumes_a_conversation_from_disk_after_a_restart(long_ckpt,
         asyncio.run(first_run())
     with start(address, model=str(long_ckpt), timeout=120, **options):
         asyncio.run(second_run())
+
+
+def test_pages_past_the_staging_ring_are_written_as_it_drains(tmp_path):
+    """A release of more pages than the staging ring holds (a long conversation's): the rest are written as the
+    writer frees the ring, step by step, none lost, each file the pool's bytes; a flush at idle gets them all."""
+    from engine.kv import PageAllocator, PrefixMatch, RadixCacheManager
+    from engine.kv.disk import DiskTier, PageFile
+    from engine.kv.pool import KVPool
+    from engine.kv.tiers import KVTiers
+
+    pool = KVPool(2, 40, 4, 1, 8, torch.float32, torch.device("cpu"))
+    pool.buffer.normal_()
+    fingerprint = bytes(range(16))
+    disk = DiskTier(tmp_path, fingerprint, pool.page_shape, torch.float32, 1 << 30)
+    tiers = KVTiers(pool, fingerprint, None, disk, staging_bytes=3 * pool.page_bytes)
+    cache = RadixCacheManager(PageAllocator(40), 4, tiers)
+    tokens, pages = list(range(100, 140)), cache.allocate(10, "r")
+    cache.release(tokens, pages, PrefixMatch())
+    assert disk.flush(10) and disk.pages == 3  # the ring's worth; the rest wait for room
+    steps = 0
+    while disk.pages < 10:
+        cache.processed(steps)  # after each step: what the ring has room for now
+        assert disk.flush(10)
+        steps += 1
+    assert steps == 3 and tiers.staging is not None and tiers.staging.used == 0
+    parent = fingerprint
+    for i, page in enumerate(pages):
+        key = chain_key(parent, tuple(tokens[4 * i : 4 * i + 4]))
+        data = disk.read(PageFile(fingerprint, key, parent, tuple(tokens[4 * i : 4 * i + 4]))).result()
+        assert torch.equal(data, pool.read_pages([page])[0])
+        parent = key
+    more = cache.allocate(12, "s")  # a second release, flushed at idle at once
+    cache.release(list(range(200, 248)), more, PrefixMatch())
+    assert cache.flush(30) and disk.pages == 22
+    cache.check_integrity(idle=True)
+    disk.close(10)

@@ -183,7 +183,7 @@ class DiskTier:
             done()
             return True
         with self._lock:
-            if time.monotonic() < self._paused_until or self.file_bytes > self.cap_bytes:
+            if not self.accepting:
                 self.counts.skipped += 1
                 done()
                 return False
@@ -191,8 +191,13 @@ class DiskTier:
         self._jobs.put((page, data, done))
         return True
 
+    @property
+    def accepting(self) -> bool:
+        """Whether a write now would be tried: writing is not paused after a failure, and a page fits the cap."""
+        return time.monotonic() >= self._paused_until and self.file_bytes <= self.cap_bytes
+
     def skipped(self, pages: int) -> None:
-        """Pages not handed to `write` at all (there was no room to stage them)."""
+        """Pages not handed to `write` at all (it was not `accepting`)."""
         with self._lock:
             self.counts.skipped += pages
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 
 from engine.kv.allocator import PageAllocator
 from engine.kv.cache import CacheManager, PrefixMatch
@@ -60,6 +61,7 @@ class RadixCacheManager(CacheManager):
         self._locked = 0
         self._batch = 0  # the batch being scheduled (`scheduling`)
         self._pending: dict[Node, int] = {}  # nodes whose page is final once this batch is processed
+        self._unstaged: dict[Node, None] = {}  # final, not written yet: the staging ring was full (in order)
 
     def _pages_of(self, token_ids: list[int]) -> list[tuple[int, ...]]:
         ps = self.page_size
@@ -170,18 +172,25 @@ class RadixCacheManager(CacheManager):
             final = [n for n in evicted if self._pending.pop(n, None) is None]
             self.tiers.demote([n.stored_as() for n in final])
             self._store(final)
+            for node in evicted:  # no room to stage them now: too late to try again
+                self._unstaged.pop(node, None)
         self.allocator.reclaim([n.page for n in evicted])
         return len(evicted)
 
     # -- tiers ------------------------------------------------------------------------------------
     def _store(self, nodes: list[Node]) -> None:
-        """Write through the final pages of `nodes` not written yet."""
+        """Write through the final pages of `nodes` not written yet; those the staging ring has no room for now are
+        tried again after the next step (`_unstaged`)."""
         if self.tiers is None:
             return
         fresh = [n for n in nodes if not n.stored]
         for node, stored in zip(fresh, self.tiers.store([n.stored_as() for n in fresh]), strict=True):
-            node.stored = stored
             self._pending.pop(node, None)
+            if stored is None:
+                self._unstaged[node] = None
+            else:
+                node.stored = stored
+                self._unstaged.pop(node, None)
 
     def _store_later(self, nodes: list[Node]) -> None:
         """Write these through once the batch being scheduled is processed (it, or the one before, may write them)."""
@@ -207,9 +216,10 @@ class RadixCacheManager(CacheManager):
         self._batch = batch
 
     def processed(self, batches: int) -> None:
-        due = [n for n, batch in self._pending.items() if batch <= batches]
+        due = [*self._unstaged, *(n for n, batch in self._pending.items() if batch <= batches)]
         for node in due:
-            del self._pending[node]
+            self._pending.pop(node, None)
+        self._unstaged.clear()
         self._store([n for n in due if self.by_page.get(n.page) is n])
 
     def find_below(self, token_ids: list[int], match: PrefixMatch) -> Below:
@@ -276,12 +286,18 @@ class RadixCacheManager(CacheManager):
         return self.tiers.use() if self.tiers is not None else []
 
     def flush(self, timeout: float = 60.0) -> bool:
-        """Write through every cached page not written yet (at idle every one is final), then wait for the writes."""
+        """Write through every cached page not written yet (at idle every one is final), as many at a time as the
+        staging ring holds, and wait for the writes; False if that took longer than `timeout` seconds."""
         if self.tiers is None:
             return True
+        deadline = time.monotonic() + timeout
         self._pending.clear()
         self._store(list(self.by_page.values()))
-        return self.tiers.flush(timeout)
+        while self._unstaged:
+            if not self.tiers.flush(deadline - time.monotonic()):
+                return False
+            self.processed(0)
+        return self.tiers.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         if self.tiers is not None:

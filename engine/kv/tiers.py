@@ -155,9 +155,10 @@ class Staging:
 class KVTiers:
     """The tiers below one pool (either may be absent), the loads under way, and what the tiers did."""
 
-    def __init__(self, pool: KVPool, fingerprint: bytes, host: HostTier | None, disk: DiskTier | None) -> None:
+    def __init__(self, pool: KVPool, fingerprint: bytes, host: HostTier | None, disk: DiskTier | None,
+                 staging_bytes: int = STAGING_BYTES) -> None:
         self.pool = pool
-        self.staging = Staging(max(1, STAGING_BYTES // pool.page_bytes), pool.page_shape, pool.buffer.dtype) \
+        self.staging = Staging(max(1, staging_bytes // pool.page_bytes), pool.page_shape, pool.buffer.dtype) \
             if disk is not None else None
         self.root = fingerprint  # the parent key of every prompt's first page
         self.host = host
@@ -267,20 +268,22 @@ class KVTiers:
         self._arrived.wait(timeout)
 
     # -- storing --------------------------------------------------------------------------------
-    def store(self, pages: list[Stored]) -> list[bool]:
+    def store(self, pages: list[Stored]) -> list[bool | None]:
         """Write these pool pages (final: no batch writes them again) through to the disk tier; for each, whether
-        it is (or will be) stored there. They are copied into the staging ring now; pages the ring has no room for
-        are not stored (counted as skipped)."""
+        it is (or will be) stored there, or None where the staging ring has no room for it now (try again later).
+        They are copied into the ring now."""
         if self.disk is None or self.staging is None or not pages:
             return [False] * len(pages)
-        stored: list[bool] = []
+        if not self.disk.accepting:
+            self.disk.skipped(len(pages))
+            return [False] * len(pages)
+        stored: list[bool | None] = []
         for start, count in self.staging.take(len(pages)):
             batch = pages[len(stored) : len(stored) + count]
             data = self.pool.read_pages([p.page for p in batch], out=self.staging.buffer[start : start + count])
             stored += [self.disk.write(page.file(self.root), kv, functools.partial(self.staging.give, start + i))
                        for i, (page, kv) in enumerate(zip(batch, data, strict=True))]
-        self.disk.skipped(len(pages) - len(stored))
-        return stored + [False] * (len(pages) - len(stored))
+        return stored + [None] * (len(pages) - len(stored))
 
     def demote(self, evicted: list[Stored]) -> None:
         """Pages the pool evicts (final) go into the host tier."""
