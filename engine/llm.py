@@ -66,6 +66,7 @@ from engine.tokenizer import (
 from engine.tools import ToolFormat, template_messages, tool_format
 from kernels.attention import make_backend
 from kernels.cpu import load_cpu_kernels
+from kernels.cpu.build import cache_dir
 from kernels.quant import BlockMatrix, DeviceBlockWeight
 
 if TYPE_CHECKING:
@@ -212,8 +213,8 @@ class LLM:
                  "page_size": cfg.page_size, "tensor_parallel": [cfg.tensor_parallel_size, self.model.num_kv_heads],
                  "kv": [spec.num_layers, self.model.num_kv_heads, spec.head_dim, str(self.kv.buffer.dtype)]}
         files = [*self.checkpoint.weight_files(), self.checkpoint.meta / "config.json"]
-        return open_tiers(self.kv, fingerprint(files, where / WEIGHTS_MEMO, facts), host, where if disk else None,
-                          disk, pin=self.device.type == "cuda")
+        return open_tiers(self.kv, fingerprint(files, cache_dir() / WEIGHTS_MEMO, facts), host,
+                          where if disk else None, disk, pin=self.device.type == "cuda")
 
     def _speculator(self, num_pages: int) -> Speculator | None:
         """The proposer `speculative` asks for, if any: prompt lookup, or a draft model loaded beside the target

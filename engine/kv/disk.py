@@ -227,12 +227,12 @@ class DiskTier:
     def check_integrity(self) -> None:
         """The index adds up and, once the writes are done, holds the cap."""
         with self._lock:
-            total, files, pending = self._total, dict(self._files), self._pending
+            total, files, pending, ours = self._total, dict(self._files), self._pending, set(self._ours)
         if total != sum(files.values()):
             raise AssertionError(f"disk tier: index total {total} != the sum of its files {sum(files.values())}")
         if not pending and total > self.cap_bytes:
             raise AssertionError(f"disk tier: {total} bytes indexed over the cap of {self.cap_bytes}")
-        stray = {k for k in self._ours if self.path(k) not in files}
+        stray = {k for k in ours if self.path(k) not in files}
         if stray:
             raise AssertionError(f"disk tier: {len(stray)} keys without a file in the index")
 

@@ -5,7 +5,7 @@ how the pool lays them out (layers, KV heads per rank, head size, element size).
 of it; the disk tier keeps each fingerprint's pages in a directory of its own and every file repeats it in
 its header (engine/kv/disk.py). The weights' identity is a hash of their files' bytes: a checkpoint copied
 elsewhere keeps it, a fine-tune of the same shape does not. Hashing a 1 GB file takes about a second, so
-each file's hash is remembered by path, size, modification time and inode (`WEIGHTS_MEMO`, in the cache
+each file's hash is remembered by path, size, modification time and inode (`WEIGHTS_MEMO`, in minichat's cache
 directory), and a later start only stats the files.
 """
 

@@ -38,7 +38,9 @@ from engine.kv.pool import KVPool
 from engine.pages import TierUse
 
 log = logging.getLogger(__name__)
-STAGING_BYTES = 64 << 20  # pages waiting for the disk writer at most (a 4,000-token chat, 0.5B, bf16: 48 MiB)
+STAGING_BYTES = 64 << 20  # pages waiting for the disk writer at most (a 4,000-token chat, 0.5B, bf16: 48 MiB) ...
+STAGING_SHARE = 16  # ... and at most a 16th of the pool (at least STAGING_MIN pages)
+STAGING_MIN = 64
 
 
 def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -113,17 +115,25 @@ class KVLoad:
 class Staging:
     """Host memory pages wait in for the disk writer: a ring of page slots, taken in order by the scheduler's thread
     and given back by the writer's (or at once, for a page not written), the ring's tail passing only slots given
-    back. Allocated once: a fresh tensor per copy costs its page faults, several times the copy itself. Memory is
-    touched only as far as the ring has been used."""
+    back. Allocated once, at the first use, and touched whole then: a fresh tensor per copy costs its page faults,
+    several times the copy itself, and a ring touched as it turns would grow the engine's memory for a while."""
 
     def __init__(self, slots: int, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.buffer = torch.empty((slots, *page_shape), dtype=dtype)
+        self._shape, self._dtype = (slots, *page_shape), dtype
+        self._buffer: torch.Tensor | None = None
         self.slots = slots
         self._head = 0  # the next slot to take
         self._tail = 0  # the oldest slot taken
         self._used = 0
         self._given = [False] * slots  # taken slots given back, that the tail has not passed yet
         self._lock = threading.Lock()
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = torch.zeros(self._shape, dtype=self._dtype)
+            self._buffer.fill_(0)  # calloc'd memory is faulted in only when written: now, once
+        return self._buffer
 
     def take(self, n: int) -> list[tuple[int, int]]:
         """Up to `n` slots as runs (start, count) of consecutive slots, in ring order (fewer if the ring is full)."""
@@ -156,10 +166,11 @@ class KVTiers:
     """The tiers below one pool (either may be absent), the loads under way, and what the tiers did."""
 
     def __init__(self, pool: KVPool, fingerprint: bytes, host: HostTier | None, disk: DiskTier | None,
-                 staging_bytes: int = STAGING_BYTES) -> None:
+                 staging_bytes: int | None = None) -> None:
         self.pool = pool
-        self.staging = Staging(max(1, staging_bytes // pool.page_bytes), pool.page_shape, pool.buffer.dtype) \
-            if disk is not None else None
+        slots = max(1, staging_bytes // pool.page_bytes) if staging_bytes is not None else \
+            min(STAGING_BYTES // pool.page_bytes, max(STAGING_MIN, pool.num_pages // STAGING_SHARE))
+        self.staging = Staging(slots, pool.page_shape, pool.buffer.dtype) if disk is not None else None
         self.root = fingerprint  # the parent key of every prompt's first page
         self.host = host
         self.disk = disk
