@@ -202,6 +202,11 @@ class LLM:
         else:
             host = 0
         where = Path(cfg.kv_cache_dir).expanduser() if cfg.kv_cache_dir else default_dir()
+        if cfg.kv_cache_dir:  # asked for: a directory that cannot be had is an error (the default's is logged, off)
+            try:
+                where.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"kv_cache_dir {where}: {e.strerror or e}") from e
         disk = int(cfg.kv_disk_gib * 2**30) if cfg.kv_disk_gib is not None else -1
         if disk < 0:  # the default: 8 GiB, at most half of what the file system has free
             free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free

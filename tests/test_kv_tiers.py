@@ -250,7 +250,10 @@ def test_a_disk_that_refuses_writes_is_a_logged_degradation(llama_ckpt, hf, tmp_
     assert not list(tmp_path.rglob("*.tmp"))
 
 
-def test_tiers_are_refused_where_they_cannot_go(llama_ckpt):
+def test_tiers_are_refused_where_they_cannot_go(llama_ckpt, tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(ValueError, match=r"kv_cache_dir .*a-file/kv: Not a directory"):
+        LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "a-file" / "kv"))
     for options in ({"kv_host_gib": 1.0, "prefix_cache": "naive"}, {"kv_disk_gib": -1.0},
                     {"kv_cache_dir": "/tmp/x", "tensor_parallel_size": 2}):
         with pytest.raises(ValueError, match="kv_"):
