@@ -17,9 +17,10 @@ In process, token ids only (the weights are random: what is measured is shapes a
 - the disk tier's own timings give the cost per page: the copy out of the pool on the scheduler's thread (timed
   here, `KVPool.read_pages`), the file write with its checksum on the writer thread, the read and check on the
   reader thread (TierUse.write_seconds / stored, read_seconds / loaded);
-- `no reuse`: `--requests` distinct prompts of `--prompt-len` tokens, `--output-len` tokens each, all at once, with
-  the disk tier off and on (every finished request's pages written through), output tokens per second; the two run
-  in turn each round so that the shared machine weighs on both alike.
+- `no reuse`: `--requests` distinct prompts of `--prompt-len` tokens, `--output-len` tokens each, `--slots` at a
+  time (so that requests finish, and their pages are written through, while others compute), with the disk tier
+  off and on, output tokens per second; the two run in turn each round so that the shared machine weighs on both
+  alike.
 Medians over `--rounds`. Measure on a quiet machine: `cold` and `no reuse` are compute, which a neighbour slows.
 """
 
@@ -121,13 +122,13 @@ def conversation_round(model: str, options: dict, history: list[int], turns: tup
             "pages": float(read.loaded), "page_bytes": float(written.bytes / max(written.pages, 1))}
 
 
-def throughput(model: str, options: dict, tiers: bool, requests: int, prompt_len: int, output_len: int,
+def throughput(model: str, options: dict, tiers: bool, requests: int, slots: int, prompt_len: int, output_len: int,
                seed: int, work: Path, vocab: int) -> float:
-    """Output tokens per second of `requests` distinct prompts at once, with the disk tier on or off."""
+    """Output tokens per second of `requests` distinct prompts, `slots` at a time, with the disk tier on or off."""
     where = Path(tempfile.mkdtemp(prefix="kv-", dir=work))
     extra = {"kv_cache_dir": str(where)} if tiers else {"kv_disk_gib": 0}
     prompts = [tokens(prompt_len, seed * 1000 + i, vocab) for i in range(requests)]
-    with LLM(model, max_running_requests=max(requests, 1), **extra, **options) as llm:
+    with LLM(model, max_running_requests=slots, **extra, **options) as llm:
         llm.generate([tokens(prompt_len, 7, vocab)], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         start = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
@@ -142,9 +143,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--conversation", type=int, default=4000, help="tokens of history before the new turn")
     parser.add_argument("--turn", type=int, default=40, help="tokens of the new turn")
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--drop-page-cache", action="store_true", help="read the page files from the device")
     parser.add_argument("--work", type=Path, default=cache_dir() / "bench-kv-tiers")
@@ -160,8 +162,8 @@ def main() -> None:
         rows.append(conversation_round(model, options, history, turns, args.work, args.drop_page_cache))
         log(f"round {r + 1}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()))
         for tiers in (False, True) if r % 2 == 0 else (True, False):
-            rates[tiers].append(throughput(model, options, tiers, args.requests, args.prompt_len, args.output_len,
-                                           r, args.work, vocab))
+            rates[tiers].append(throughput(model, options, tiers, args.requests, args.slots, args.prompt_len,
+                                           args.output_len, r, args.work, vocab))
             log(f"round {r + 1}: no reuse, disk tier {'on' if tiers else 'off'}: {rates[tiers][-1]:.1f} out tok/s")
 
     def median(key: str) -> float:
@@ -180,8 +182,8 @@ def main() -> None:
           f"{median('copy_out') * 1e3:.3f} ms (scheduler thread), file write with checksum {median('write') * 1e3:.3f} "
           f"ms (writer thread), read and check {median('read') * 1e3:.3f} ms (reader thread)")
     off, on = statistics.median(rates[False]), statistics.median(rates[True])
-    print(f"no reuse ({args.requests} x {args.prompt_len} prompt, {args.output_len} out): disk tier off {off:.1f}, "
-          f"on {on:.1f} out tok/s ({on / off - 1:+.1%})")
+    print(f"no reuse ({args.requests} x {args.prompt_len} prompt, {args.output_len} out, {args.slots} at a time): "
+          f"disk tier off {off:.1f}, on {on:.1f} out tok/s ({on / off - 1:+.1%})")
 
 
 if __name__ == "__main__":
