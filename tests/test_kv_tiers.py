@@ -91,9 +91,15 @@ def test_a_prefix_from_each_tier_gives_the_cold_runs_tokens_and_kv(llama_ckpt, h
         llm.check_integrity()
 
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), overlap=overlap) as restarted:
-        out = restarted.generate([prompt], greedy())[0]
+        rid = restarted.add_request(prompt, greedy())
+        while (detail := restarted.describe(rid)) is not None and detail.state == "waiting":
+            restarted.step()
+        assert detail is not None and (detail.cached_tokens, detail.host_tokens, detail.disk_tokens) == (80, 0, 80)
+        while restarted.has_unfinished():
+            restarted.step()
+        out = restarted.generate([prompt], greedy())[0]  # and again, from the pool now
         assert out.token_ids == cold and out.usage.cached_tokens == 80
-        assert hits(restarted).hit_tokens_disk == 80 and hits(restarted).hit_tokens_pool == 0
+        assert hits(restarted).hit_tokens_disk == 80 and hits(restarted).hit_tokens_pool == 80
         assert torch.equal(kv_of(restarted, prompt), fresh)
         restarted.check_integrity()
 
@@ -387,6 +393,7 @@ def test_the_console_resumes_a_conversation_from_disk_after_a_restart(long_ckpt,
     from tests.test_tui import SIZE, connected_app, last_reply, type_and_send, wait_for
     from tui.app import MinichatApp
     from tui.link import EngineLink
+    from tui.panels.grids import PageGrid
 
     address = f"ipc://{tmp_path}/engine.sock"
     options = {"max_running_requests": 4, "max_prefill_tokens": 256, "kv_cache_dir": str(tmp_path / "kv")}
@@ -417,6 +424,9 @@ def test_the_console_resumes_a_conversation_from_disk_after_a_restart(long_ckpt,
             assert app.current is not None and len(app.current.session.turns) == 2
             await wait_for(pilot, lambda: disk(app)[1] > 0, "the history loaded from disk")
             assert disk(app)[1] >= (history[0] - 2 * PAGE) // PAGE * PAGE
+            panel = app.query_one(PageGrid)
+            await wait_for(pilot, lambda: any(p.startswith("disk ") and f"{disk(app)[1]:,} tok hit" in p
+                                              for p in panel.header), "the KV pages panel's disk tier")
             await type_and_send(pilot, "Goodnight.")
             await wait_for(pilot, lambda: last_reply(app).state == "done", "the next reply")
             assert (last_reply(app).cached_tokens or 0) >= (history[0] - 2 * PAGE) // PAGE * PAGE
