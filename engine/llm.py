@@ -169,7 +169,7 @@ class LLM:
         self.kv = KVPool(spec.num_layers, num_pages + int(use_graphs), cfg.page_size, self.model.num_kv_heads,
                          spec.head_dim, TORCH_DTYPES[cfg.dtype], self.device)
         self.table = RequestTable(cfg.request_slots, self.max_seq_len, self.device)
-        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size, self._kv_tiers())
+        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size, self._kv_tiers(backend.name))
         graphs = None
         if use_graphs:
             # Off CUDA (Triton under its interpreter) the same padded path runs without capture.
@@ -188,9 +188,10 @@ class LLM:
         self._live: dict[str, Req] = {}
         self._token_texts: dict[int, str] = {}
 
-    def _kv_tiers(self) -> KVTiers | None:
+    def _kv_tiers(self, attention: str) -> KVTiers | None:
         """The tiers under the prefix cache (EngineConfig's kv_* fields), keyed by this model's fingerprint: its
-        weights' and config's bytes, dtype, weight format, page size, tensor-parallel and pool layout."""
+        weights' and config's bytes, dtype, weight format, the kernels that compute its K/V (GEMMs and `attention`
+        backend: another rounds differently), page size, tensor-parallel and pool layout."""
         cfg = self.config
         if not cfg.kv_tiers_possible:
             return None
@@ -215,7 +216,8 @@ class LLM:
             return None
         spec = self.model.spec
         facts = {"dtype": cfg.dtype, "quantization": cfg.quantization, "dequantize": cfg.dequantize,
-                 "page_size": cfg.page_size, "tensor_parallel": [cfg.tensor_parallel_size, self.model.num_kv_heads],
+                 "gemm": self._gemm(), "attention": attention, "page_size": cfg.page_size,
+                 "tensor_parallel": [cfg.tensor_parallel_size, self.model.num_kv_heads],
                  "kv": [spec.num_layers, self.model.num_kv_heads, spec.head_dim, str(self.kv.buffer.dtype)]}
         files = [*self.checkpoint.weight_files(), self.checkpoint.meta / "config.json"]
         return open_tiers(self.kv, fingerprint(files, cache_dir() / WEIGHTS_MEMO, facts), host,
@@ -413,13 +415,7 @@ class LLM:
     def execution(self) -> dict[str, str]:
         """What the execution options resolved to on this machine: `auto` choices and any fallback
         (the C kernels off where no compiler builds them, say)."""
-        weight = self.model.layers[0].qkv_proj.weight
-        if isinstance(weight, BlockMatrix):
-            gemm = f"{'+'.join(weight.formats)} blocks, minichat's {load_cpu_kernels().isa} kernels"
-        elif isinstance(weight, DeviceBlockWeight):
-            gemm = f"{'+'.join(weight.formats)} as int8 + scales, minichat's Triton weight-only kernel"
-        else:
-            gemm = str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
+        gemm = self._gemm()
         formats, size = weight_footprint(self.model)
         total = sum(formats.values())
         main = [name for name, count in sorted(formats.items(), key=lambda f: -f[1]) if count >= 0.01 * total]
@@ -443,6 +439,15 @@ class LLM:
             execution["threads"] = self._threads()
             execution["omp_wait"] = wait_policy()
         return execution
+
+    def _gemm(self) -> str:
+        """Where the projections run: their weights' format or dtype, and whose kernels."""
+        weight = self.model.layers[0].qkv_proj.weight
+        if isinstance(weight, BlockMatrix):
+            return f"{'+'.join(weight.formats)} blocks, minichat's {load_cpu_kernels().isa} kernels"
+        if isinstance(weight, DeviceBlockWeight):
+            return f"{'+'.join(weight.formats)} as int8 + scales, minichat's Triton weight-only kernel"
+        return str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
 
     def _threads(self) -> str:
         g = self.governor

@@ -140,6 +140,25 @@ def test_a_bad_page_file_is_refused_counted_logged_deleted_and_recomputed(llama_
         assert again.stats().pages.tiers[0].rejected == {}
 
 
+def test_pages_are_used_only_by_the_same_weights_dtype_and_layout(llama_ckpt, tmp_path):
+    """The disk tier's pages of one engine serve another only if it computes the same K/V: the same weights' bytes
+    (a copy of the checkpoint elsewhere: yes; other weights of the same shape: no), dtype, page size and kernels."""
+    import shutil
+
+    from tests.checkpoints import make_checkpoint
+
+    prompt = ids(90, 12)
+    written(llama_ckpt, tmp_path / "kv", [prompt])
+    copy = shutil.copytree(llama_ckpt, tmp_path / "copy")
+    other = make_checkpoint("llama", tmp_path / "other", seed=1)
+    for path, options, served in ((copy, {}, 80), (other, {}, 0), (llama_ckpt, {"dtype": "bfloat16"}, 0),
+                                  (llama_ckpt, {"page_size": 8}, 0), (llama_ckpt, {"attention_backend": "torch"}, 0)):
+        with LLM(str(path), kv_cache_dir=str(tmp_path / "kv"), **options) as llm:
+            run(llm, prompt)
+            assert hits(llm).hit_tokens_disk == served, (path, options)
+            assert llm.stats().pages.tiers[0].rejected == {}
+
+
 def test_the_disk_cap_holds_and_keeps_the_most_recently_used(llama_ckpt, tmp_path):
     """A cap of ten page files under 36 pages written: the directory never passes it, the oldest prompts' pages go,
     the newest one's stay."""
