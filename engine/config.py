@@ -67,6 +67,14 @@ class EngineConfig:
     it implies "draft"). At most `num_speculative_tokens` per request and step; how many a request gets,
     down to none, is decided each step from its acceptance and the measured cost of a longer step
     (`speculative_adaptive`; off, every request gets as many as the proposer has, up to that many).
+    `kv_host_gib`, `kv_cache_dir` and `kv_disk_gib` are the tiers under the radix prefix cache (engine/kv/tiers.py):
+    pages the pool evicts move to host memory (`kv_host_gib`, pinned on CUDA; None: as much as the pool, at most
+    a quarter of the free memory, on CUDA, and 0 on a CPU, whose pool is host memory already), and every cached
+    page is written through to files in `kv_cache_dir` (None: $MINICHAT_KV_CACHE_DIR, else `kv` in the user's
+    cache directory), at most `kv_disk_gib` of them (None: 8 GiB, at most half the free space there; 0: no disk
+    tier), so a prefix the pool no longer has, also after a restart, is loaded back rather than computed. They
+    need the radix cache and one rank (tensor parallelism does not run them yet); asking for them otherwise is
+    refused.
     `reasoning_budget` bounds the think block of requests that split one off (SamplingParams.reasoning)
     and give no `thinking_token_budget`: after that many tokens inside it the engine closes it (llama.cpp's
     --reasoning-budget; None: unbounded; engine/reasoning.py).
@@ -109,12 +117,16 @@ class EngineConfig:
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 2
     reasoning_budget: int | None = None
+    kv_host_gib: float | None = None
+    kv_cache_dir: str | None = None
+    kv_disk_gib: float | None = None
 
     def __post_init__(self) -> None:
         self._check_choices()
         self._check_counts()
         self._check_nodes()
         self._check_speculation()
+        self._check_tiers()
         if self.quantization is not None and self.dequantize:
             raise ValueError("quantization and dequantize contradict each other: choose one")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -170,6 +182,23 @@ class EngineConfig:
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= 16:
             raise ValueError("speculative_ngram_min and speculative_ngram_max must satisfy 1 <= min <= max <= 16; "
                              f"got {self.speculative_ngram_min} and {self.speculative_ngram_max}")
+
+    def _check_tiers(self) -> None:
+        """The KV tiers' sizes, and that they go under a radix cache on one rank."""
+        for name in ("kv_host_gib", "kv_disk_gib"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be at least 0 (0: no such tier; None: the default); "
+                                 f"got {getattr(self, name)}")
+        asked = [name for name in ("kv_host_gib", "kv_cache_dir", "kv_disk_gib") if getattr(self, name)]
+        if asked and not self.kv_tiers_possible:
+            raise ValueError(f"{', '.join(asked)}: the KV tiers go under the radix prefix cache of a single rank; "
+                             f"this engine has prefix_cache {self.prefix_cache!r} and tensor_parallel_size "
+                             f"{self.tensor_parallel_size}")
+
+    @property
+    def kv_tiers_possible(self) -> bool:
+        """Whether tiers can go under this engine's prefix cache: a radix cache on one rank."""
+        return self.prefix_cache == "radix" and self.tensor_parallel_size == 1
 
     @property
     def request_slots(self) -> int:

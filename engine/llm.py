@@ -6,10 +6,12 @@ import functools
 import logging
 import os
 import secrets
+import shutil
 import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -21,9 +23,12 @@ from engine.cuda_graph import DecodeGraphs
 from engine.distributed import TensorParallel
 from engine.distributed.workers import WorkerPool, launch
 from engine.generation_defaults import generation_defaults
-from engine.kv import make_cache_manager
+from engine.kv import KVTiers, make_cache_manager
+from engine.kv.disk import default_dir
+from engine.kv.fingerprint import WEIGHTS_MEMO, fingerprint
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
+from engine.kv.tiers import open_tiers
 from engine.loop import StepLoop
 from engine.model.families import describe
 from engine.model.loader import (
@@ -62,6 +67,7 @@ from engine.tokenizer import (
 from engine.tools import ToolFormat, template_messages, tool_format
 from kernels.attention import make_backend
 from kernels.cpu import load_cpu_kernels
+from kernels.cpu.build import cache_dir
 from kernels.quant import BlockMatrix, DeviceBlockWeight
 
 if TYPE_CHECKING:
@@ -164,7 +170,7 @@ class LLM:
         self.kv = KVPool(spec.num_layers, num_pages + int(use_graphs), cfg.page_size, self.model.num_kv_heads,
                          spec.head_dim, TORCH_DTYPES[cfg.dtype], self.device)
         self.table = RequestTable(cfg.request_slots, self.max_seq_len, self.device)
-        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size)
+        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size, self._kv_tiers(backend.name))
         graphs = None
         if use_graphs:
             # Off CUDA (Triton under its interpreter) the same padded path runs without capture.
@@ -182,6 +188,41 @@ class LLM:
         self._uid = 0
         self._live: dict[str, Req] = {}
         self._token_texts: dict[int, str] = {}
+
+    def _kv_tiers(self, attention: str) -> KVTiers | None:
+        """The tiers under the prefix cache (EngineConfig's kv_* fields), keyed by this model's fingerprint: its
+        weights' and config's bytes, dtype, weight format, the kernels that compute its K/V (GEMMs and `attention`
+        backend: another rounds differently), page size, tensor-parallel and pool layout."""
+        cfg = self.config
+        if not cfg.kv_tiers_possible:
+            return None
+        if cfg.kv_host_gib is not None:
+            host = int(cfg.kv_host_gib * 2**30)
+        elif self.device.type == "cuda":
+            host = min(self.kv.buffer.numel() * self.kv.buffer.element_size(),
+                       os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
+        else:
+            host = 0
+        where = Path(cfg.kv_cache_dir).expanduser() if cfg.kv_cache_dir else default_dir()
+        if cfg.kv_cache_dir:  # asked for: a directory that cannot be had is an error (the default's is logged, off)
+            try:
+                where.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"kv_cache_dir {where}: {e.strerror or e}") from e
+        disk = int(cfg.kv_disk_gib * 2**30) if cfg.kv_disk_gib is not None else -1
+        if disk < 0:  # the default: 8 GiB, at most half of what the file system has free
+            free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free
+            disk = min(8 << 30, free // 2)
+        if not host and not disk:
+            return None
+        spec = self.model.spec
+        facts = {"dtype": cfg.dtype, "quantization": cfg.quantization, "dequantize": cfg.dequantize,
+                 "gemm": self._gemm(), "attention": attention, "page_size": cfg.page_size,
+                 "tensor_parallel": [cfg.tensor_parallel_size, self.model.num_kv_heads],
+                 "kv": [spec.num_layers, self.model.num_kv_heads, spec.head_dim, str(self.kv.buffer.dtype)]}
+        files = [*self.checkpoint.weight_files(), self.checkpoint.meta / "config.json"]
+        return open_tiers(self.kv, fingerprint(files, cache_dir() / WEIGHTS_MEMO, facts), host,
+                          where if disk else None, disk, pin=self.device.type == "cuda")
 
     def _speculator(self, num_pages: int) -> Speculator | None:
         """The proposer `speculative` asks for, if any: prompt lookup, or a draft model loaded beside the target
@@ -375,13 +416,7 @@ class LLM:
     def execution(self) -> dict[str, str]:
         """What the execution options resolved to on this machine: `auto` choices and any fallback
         (the C kernels off where no compiler builds them, say)."""
-        weight = self.model.layers[0].qkv_proj.weight
-        if isinstance(weight, BlockMatrix):
-            gemm = f"{'+'.join(weight.formats)} blocks, minichat's {load_cpu_kernels().isa} kernels"
-        elif isinstance(weight, DeviceBlockWeight):
-            gemm = f"{'+'.join(weight.formats)} as int8 + scales, minichat's Triton weight-only kernel"
-        else:
-            gemm = str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
+        gemm = self._gemm()
         formats, size = weight_footprint(self.model)
         total = sum(formats.values())
         main = [name for name, count in sorted(formats.items(), key=lambda f: -f[1]) if count >= 0.01 * total]
@@ -395,6 +430,9 @@ class LLM:
                 f"draft model {model_id(str(cfg.speculative_model))}"
             execution["speculative"] = (f"{source}, up to {cfg.num_speculative_tokens} drafts a step (as many as "
                                         "measure faster)")
+        execution["kv_tiers"] = ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB"
+                                          + (f" in {t.where}" if t.where else "") for t in self.cache.tier_use()) \
+            or "none below the pool"
         if self.device.type == "cuda":
             graphed = f"decode batches up to {self.config.graph_max_bs}"
             execution["cuda_graph"] = graphed if self.runner.graphs else "off"
@@ -403,6 +441,15 @@ class LLM:
             execution["omp_wait"] = wait_policy()
             execution["onednn_caches"] = cache_capacities()
         return execution
+
+    def _gemm(self) -> str:
+        """Where the projections run: their weights' format or dtype, and whose kernels."""
+        weight = self.model.layers[0].qkv_proj.weight
+        if isinstance(weight, BlockMatrix):
+            return f"{'+'.join(weight.formats)} blocks, minichat's {load_cpu_kernels().isa} kernels"
+        if isinstance(weight, DeviceBlockWeight):
+            return f"{'+'.join(weight.formats)} as int8 + scales, minichat's Triton weight-only kernel"
+        return str(weight.dtype).removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
 
     def _threads(self) -> str:
         g = self.governor
@@ -428,7 +475,7 @@ class LLM:
         Worker ranks hold no page state of their own (rank 0's allocator places every rank's K/V, so
         pages freed here are freed on every rank); for them the check is that each ran exactly the
         steps rank 0 sent."""
-        self.cache.check_integrity()
+        self.cache.check_integrity(idle=not self.has_unfinished())
         if not self.has_unfinished():
             held = [h for h in self.table.holder if h is not None]
             if held or self.cache.allocator.owner:
@@ -442,8 +489,15 @@ class LLM:
         if self.workers is not None:
             self.workers.check()
 
+    def flush_kv(self, timeout: float = 60.0) -> bool:
+        """Write every cached KV page down to the disk tier and wait for the writes (at idle: every page is then
+        final); False if that took longer than `timeout` seconds. Nothing to do without a disk tier."""
+        return self.cache.flush(timeout)
+
     def close(self) -> None:
-        """Stop the worker ranks (if any). With one rank there is nothing to release but memory."""
+        """Write the cached KV pages down and stop the tiers' threads; stop the worker ranks (if any)."""
+        if hasattr(self, "cache"):
+            self.cache.close()
         if self.workers is not None:
             self.workers.close()
         self.tp.close()

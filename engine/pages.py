@@ -110,6 +110,34 @@ class PageMap:
         return runs, list(index)
 
 
+REJECTIONS = ("truncated", "corrupt", "foreign", "missing")  # why the disk tier refuses a page file (TierUse.rejected)
+
+
+class TierUse(msgspec.Struct, kw_only=True):
+    """A KV tier below the pool (engine/kv/tiers.py), "host" or "disk": the pages it holds and can hold, their
+    bytes, pages `stored` into it and `loaded` back to the pool since start, pages being read now (`loading`);
+    the disk's files refused by reason (`rejected`: truncated, corrupt, foreign, missing), writes that failed,
+    pages not stored (`skipped`: its queue was full or writing was paused), the seconds spent writing and
+    reading, why it does not write now (`degraded`, "" when it does) and its directory (`where`). The prompt
+    tokens served from each tier are the scheduler's counters (`hit_tokens_*`)."""
+
+    name: str
+    pages: int = 0
+    capacity: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    stored: int = 0
+    loaded: int = 0
+    loading: int = 0
+    rejected: dict[str, int] = msgspec.field(default_factory=dict)
+    write_errors: int = 0
+    skipped: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    degraded: str = ""
+    where: str = ""
+
+
 def paint(total: int, runs: Iterable[PageRun], owners: Sequence[str]) -> tuple[bytearray, list[str]]:
     """A state (a byte of FREE, HELD, CACHED, LOCKED) and a holder ("" if none) per page, from runs that
     paint every page when laid in order, a later one over an earlier one. O(runs) slice writes."""

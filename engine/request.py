@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.kv.cache import PrefixMatch
+from engine.kv.tiers import KVLoad
 from engine.outputs import Final, Timings, TokenLogprob, Usage
 from engine.params import SamplingParams
 from engine.reasoning import ThinkBlock
@@ -62,6 +63,9 @@ class Req:
     done, the first needs none) when the params ask for them (a group's first choice alone scores).
     `spec` is its speculation (engine/speculative): acceptance so far, created when it first decodes with a
     proposer on; a step verifying its drafts counts them in `sampled` and `cached_len` until processed.
+    `loading` is the load of its prefix's pages from the tiers below the pool (engine/kv/tiers.py) while it waits
+    for them, and once they are in until it is admitted (the load then holds them locked for it); `host_tokens`
+    and `disk_tokens` are the prompt tokens of `prefix_len` that came from those tiers.
     """
 
     rid: str
@@ -75,6 +79,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0
     prefix_len: int = 0
+    host_tokens: int = 0
+    disk_tokens: int = 0
+    loading: KVLoad | None = None
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     prefix: PrefixMatch = field(default_factory=PrefixMatch)
@@ -112,6 +119,11 @@ class Req:
     def held(self) -> bool:
         """A choice that waits for its group's leader to put the prompt in the prefix cache."""
         return self.group is not None and self.index > 0 and not self.group.shared
+
+    @property
+    def waits_for_kv(self) -> bool:
+        """Its prefix's pages are still on their way up from the tiers below the pool."""
+        return self.loading is not None and not self.loading.done
 
     @property
     def scoring_prompt(self) -> bool:

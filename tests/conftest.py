@@ -41,6 +41,26 @@ def private_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield root
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_kv_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The KV disk tier's directory (engine/kv/disk.py) for the engines a module's fixtures start: pages one
+    module cached must not serve the same prompts in another (each test gets its own again: `kv_dir`)."""
+    path = tmp_path_factory.mktemp("kv")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINICHAT_KV_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(autouse=True)
+def kv_dir(tmp_path_factory: pytest.TempPathFactory, module_kv_dir: Path) -> Iterator[Path]:
+    """The KV disk tier's directory for the engines a test starts itself: a test finds on disk only what it
+    wrote (a module's fixture engines keep the module's)."""
+    path = tmp_path_factory.mktemp("kv")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINICHAT_KV_CACHE_DIR", str(path))
+        yield path
+
+
 class Checkpoints(dict[str, Path]):
     """The tiny checkpoint of each family (tests/checkpoints.py: FAMILIES), made on first use."""
 

@@ -244,3 +244,30 @@ def test_gguf_block_weights_on_cuda(tmp_path, dtype):
         prompts, SamplingParams(max_tokens=16))]
     same = sum(a == b for a, b in zip(ours, dense, strict=True))
     assert same >= len(prompts) - 1, (ours, dense)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_kv_tiers_on_cuda(llama_ckpt, hf, tmp_path, overlap):
+    """The pinned host tier and the disk tier: a prefix the pool evicted comes back from host memory, and after a
+    restart from disk, with the cold run's tokens (and transformers') and bitwise its KV."""
+    from tests.test_kv_tiers import hits, ids, kv_of, run
+
+    prompt = ids(90, 1)
+    options = {"device": "cuda", "attention_backend": "triton", "overlap": overlap}
+    with LLM(str(llama_ckpt), kv_disk_gib=0, kv_host_gib=0, **options) as cold_engine:
+        cold, fresh = run(cold_engine, prompt), kv_of(cold_engine, prompt)
+    hf.check_greedy(cold, llama_ckpt, prompt, 8)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), kv_host_gib=1 / 1024, num_pages=16, **options) as llm:
+        assert [t.name for t in llm.stats().pages.tiers] == ["host", "disk"]
+        assert llm.cache.tiers.host.buffer.is_pinned()
+        assert run(llm, prompt) == cold
+        for seed in range(4):
+            run(llm, ids(90, 10 + seed))
+        assert run(llm, prompt) == cold and hits(llm).hit_tokens_host == 80
+        assert torch.equal(kv_of(llm, prompt), fresh)
+        llm.check_integrity()
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), **options) as restarted:  # a default host tier, empty
+        assert [t.name for t in restarted.stats().pages.tiers] == ["host", "disk"]
+        assert run(restarted, prompt) == cold and hits(restarted).hit_tokens_disk == 80
+        assert torch.equal(kv_of(restarted, prompt), fresh)
+        restarted.check_integrity()

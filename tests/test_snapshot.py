@@ -239,7 +239,7 @@ def test_an_aborted_requests_final_in_an_idle_step_is_recorded(llama_ckpt):
     assert not recorder._started
 
 
-def test_the_scheduler_gives_exactly_the_waiting_reasons_the_protocol_documents(llama_ckpt):
+def test_the_scheduler_gives_exactly_the_waiting_reasons_the_protocol_documents(llama_ckpt, tmp_path):
     """Why a request waits has one definition (snapshot.py's WaitReason, which the scheduler's admission
     returns): driven into each, the scheduler gives every one of them and no other; the wire's waiting rows
     are the snapshot's; and docs/protocol.md lists exactly these, besides the server's preparing stages."""
@@ -266,6 +266,11 @@ def test_the_scheduler_gives_exactly_the_waiting_reasons_the_protocol_documents(
     choices = LLM(str(llama_ckpt))  # n choices: the others wait for the first to cache the prompt
     choices.add_request(list(range(1, 40)), SamplingParams(max_tokens=4, n=3))
     steps(choices, 1)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as first:  # its pages on disk for the next engine
+        first.generate([list(range(1, 60))], greedy(1))
+    loads = LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path))  # the prefix is found on disk and loads first
+    loads.add_request(list(range(1, 60)), greedy(4))
+    steps(loads)
     assert seen == set(WAIT_REASONS)
 
     assert typing.get_type_hints(protocol.Stats)["waiting"] == list[WaitingEntry]

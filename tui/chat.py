@@ -26,6 +26,7 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static, TextArea
 from textual.worker import WorkerCancelled, WorkerFailed
 
+from engine.params import SamplingParams
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from tui.commands import parse_number
 from tui.keys import InOrderKeys
@@ -303,6 +304,7 @@ class ChatPane(Vertical):
         self.pending: list[str] = []
         self.editing: int | None = None  # the turn whose message is back in the prompt box
         self.closing = False
+        self.warmed: int | None = None  # the engine (pid) that has this conversation's KV, as far as the pane knows
         self.thinking_unfolded = False  # f3: replies' thinking shown whole
 
     def compose(self) -> ComposeResult:
@@ -335,6 +337,7 @@ class ChatPane(Vertical):
         before = self.session.other_model() if self.session.engine is not None else None
         self.session.follow(EngineModel.of(info))
         self.show_settings()
+        self.keep_warm()
         if (other := self.session.other_model()) is not None and other != before and self.is_attached:
             self.notify(f"{self.session.name}: {other}", title="another model", severity="warning", timeout=10)
 
@@ -401,9 +404,34 @@ class ChatPane(Vertical):
         self.query_one(PromptInput).focus()
 
     def wake(self) -> None:
-        """The pane is in front again: a reply streaming meanwhile starts rendering (and catches up)."""
+        """The pane is in front again: a reply streaming meanwhile starts rendering (and catches up), and a
+        conversation its engine has not seen yet is sent ahead (`keep_warm`)."""
         if (reply := self.session.live) is not None and (view := self._view_of(reply)) is not None:
             view.wake()
+        self.keep_warm()
+
+    def keep_warm(self) -> None:
+        """A conversation in front whose engine has not seen it (reopened from the store, or its engine restarted)
+        is sent to it ahead of the next message, as its history alone, to prefill and nothing more (max_tokens 0):
+        the engine finds its KV pages on its disk tier where it wrote them before, and the next message starts from
+        a warm prefix cache instead of computing the whole conversation. Nothing is shown; a failure is silent."""
+        info = self.link.info
+        said = any(turn.reply.text for turn in self.session.turns[self.session.context_start:])
+        if info is None or info.pid == self.warmed or self.session.live is not None or self.closing or not said \
+                or not all(n.display for n in self.ancestors_with_self if isinstance(n, Widget)):
+            return
+        self.warmed = info.pid
+        self.run_worker(self._warm(), group="warm", exclusive=True, exit_on_error=False)
+
+    async def _warm(self) -> None:
+        with contextlib.suppress(EngineError, EngineUnavailable):
+            client = await self.link.ready()
+            label = f"console: {self.session.name} (resuming)"[:128]
+            warm = client.generate(self.session.messages(None), SamplingParams(max_tokens=0), client=label,
+                                   template_kwargs=self.session.template_kwargs())
+            async with contextlib.aclosing(warm) as stream:  # cancelled (the pane closes): aborted in the engine
+                async for _ in stream:
+                    pass
 
     def _view_of(self, reply: Reply) -> ReplyView | None:
         """The view showing `reply`, if the pane has drawn it yet."""
@@ -559,6 +587,7 @@ class ChatPane(Vertical):
         try:
             client = await self.link.ready()
             self.follow_engine()  # its model's defaults and template, whichever engine answers now
+            self.warmed = self.link.info.pid if self.link.info is not None else None  # it will have the conversation
             self.session.answered_by_engine()
             await self._fit(client, prompt)
             # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
@@ -603,7 +632,7 @@ class ChatPane(Vertical):
         """Cancel the stream and wait until it has wound down, before this pane's widgets go away
         (a reply torn down mid-render leaves asyncio complaining on stderr). Queued messages stay unsent."""
         self.closing = True
-        for worker in self.workers.cancel_group(self, "generate"):
+        for worker in [*self.workers.cancel_group(self, "generate"), *self.workers.cancel_group(self, "warm")]:
             with contextlib.suppress(WorkerCancelled, WorkerFailed):
                 await worker.wait()
 

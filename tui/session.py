@@ -310,9 +310,9 @@ class Session:
         """The reply still generating, if any (a session runs one request at a time)."""
         return self.turns[-1].reply if self.turns and self.turns[-1].reply.live else None
 
-    def messages(self, prompt: str, start: int | None = None) -> list[dict[str, str]]:
-        """The history from turn `start` (default: what is still in context) plus `prompt`, for the engine
-        to render with the chat template.
+    def messages(self, prompt: str | None, start: int | None = None) -> list[dict[str, str]]:
+        """The history from turn `start` (default: what is still in context) plus `prompt` (None: the history
+        alone), for the engine to render with the chat template.
 
         Turns whose reply has no text are left out, so user and assistant messages alternate (some
         templates refuse anything else); an aborted reply's partial text counts as said. Where the chat
@@ -324,8 +324,9 @@ class Session:
         for turn in self.turns[self.context_start if start is None else start:]:
             if turn.reply.text:
                 msgs += [{"role": "user", "content": turn.prompt}, {"role": "assistant", "content": turn.reply.text}]
-        msgs.append({"role": "user", "content": prompt})
-        if self.system_prompt and not system:  # a template without a system role: it opens the first message
+        if prompt is not None:
+            msgs.append({"role": "user", "content": prompt})
+        if self.system_prompt and not system and msgs:  # a template without a system role: it opens the first message
             msgs[0] = {"role": "user", "content": f"{self.system_prompt}\n\n{msgs[0]['content']}"}
         return msgs
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from engine.pages import cells, paint
+from engine.pages import TierUse, cells, paint
 from engine.service.protocol import Info, Pages, Stats
 
 MAP_WIDTH = 64  # characters per line of the map
@@ -37,7 +37,8 @@ def summary(stats: Stats, info: Info | None = None) -> list[str]:
         *lines,
         f"request slots {busy}/{len(stats.slots)} busy; waiting {len(stats.waiting)}; running {len(stats.running)}",
         f"KV pages ({p.page_size} tokens each): {p.free} free, {p.held} held, {p.cached} cached, "
-        f"{p.locked} locked, {p.total} total; {p.claimed} more counted for admitted requests",
+        f"{p.locked} locked, {p.total} total; {p.claimed} more counted for admitted requests; "
+        + "; ".join(kv_tiers(stats)),
         f"admission {stats.admission}; order {stats.policy}; {c.retractions} retractions",
         f"rates: prefill {c.prefill_tokens_per_s:.1f} tok/s, decode {c.decode_tokens_per_s:.1f} tok/s, "
         f"{c.steps_per_s:.1f} steps/s",
@@ -48,6 +49,45 @@ def summary(stats: Stats, info: Info | None = None) -> list[str]:
            f"each; now {c.spec_accepted_tokens_per_s:.1f} of {c.spec_draft_tokens_per_s:.1f} draft tok/s accepted"]
           if c.spec_drafts else []),
     ]
+
+
+def size(n: float) -> str:
+    """Bytes as a person reads them: 512 B, 98 MiB, 8.0 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if n < 10 * scale else f"{n / scale:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def kv_tiers(stats: Stats, brief: bool = False) -> list[str]:
+    """The KV tiers, pool first, one part each: what each holds, what it served (prompt tokens found there) and,
+    below the pool, what went in and came back and what went wrong; `brief` for the console's KV pages panel."""
+    c = stats.counters
+    hits = {"host": c.hit_tokens_host, "disk": c.hit_tokens_disk}
+    parts = [f"pool {c.hit_tokens_pool:,} tok hit" if brief else f"pool {c.hit_tokens_pool:,} tokens hit"]
+    for tier in stats.pages.tiers:
+        parts.append(_tier(tier, hits.get(tier.name, 0), brief))
+    if not stats.pages.tiers and not brief:
+        parts.append("no tier below the pool")
+    return parts
+
+
+def _tier(t: TierUse, hit: int, brief: bool) -> str:
+    if brief:
+        text = f"{t.name} {t.pages:,}/{t.capacity:,} p · {size(t.bytes)} · {hit:,} tok hit"
+    else:
+        text = f"{t.name} {t.pages:,}/{t.capacity:,} pages ({size(t.bytes)} of {size(t.capacity_bytes)}), " \
+               f"{hit:,} tokens hit, {t.stored:,} pages in, {t.loaded:,} out"
+    if t.loading:
+        text += f" · {t.loading} loading" if brief else f", {t.loading} loading"
+    problems = [f"{n} {why}" for why, n in t.rejected.items()]
+    if t.write_errors:
+        problems.append(f"{t.write_errors} failed writes")
+    if t.skipped:
+        problems.append(f"{t.skipped} pages not stored")
+    if problems:
+        text += f" · {len(problems)} problems" if brief else " (" + ", ".join(problems) + ")"
+    return text + (f"; {t.degraded}" if t.degraded and not brief else "")
 
 
 def requests(stats: Stats) -> list[str]:

@@ -5,7 +5,9 @@ prompt prefix, lock what it matched while the request runs, allocate fresh pages
 ones when the free list runs dry) and, at cleanup, take the request's pages back. A prefix-reusing
 policy (radix tree) plugs in behind the same methods. A model whose every layer attends within a sliding
 window gives back a running request's pages as the window passes them (`release_front`), so a long chat holds
-only about a window of pages.
+only about a window of pages. Below the pool there may be tiers (host memory, disk: engine/kv/tiers.py): a match
+then extends into them (`find_below`), and a waiting request's pages found there are loaded back (`load`,
+`poll_loads`) before it is admitted; without tiers these do nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from engine.kv.allocator import PageAllocator
+from engine.kv.tiers import Below, KVLoad
+from engine.pages import TierUse
 
 
 @dataclass
@@ -100,8 +104,52 @@ class CacheManager(ABC):
             self.evict(short)
         return self.allocator.allocate(n, owner)
 
-    def check_integrity(self) -> None:
-        """Every page is exactly one of free, held by a request, or cached; raise if not."""
+    # -- tiers below the pool (none here: see RadixCacheManager) ---------------------------------
+    def find_below(self, token_ids: list[int], match: PrefixMatch) -> Below:
+        """The full pages of `token_ids` past `match` that tiers below the pool hold, up to the first they do not."""
+        return Below()
+
+    def load(self, owner: str, token_ids: list[int], match: PrefixMatch, below: Below) -> KVLoad:
+        """Start bringing `below`'s pages into pool pages of `owner`'s (`match` stays locked meanwhile); the load is
+        `done` at once if nothing had to be read from disk, else when `poll_loads` returns it."""
+        raise NotImplementedError("no tiers below the pool")
+
+    def poll_loads(self) -> list[KVLoad]:
+        """The loads whose pages are now in the tree, locked for their owner (`KVLoad.pin`)."""
+        return []
+
+    def cancel_load(self, load: KVLoad) -> None:  # noqa: B027 - a hook, a no-op without tiers
+        """The owner is gone: free what its load holds (its pages, or the pin of a finished one)."""
+
+    def wait_loads(self, timeout: float) -> None:  # noqa: B027 - a hook, a no-op without tiers
+        """Wait up to `timeout` seconds for a load's read to arrive (when there is nothing else to do)."""
+
+    @property
+    def loading(self) -> bool:
+        """A load is under way."""
+        return False
+
+    def scheduling(self, batch: int) -> None:  # noqa: B027 - a hook, a no-op without tiers
+        """The scheduler is building its `batch`-th batch: pages handed over or shared now may still be written
+        by it or the one before."""
+
+    def processed(self, batches: int) -> None:  # noqa: B027 - a hook, a no-op without tiers
+        """The first `batches` batches are processed: what they wrote is final."""
+
+    def tier_use(self) -> list[TierUse]:
+        """The tiers below the pool and what they did."""
+        return []
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """At idle: write every cached page down and wait for the writes; False if that took over `timeout` s."""
+        return True
+
+    def close(self) -> None:  # noqa: B027 - a hook, a no-op without tiers
+        """Finish the tiers' writes and stop their threads."""
+
+    def check_integrity(self, idle: bool = False) -> None:
+        """Every page is exactly one of free, held by a request, or cached (and, `idle`, nothing loads); raise if
+        not."""
         free = self.allocator.free_pages()
         used = set(self.allocator.owner)
         cached = set(self.cached_pages())

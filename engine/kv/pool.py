@@ -6,7 +6,11 @@ import torch
 
 
 class KVPool:
-    """Physical KV storage. Shape per layer: [num_pages * page_size, num_kv_heads, head_dim]."""
+    """Physical KV storage. Shape per layer: [num_pages * page_size, num_kv_heads, head_dim].
+
+    The tiers under the prefix cache (engine/kv/tiers.py) move whole pages in and out: `read_pages` copies
+    pages into host memory as one tensor [pages, layers, 2, page_size, kv_heads, head_dim] (each page
+    contiguous, so a page's bytes are one slice), `write_pages` puts such pages back."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -20,6 +24,37 @@ class KVPool:
 
     def v(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 1]
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One page as `read_pages` gives it: [layers, 2 (K and V), page_size, kv_heads, head_dim]."""
+        layers, _, _, heads, dim = self.buffer.shape
+        return layers, 2, self.page_size, heads, dim
+
+    @property
+    def page_bytes(self) -> int:
+        return torch.Size(self.page_shape).numel() * self.buffer.element_size()
+
+    def _paged(self) -> torch.Tensor:
+        layers, _, slots, heads, dim = self.buffer.shape
+        return self.buffer.view(layers, 2, slots // self.page_size, self.page_size, heads, dim)
+
+    def read_pages(self, pages: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The K/V of `pages`, copied to host memory: [len(pages), *page_shape], contiguous, into `out` if given
+        (memory used again: a fresh tensor costs its page faults, several times the copy); synchronous on a GPU,
+        the copy is done when this returns."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.buffer.device)
+        paged = self._paged().permute(2, 0, 1, 3, 4, 5)
+        if out is not None and self.buffer.device.type == "cpu":
+            return torch.index_select(paged, 0, index, out=out)
+        gathered = paged.index_select(0, index)
+        return gathered.to("cpu") if out is None else out.copy_(gathered)
+
+    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Put `data` ([len(pages), *page_shape], host memory, as `read_pages` gives it) into `pages`
+        (synchronous: `data` may be reused when this returns)."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.buffer.device)
+        self._paged().permute(2, 0, 1, 3, 4, 5).index_copy_(0, index, data.to(self.buffer.device))
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

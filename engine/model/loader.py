@@ -89,6 +89,10 @@ class Checkpoint:
         """The model id clients see."""
         return model_id(str(self.path))
 
+    def weight_files(self) -> list[Path]:
+        """The files the weights come from: the GGUF file, or the directory's safetensors."""
+        return [self.path] if self.gguf is not None else _weight_files(self.path)
+
     def formats(self) -> dict[str, int]:
         """The checkpoint's weight formats and how many tensors each (safetensors: by dtype)."""
         if self.gguf is not None:

@@ -28,7 +28,8 @@ class PrefillAdder:
     """
 
     def __init__(self, token_budget: int, claimed: int, table: RequestTable, cache: CacheManager,
-                 admission: Admission) -> None:
+                 admission: Admission, hit_tokens: dict[str, int]) -> None:
+        self.hit_tokens = hit_tokens  # prompt tokens first admissions found cached, by tier (pool, host, disk)
         self.token_budget = token_budget
         self.claimed = claimed
         self.table = table
@@ -46,25 +47,35 @@ class PrefillAdder:
         self.claimed += self.admission.claim(req)
 
     def try_add_one(self, req: Req) -> WaitReason | None:
-        """Admit `req` (None), or name the limit it does not fit."""
-        if self.table.available_size == 0:
-            return "slot"
-        if self.token_budget <= 0:
-            return "token_budget"
+        """Admit `req` (None), or name the limit it does not fit; "loading_kv" when pages of its prefix are found
+        below the pool and must be loaded first (PrefillManager then passes it over until they are in). The load
+        starts once its KV estimate fits, also while it waits for a slot or the next step's budget."""
         # Match at most fill_len - 1 tokens: the last one must be computed to get logits. A prompt to
         # score is computed whole: its cached part would have no logits.
         match = PrefixMatch() if req.scoring_prompt else self.cache.match_prefix(req.tokens(0, req.fill_len - 1))
         self.cache.lock(match.handle)  # locking can make cached pages unevictable, so check after it
         req.pages = list(match.pages)
         need = self.admission.claim(req)
-        if need + self.claimed > self.cache.available_size:
+        limit: WaitReason | None = "kv_pages" if need + self.claimed > self.cache.available_size else None
+        if limit is None and (below := self._load_below(req, match)) is not None:
+            if below == "loaded":  # from host memory, in the tree already: match again
+                self.cache.unlock(match.handle)
+                return self.try_add_one(req)
+            limit = "loading_kv"
+        limit = limit or ("slot" if self.table.available_size == 0 else
+                          "token_budget" if self.token_budget <= 0 else None)
+        if limit is not None:
             self.cache.unlock(match.handle)
             req.pages = []
-            return "kv_pages"
+            return limit
+        self._take_loaded(req)
         req.prefix = match
         req.cached_len = len(match.pages) * self.page_size
         if not req.retractions:  # usage reports the prompt tokens the first admission found cached
             req.prefix_len = req.cached_len
+            self.hit_tokens["pool"] += req.cached_len - req.host_tokens - req.disk_tokens
+            self.hit_tokens["host"] += req.host_tokens
+            self.hit_tokens["disk"] += req.disk_tokens
         req.slot = self.table.allocate(req.rid)
         self.table.write_pages(req.slot, 0, req.pages, self.page_size)
         if req.admit_time is None:
@@ -72,6 +83,32 @@ class PrefillAdder:
         self.claimed += need
         self._take_chunk(req)
         return None
+
+    def _load_below(self, req: Req, match: PrefixMatch) -> str | None:
+        """Pages of the prompt past `match` that the tiers below the pool hold: start loading them ("loading"),
+        or wait for another request's load of them ("loading" too); "loaded" when they came from host memory and
+        are in already (admission then matches again); None when there are none (or it loaded already)."""
+        if req.scoring_prompt or req.loading is not None:
+            return None
+        tokens = req.tokens(0, req.fill_len - 1)
+        below = self.cache.find_below(tokens, match)
+        if below.busy:
+            return "loading"
+        if not below.pages:
+            return None
+        req.loading = self.cache.load(req.rid, tokens, match, below)
+        return "loaded" if req.loading.done else "loading"
+
+    def _take_loaded(self, req: Req) -> None:
+        """A loaded request's match now covers its pages and holds them: its load's own lock ends."""
+        load = req.loading
+        if load is None:
+            return
+        if not req.retractions:
+            req.host_tokens = load.from_tier("host") * self.page_size
+            req.disk_tokens = load.from_tier("disk") * self.page_size
+        self.cache.cancel_load(load)
+        req.loading = None
 
 
 class PrefillManager:
@@ -83,7 +120,8 @@ class PrefillManager:
     admits the longest-waiting first). Admission walks that order and stops at the first request that
     does not fit; `blocked` remembers which and why (`reason`): everyone after it waits for its turn.
     A choice waiting for its group's leader to cache the prompt (`Req.held`, reason "sibling") is passed
-    over meanwhile.
+    over meanwhile, and so is a request whose prefix's pages load from the tiers below the pool ("loading_kv").
+    `hit_tokens` counts the prompt tokens first admissions found cached, in the pool, host memory or on disk.
     """
 
     def __init__(self, table: RequestTable, cache: CacheManager, admission: Admission, policy: str = "fcfs",
@@ -96,6 +134,8 @@ class PrefillManager:
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
         self.blocked: tuple[str, WaitReason] | None = None  # (rid, limit) where the last admission stopped
+        self.awaiting: set[str] = set()  # requests the last admission found waiting for another's load
+        self.hit_tokens = {"pool": 0, "host": 0, "disk": 0}
 
     @property
     def runnable(self) -> bool:
@@ -119,6 +159,8 @@ class PrefillManager:
         "queue" (admission stopped at a request ahead of it, or has not looked since it arrived)."""
         if req.held:
             return "sibling"
+        if req.waits_for_kv or req.rid in self.awaiting:
+            return "loading_kv"
         return self.blocked[1] if self.blocked is not None and self.blocked[0] == req.rid else "queue"
 
     def rank(self, req: Req) -> int:
@@ -145,18 +187,23 @@ class PrefillManager:
 
     def schedule_next_batch(self, token_budget: int, claimed: int, step: int) -> list[Req] | None:
         """Admit waiting requests in policy order until the first one that does not fit."""
-        adder = PrefillAdder(token_budget, claimed, self.table, self.cache, self.admission)
+        adder = PrefillAdder(token_budget, claimed, self.table, self.cache, self.admission, self.hit_tokens)
         reqs: list[Req] = []
         if self.chunked is not None:
             adder.continue_chunked(self.chunked)
             reqs.append(self.chunked)
             self.chunked = None
         self.blocked = None
+        self.awaiting = set()
         admitted: list[Req] = []
         for req in self.ordered(step):
-            if req.held:
+            if req.held or req.waits_for_kv:
                 continue
-            if (limit := adder.try_add_one(req)) is not None:
+            if (limit := adder.try_add_one(req)) == "loading_kv":
+                if not req.waits_for_kv:
+                    self.awaiting.add(req.rid)
+                continue
+            if limit is not None:
                 self.blocked = (req.rid, limit)
                 break
             admitted.append(req)

@@ -65,6 +65,7 @@ from engine.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 GRAMMAR_WAIT = 60.0  # seconds a step's sampler waits for the previous step's processing before giving up
+KV_WAIT = 0.01  # seconds a step with nothing to run waits for a KV load's reads (rather than spin)
 
 
 class Scheduler:
@@ -165,14 +166,16 @@ class Scheduler:
         pages = PageSnapshot(page_size=self.page_size, total=alloc.num_pages, free=alloc.num_free, held=held,
                              cached=cached, locked=cached - self.cache.evictable_size,
                              claimed=sum(e.claimed_pages for e in running), runs=tuple(runs), owners=tuple(owners),
-                             complete=changed is None)
+                             complete=changed is None, tiers=tuple(self.cache.tier_use()))
         now = time.monotonic()
         waiting = tuple(WaitingEntry(rid=r.rid, client=r.client, prompt_tokens=r.input_len, waited=now - r.arrival_time,
                                      reason=self.prefill_manager.reason(r), priority=r.params.priority,
                                      retractions=r.retractions, generated=len(r.output_ids))
                         for r in self.prefill_manager.ordered(self.counters["steps"]))
         return SchedulerSnapshot(waiting=waiting, running=running, slots=tuple(self.table.holder), pages=pages,
-                                 counters=SchedulerCounters(**self.counters), inflight_batches=self.inflight_batches,
+                                 counters=SchedulerCounters(**self.counters, **{
+                                     f"hit_tokens_{tier}": n for tier, n in self.prefill_manager.hit_tokens.items()}),
+                                 inflight_batches=self.inflight_batches,
                                  admission=self.admission.describe(), policy=self.policy)
 
     def describe(self, rid: str, text_from: int = 0) -> RequestDetail[tuple[int, ...]] | None:
@@ -191,7 +194,8 @@ class Scheduler:
             reason=self.prefill_manager.reason(req) if waiting else "", params=req.params,
             prompt_tokens=req.input_len, prompt_head=tuple(req.input_ids[:ends]),
             prompt_tail=tuple(req.input_ids[-ends:]) if req.input_len > 2 * ends else (),
-            cached_tokens=req.prefix_len, slot=req.slot, pages=len(req.pages),
+            cached_tokens=req.prefix_len, host_tokens=req.host_tokens, disk_tokens=req.disk_tokens, slot=req.slot,
+            pages=len(req.pages),
             claimed_pages=0 if waiting else self.admission.claim(req), generated=len(req.output_ids),
             max_tokens=req.max_output, retractions=req.retractions, choices=req.params.n,
             age=time.monotonic() - req.arrival_time, ttft=req.ttft,
@@ -207,7 +211,10 @@ class Scheduler:
         return self.process(batch, self.runner.run(batch))
 
     def idle(self) -> StepResult:
-        """The result of a step with nothing to run (it still carries aborts' final deltas)."""
+        """The result of a step with nothing to run (it still carries aborts' final deltas). Requests waiting only
+        for their KV to load from disk would have the loop spin: it waits for a read (KV_WAIT at most) first."""
+        if self.cache.loading:
+            self.cache.wait_loads(KV_WAIT)
         return self._result(StepResult(kind="idle"))
 
     # -- schedule ---------------------------------------------------------------------------------
@@ -220,6 +227,8 @@ class Scheduler:
         flight holds pages they need."""
         start = time.perf_counter()
         self._propose_time = 0.0
+        self.cache.scheduling(self._scheduled_count + 1)
+        self.cache.poll_loads()  # pages loaded since the last step join the prefix cache, for their requests
         plan = self._prefill_first() if self._make_room() else None
         if plan is None:
             return None
@@ -449,6 +458,7 @@ class Scheduler:
         with self._processed:
             self._processed_count += 1
             self._processed.notify_all()
+        self.cache.processed(self._processed_count)  # what it wrote is final: the tiers may copy it
         self.counters["steps"] += 1
         decode_queries = batch.num_decode + batch.num_verify_tokens
         if decode_queries:
@@ -599,7 +609,10 @@ class Scheduler:
         """The one cleanup path (from `_finish` once no batch in flight uses `req`, and from `_retract`):
         free the request slot and hand the KV pages to the cache manager (only whole, known tokens are cached)."""
         self._unreleased.discard(req)
-        if req.slot is None:  # never admitted: it held nothing
+        if req.loading is not None:  # its prefix's pages, loading or loaded for it
+            self.cache.cancel_load(req.loading)
+            req.loading = None
+        if req.slot is None:  # never admitted: it held nothing else
             return
         if self.speculator is not None:
             self.speculator.release(req)

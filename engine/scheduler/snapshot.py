@@ -21,17 +21,19 @@ from typing import Generic, Literal, TypeVar, get_args
 
 import msgspec
 
-from engine.pages import PageRun
+from engine.pages import PageRun, TierUse
 from engine.params import SamplingParams
 
-WaitReason = Literal["slot", "token_budget", "kv_pages", "queue", "sibling"]
+WaitReason = Literal["slot", "token_budget", "kv_pages", "queue", "sibling", "loading_kv"]
 """Why a waiting request waits: the limit that stopped the scheduler's last admission at it
 (engine/scheduler/prefill.py), "slot" (no request slot free), "token_budget" (the step's token budget was
 spent: admitted at the next prefill step) or "kv_pages" (its prompt and the output admission counts it
 for do not fit the free and evictable pages); "queue" (admission stopped at a request ahead of it, or has
-not looked since it arrived); or "sibling" (one of a request's n choices, waiting for the first to put the
-prompt in the prefix cache). docs/protocol.md lists these; a request the server is still preparing waits
-ahead of them with its stage as the reason ("tokenizing", "compiling grammar": engine/service/registry.py)."""
+not looked since it arrived); "sibling" (one of a request's n choices, waiting for the first to put the
+prompt in the prefix cache); or "loading_kv" (its prefix was found below the pool, in host memory or on disk,
+and its pages are being loaded back: engine/kv/tiers.py; admission goes on past it meanwhile). docs/protocol.md
+lists these; a request the server is still preparing waits ahead of them with its stage as the reason
+("tokenizing", "compiling grammar": engine/service/registry.py)."""
 WAIT_REASONS: tuple[WaitReason, ...] = get_args(WaitReason)
 
 PROMPT_ENDS = 48  # prompt tokens a RequestDetail keeps from each end
@@ -107,6 +109,8 @@ class RequestDetail(msgspec.Struct, Generic[Prompt], kw_only=True):
     params: SamplingParams | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    host_tokens: int = 0  # of those, the ones loaded from host memory ...
+    disk_tokens: int = 0  # ... and from disk (the rest were in the pool)
     slot: int | None = None
     pages: int = 0
     claimed_pages: int = 0
@@ -127,7 +131,8 @@ class PageSnapshot:
     """Every KV page is exactly one of free, held by a request, or cached (`locked` while a running
     request reads it). `claimed` is what admission counts the admitted requests for beyond what they hold
     (it admits no one into those pages). `runs` (engine/pages.py) list every page in order when
-    `complete`, else only the pages asked about; a held run's `owner` indexes `owners`."""
+    `complete`, else only the pages asked about; a held run's `owner` indexes `owners`. `tiers` are the tiers
+    below the pool (host memory, disk; engine/kv/tiers.py) the engine has."""
 
     page_size: int
     total: int
@@ -139,13 +144,15 @@ class PageSnapshot:
     runs: tuple[PageRun, ...]
     owners: tuple[str, ...]
     complete: bool
+    tiers: tuple[TierUse, ...] = ()
 
 
 @dataclass(frozen=True)
 class SchedulerCounters:
     """Totals since the engine started. `decode_tokens` are what decoding generated (accepted drafts
     included); a verification of drafts is a `spec_drafts`, with its `spec_draft_tokens` proposed and
-    `spec_accepted_tokens` accepted (vLLM's spec_decode counters)."""
+    `spec_accepted_tokens` accepted (vLLM's spec_decode counters). `hit_tokens_*` are the prompt tokens first
+    admissions found cached, in the pool, in host memory and on disk (the tokens usage reports as cached)."""
 
     steps: int
     prefill_tokens: int
@@ -156,6 +163,9 @@ class SchedulerCounters:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    hit_tokens_pool: int = 0
+    hit_tokens_host: int = 0
+    hit_tokens_disk: int = 0
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,12 @@ ENGINE_HELP = {
     "speculative_ngram_min": "Shortest n-gram it falls back to.",
     "reasoning_budget": "Tokens a reply's think block may take before the engine closes it, for requests that "
                         "set no thinking_token_budget (default: unbounded).",
+    "kv_host_gib": "Host memory for KV pages the pool evicts (pinned; default: on CUDA as much as the pool, at most "
+                   "a quarter of free memory; on CPU 0, the pool is host memory already).",
+    "kv_cache_dir": "Directory of the disk KV tier: cached pages written through, loaded back after eviction or a "
+                    "restart (default: $MINICHAT_KV_CACHE_DIR, else kv/ in the user's cache directory).",
+    "kv_disk_gib": "Cap on the disk KV tier's directory, least recently used pages deleted first (default: 8 GiB, "
+                   "at most half the free space; 0: no disk tier).",
     "threads": "CPU compute threads (default: up to the usable cores, as many as measure fastest beside other work).",
 }
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from engine.outputs import Delta, Final
-from engine.pages import PageRun
+from engine.pages import PageRun, TierUse
 from engine.params import SamplingParams
 from engine.scheduler.snapshot import RequestDetail, RunningEntry, WaitingEntry
 
@@ -240,6 +240,7 @@ class Pages(msgspec.Struct, kw_only=True):
     base: int = 0
     runs: list[PageRun] = msgspec.field(default_factory=list)
     owners: list[str] = msgspec.field(default_factory=list)  # the requests holding pages: PageRun.owner indexes this
+    tiers: list[TierUse] = msgspec.field(default_factory=list)  # the tiers below the pool: host memory, disk
 
     @property
     def used(self) -> int:
@@ -272,6 +273,10 @@ class Counters(msgspec.Struct, kw_only=True):
     spec_accepted_tokens: int = 0
     spec_draft_tokens_per_s: float = 0.0
     spec_accepted_tokens_per_s: float = 0.0
+    # prompt tokens first admissions found cached: in the KV pool, loaded from host memory, loaded from disk
+    hit_tokens_pool: int = 0
+    hit_tokens_host: int = 0
+    hit_tokens_disk: int = 0
 
     @property
     def spec_acceptance(self) -> float:

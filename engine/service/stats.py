@@ -99,7 +99,9 @@ class StatsRecorder:
                         decode_tokens_per_s=decode, steps_per_s=len(self._window) / span,
                         retractions=counts.retractions, spec_drafts=counts.spec_drafts,
                         spec_draft_tokens=counts.spec_draft_tokens, spec_accepted_tokens=counts.spec_accepted_tokens,
-                        spec_draft_tokens_per_s=drafted, spec_accepted_tokens_per_s=accepted)
+                        spec_draft_tokens_per_s=drafted, spec_accepted_tokens_per_s=accepted,
+                        hit_tokens_pool=counts.hit_tokens_pool, hit_tokens_host=counts.hit_tokens_host,
+                        hit_tokens_disk=counts.hit_tokens_disk)
 
     def _full_due(self, now: float, asked: bool) -> bool:
         """Whether the next snapshot lists every page (see the module docstring)."""
@@ -127,4 +129,4 @@ class StatsRecorder:
     def _pages(self, pages: PageSnapshot) -> Pages:
         return Pages(page_size=pages.page_size, free=pages.free, held=pages.held, cached=pages.cached - pages.locked,
                      locked=pages.locked, total=pages.total, claimed=pages.claimed, base=self._full_seq,
-                     runs=list(pages.runs), owners=list(pages.owners))
+                     runs=list(pages.runs), owners=list(pages.owners), tiers=list(pages.tiers))

@@ -131,8 +131,10 @@ class RequestDetailScreen(ModalScreen[None]):
                 lines += [("priority", str(d.params.priority)), ("params", describe_params(d.params))]
             if d.prompt_tokens:
                 share = f"{100 * d.cached_tokens / d.prompt_tokens:.0f}%"
+                tiers = f": {d.cached_tokens - d.host_tokens - d.disk_tokens} in the pool, {d.host_tokens} from host " \
+                        f"memory, {d.disk_tokens} from disk" if d.host_tokens or d.disk_tokens else ""
                 lines.append(("prompt", f"{d.prompt_tokens} tokens, {d.cached_tokens} from the prefix cache "
-                                        f"({share})"))
+                                        f"({share}){tiers}"))
             if d.slot is not None or d.pages:
                 slot = f"slot {d.slot} · " if d.slot is not None else ""
                 lines.append(("memory", f"{slot}{d.pages} KV pages held, {d.claimed_pages} more claimed"))
@@ -161,6 +163,8 @@ class RequestDetailScreen(ModalScreen[None]):
             return "no longer live (finished or aborted); what it was last:"
         if not reachable:
             return f"{d.state} when last seen; the engine does not answer now"
+        if d.state == "waiting" and d.reason == "loading_kv":
+            return "waiting: its prompt's KV loads back from host memory or disk"
         if d.state == "waiting":
             return f"waiting for {REASONS.get(d.reason, (d.reason or '?', ''))[0]}"
         if d.state == "prefilling":

@@ -18,6 +18,7 @@ from engine.pages import CACHED, FREE, HELD, LOCKED, cells, paint
 from engine.service.protocol import Stats
 from tui.names import RequestNames
 from tui.panels.base import pack, set_titles
+from tui.status import kv_tiers
 
 Item = tuple[str, str]  # (glyph, style)
 FREE_ITEM: Item = ("░", "grey35")
@@ -88,7 +89,8 @@ class PageGrid(CellGrid):
     """One cell per KV page (or per group of pages): free, held by a request, cached, or cached and
     locked (a running request reads it). Above the cells, the counts of each, how the engine admits
     requests into the pages (reserve, or optimistic and what it expects of their output now) and in
-    which order: in lines that wrap between those parts, where a title would be cut at 80 columns.
+    which order, and the KV tiers (pool, host memory, disk: what each holds and the prompt tokens it served):
+    in lines that wrap between those parts, where a title would be cut at 80 columns.
     A pool larger than the panel is summarised from its runs (engine/pages.py) straight into as many
     cells as fit, so a 600,000-page pool costs a few byte scans, not 600,000 items."""
 
@@ -98,15 +100,17 @@ class PageGrid(CellGrid):
         self.header: list[str] = []  # the parts of the lines above the cells, laid out to the width
 
     def show_stats(self, stats: Stats, names: RequestNames) -> None:
-        p = stats.pages
-        drawn = (p, self.size, stats.admission, stats.policy)  # the size too: it sets pages per cell
+        p, c = stats.pages, stats.counters
+        hits = (c.hit_tokens_pool, c.hit_tokens_host, c.hit_tokens_disk)
+        drawn = (p, hits, self.size, stats.admission, stats.policy)  # the size too: it sets pages per cell
         if drawn == self._drawn:
             return
         self._drawn = drawn
         header = [f"{p.held} held (+{p.claimed} claimed)", f"{p.locked} locked", f"{p.cached} cached",
                   f"{p.free} free of {p.total} × {p.page_size} tok",
                   *(part for part in (stats.admission and f"admission {stats.admission}",
-                                      stats.policy and f"queue order {stats.policy}") if part)]
+                                      stats.policy and f"queue order {stats.policy}") if part),
+                  *kv_tiers(stats, brief=True)]
         if header != self.header:
             width = self.size.width  # counts change at every step of a busy engine; the line count seldom
             lines = len(pack(self.header, width))

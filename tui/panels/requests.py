@@ -38,7 +38,7 @@ RETRACTED = "bold magenta"
 REASONS = {"slot": ("no free slot", "bold red"), "kv_pages": ("KV pages", "bold yellow"),
            "token_budget": ("token budget", "green"), "queue": ("its turn", "grey62"),
            "sibling": ("first choice's prompt", "cyan"), "tokenizing": ("tokenizing", "grey62"),
-           "compiling grammar": ("compiling grammar", "bold cyan")}
+           "compiling grammar": ("compiling grammar", "bold cyan"), "loading_kv": ("loading KV", "bold magenta")}
 
 
 def reason(code: str, retractions: int = 0, kept: int = 0) -> Text:

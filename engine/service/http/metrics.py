@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.outputs import Final
+from engine.pages import REJECTIONS
 from engine.service.protocol import Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -82,7 +83,47 @@ class EngineStatsCollector(Collector):
         }
         for name, (doc, value) in totals.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from self._tiers(s)
         yield from self._vllm(s)
+
+    @staticmethod
+    def _tiers(s: Stats) -> Iterator[Metric]:
+        """The KV tiers: pages and bytes each holds (the pool's are above), prompt tokens each served, pages
+        stored and loaded, and the disk's refused files and failed writes."""
+        c = s.counters
+        hits = CounterMetricFamily("minichat_kv_hit_tokens", "Prompt tokens admission found cached, by the tier that "
+                                   "held them (pool, host, disk).", labels=["tier"])
+        for name, value in (("pool", c.hit_tokens_pool), ("host", c.hit_tokens_host), ("disk", c.hit_tokens_disk)):
+            hits.add_metric([name], value)
+        yield hits
+        per_tier = {
+            "pages": (GaugeMetricFamily, "minichat_kv_tier_pages", "KV pages a tier below the pool holds."),
+            "capacity": (GaugeMetricFamily, "minichat_kv_tier_capacity_pages", "KV pages a tier below the pool "
+                         "can hold."),
+            "bytes": (GaugeMetricFamily, "minichat_kv_tier_bytes", "Bytes a tier below the pool holds (the disk: "
+                      "every model's page files in its directory)."),
+            "stored": (CounterMetricFamily, "minichat_kv_tier_stored_pages", "KV pages stored into a tier."),
+            "loaded": (CounterMetricFamily, "minichat_kv_tier_loaded_pages", "KV pages loaded back to the pool."),
+            "skipped": (CounterMetricFamily, "minichat_kv_tier_skipped_pages", "KV pages not stored: the write "
+                        "queue was full, or writing was paused after a failure."),
+        }
+        for field, (kind, name, doc) in per_tier.items():
+            family = kind(name, doc, labels=["tier"])
+            for tier in s.pages.tiers:
+                family.add_metric([tier.name], getattr(tier, field))
+            yield family
+        rejected = CounterMetricFamily("minichat_kv_disk_rejected_files", "KV page files not used (and deleted), by "
+                                       "why: truncated, corrupt, foreign (another model or layout), missing.",
+                                       labels=["reason"])
+        errors = CounterMetricFamily("minichat_kv_disk_write_errors", "KV page files that could not be written "
+                                     "(a full disk, say).")
+        for tier in s.pages.tiers:
+            if tier.name == "disk":
+                for reason in REJECTIONS:
+                    rejected.add_metric([reason], tier.rejected.get(reason, 0))
+                errors.add_metric([], tier.write_errors)
+        yield rejected
+        yield errors
 
     def _vllm(self, s: Stats) -> Iterator[Metric]:
         """The same numbers under vLLM's names and label."""

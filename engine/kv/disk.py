@@ -1,0 +1,386 @@
+"""The disk tier: KV pages as files under `--kv-cache-dir`, one file a page, checksummed, capped, least recently
+used first out; every file operation on a thread of its own, never on the scheduler's.
+
+Where: `<dir>/<fingerprint>/<key[:2]>/<key>.kv`, `key` the page's chain key (engine/kv/tiers.py: a hash of the
+fingerprint and every token up to the page's end), so a file names its whole prefix and another model's pages
+live in another directory. A file is a header (`HEADER`: magic, version, page size, the fingerprint, the key,
+its parent's key, the payload's length), the page's token ids, the payload (its K/V as KVPool.read_pages lays
+a page out) and a CRC-32 of all of that. A read checks all of it against what the reader expects: a file too
+short is "truncated", one whose bytes do not match its checksum (or that is not a page file) "corrupt", one of
+another fingerprint, layout or prefix "foreign", one that vanished (another engine evicted it) "missing". Such a
+file is counted, logged, deleted (so it is not found again) and its page computed again; it is never used.
+
+Two engines may share a directory: a file is written to a temporary name and renamed into place (readers see a
+whole file or none; a reader that opened one keeps it when another engine replaces or deletes it), and each
+engine's index of the files is brought up to date from the directory (`rescan`) at start, every RESCAN_EVERY
+seconds and before it evicts, so the cap counts the other engine's files too. The cap (`cap_bytes`) holds the
+whole directory, every fingerprint's files together: before a write that would pass it, the least recently
+used files are deleted until the directory is LOW_WATER of the cap. A write that fails (a full disk, a file
+size limit, a read-only directory) is logged, counted, and pauses writing for WRITE_PAUSE seconds: the engine
+serves on, recomputing what it could not store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.pages import REJECTIONS
+from kernels.cpu.build import cache_dir
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MCKV"
+VERSION = 1
+HEADER = struct.Struct("<4sHH16s16s16sQ")  # magic, version, page size, fingerprint, key, parent key, payload bytes
+CRC = struct.Struct("<I")
+SUFFIX = ".kv"
+LOW_WATER = 0.9  # an eviction deletes down to this share of the cap, so that not every write evicts
+RESCAN_EVERY = 30.0  # seconds between two looks at the directory (other engines' files come and go)
+RESCAN_SPACING = 2.0  # and at least, however often an eviction wants one
+WRITE_PAUSE = 10.0  # seconds writing stays off after a write failed
+STALE_TMP = 600.0  # seconds after which a temporary file is a crashed writer's (deleted at a scan)
+DIR_ENV = "MINICHAT_KV_CACHE_DIR"
+
+
+def default_dir() -> Path:
+    """Where the disk tier lives unless told: $MINICHAT_KV_CACHE_DIR, else `kv` in the user's cache directory."""
+    return Path(os.environ[DIR_ENV]) if os.environ.get(DIR_ENV) else cache_dir() / "kv"
+
+
+class PageRejected(Exception):
+    """A page file that must not be used; `reason` is one of REJECTIONS (engine/pages.py)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass
+class DiskCounts:
+    """What the tier did since start: pages written, files refused by reason, failed writes, pages not written
+    (the queue was full or writing paused), and the seconds spent writing and reading."""
+
+    written: int = 0
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTIONS, 0))
+    write_errors: int = 0
+    skipped: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PageFile:
+    """What a page file must say: whose (`fingerprint`), which page (`key`, its `parent`, its `tokens`), how big."""
+
+    fingerprint: bytes
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+    def head(self, payload: int) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, len(self.tokens), self.fingerprint, self.key, self.parent, payload) + \
+            struct.pack(f"<{len(self.tokens)}q", *self.tokens)
+
+    def check(self, data: bytearray, payload: int) -> int:
+        """Where the payload starts in a whole file's `data`; PageRejected if the file is not this page's."""
+        if len(data) < HEADER.size + CRC.size:
+            raise PageRejected("truncated", f"{len(data)} bytes")
+        magic, version, size, fingerprint, key, parent, length = HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise PageRejected("corrupt", "not a minichat KV page file")
+        start = HEADER.size + 8 * size
+        if len(data) < start + length + CRC.size:
+            raise PageRejected("truncated", f"{len(data)} bytes of {start + length + CRC.size}")
+        if len(data) > start + length + CRC.size:
+            raise PageRejected("corrupt", f"{len(data) - start - length - CRC.size} bytes too many")
+        (crc,) = CRC.unpack_from(data, len(data) - CRC.size)
+        if zlib.crc32(memoryview(data)[: -CRC.size]) != crc:
+            raise PageRejected("corrupt", "checksum mismatch")
+        if version != VERSION or fingerprint != self.fingerprint or length != payload:
+            raise PageRejected("foreign", "another model, dtype or KV layout")
+        tokens = struct.unpack_from(f"<{size}q", data, HEADER.size)
+        if key != self.key or parent != self.parent or tokens != self.tokens:
+            raise PageRejected("foreign", "another prefix's page")
+        return start
+
+
+Job = tuple[PageFile, torch.Tensor, Callable[[], None]] | threading.Event | None  # a write, a flush, close
+
+
+class DiskTier:
+    """Page files for one fingerprint under `root`, an index of the directory's files (least recently used first),
+    a writer thread (writes, evictions, rescans) and a reader thread. The scheduler's thread only asks the index
+    (`__contains__`) and queues work (`write`, `read`); `on_read` is called (on the reader thread) after each
+    read, so a waiting scheduler can wake."""
+
+    def __init__(self, root: Path, fingerprint: bytes, page_shape: tuple[int, ...], dtype: torch.dtype,
+                 cap_bytes: int, on_read: Callable[[], None] = lambda: None) -> None:
+        self.root = root
+        self.fingerprint = fingerprint
+        self.dir = root / fingerprint.hex()
+        self.page_shape = page_shape
+        self.dtype = dtype
+        self.payload = torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.cap_bytes = cap_bytes
+        self.on_read = on_read
+        self.counts = DiskCounts()
+        self.degraded = ""  # why writing is paused now ("" when it is not)
+        self._lock = threading.Lock()
+        self._files: OrderedDict[Path, int] = OrderedDict()  # every page file in `root`, least recently used first
+        self._ours: set[bytes] = set()  # the keys of this fingerprint's files
+        self._total = 0
+        self._pending = 0  # writes queued
+        self._paused_until = 0.0
+        self._scanned_at = -float("inf")
+        self._jobs: queue.Queue[Job] = queue.Queue()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rescan()
+        self._evict(0)  # the cap may be smaller than last time
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="minichat-kv-read")
+        self._writer = threading.Thread(target=self._write_loop, name="minichat-kv-write", daemon=True)
+        self._writer.start()
+
+    # -- the scheduler's side -------------------------------------------------------------------
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._ours
+
+    @property
+    def pages(self) -> int:
+        return len(self._ours)
+
+    @property
+    def total_bytes(self) -> int:
+        """The page files in the directory, every fingerprint's, as this engine last knew them."""
+        return self._total
+
+    @property
+    def file_bytes(self) -> int:
+        return HEADER.size + 8 * self.page_shape[2] + self.payload + CRC.size
+
+    def path(self, key: bytes) -> Path:
+        hexkey = key.hex()
+        return self.dir / hexkey[:2] / f"{hexkey}{SUFFIX}"
+
+    def write(self, page: PageFile, data: torch.Tensor, done: Callable[[], None]) -> bool:
+        """Queue one page's K/V (a contiguous host tensor of `page_shape`) for writing; False when it will not be
+        stored (writing is paused, or a page does not fit the cap), True if it is or will be. `done()` is called
+        once `data` is no longer needed: at once, or on the writer thread after the write."""
+        if page.key in self._ours:
+            done()
+            return True
+        with self._lock:
+            if not self.accepting:
+                self.counts.skipped += 1
+                done()
+                return False
+            self._pending += 1
+        self._jobs.put((page, data, done))
+        return True
+
+    @property
+    def accepting(self) -> bool:
+        """Whether a write now would be tried: writing is not paused after a failure, and a page fits the cap."""
+        return time.monotonic() >= self._paused_until and self.file_bytes <= self.cap_bytes
+
+    def skipped(self, pages: int) -> None:
+        """Pages not handed to `write` at all (it was not `accepting`)."""
+        with self._lock:
+            self.counts.skipped += pages
+
+    def read(self, page: PageFile) -> Future[torch.Tensor]:
+        """The page's K/V read back and checked (PageRejected if the file must not be used)."""
+        future = self._reader.submit(self._read, page)
+        future.add_done_callback(lambda _: self.on_read())
+        return future
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every write queued so far is done; False if that took longer than `timeout` seconds."""
+        if not self._writer.is_alive():  # closed
+            return True
+        done = threading.Event()
+        self._jobs.put(done)
+        return done.wait(timeout)
+
+    def close(self, timeout: float) -> None:
+        """Finish the queued writes (for at most `timeout` seconds), then stop both threads."""
+        if not self._writer.is_alive():
+            return
+        self.flush(timeout)
+        self._jobs.put(None)
+        self._writer.join(timeout)
+        self._reader.shutdown(wait=True, cancel_futures=True)
+
+    def check_integrity(self) -> None:
+        """The index adds up and, once the writes are done, holds the cap."""
+        with self._lock:
+            total, files, pending, ours = self._total, dict(self._files), self._pending, set(self._ours)
+        if total != sum(files.values()):
+            raise AssertionError(f"disk tier: index total {total} != the sum of its files {sum(files.values())}")
+        if not pending and total > self.cap_bytes:
+            raise AssertionError(f"disk tier: {total} bytes indexed over the cap of {self.cap_bytes}")
+        stray = {k for k in ours if self.path(k) not in files}
+        if stray:
+            raise AssertionError(f"disk tier: {len(stray)} keys without a file in the index")
+
+    # -- the reader thread ----------------------------------------------------------------------
+    def _read(self, page: PageFile) -> torch.Tensor:
+        start = time.perf_counter()
+        path = self.path(page.key)
+        try:
+            with path.open("rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(data)
+            at = page.check(data, self.payload)
+        except FileNotFoundError:
+            self._forget(path, page.key)
+            with self._lock:
+                self.counts.rejected["missing"] += 1
+            raise PageRejected("missing", str(path)) from None
+        except PageRejected as e:
+            log.warning("KV disk tier: %s is %s; deleted, its tokens are computed again", path, e)
+            self._delete(path, page.key)
+            with self._lock:
+                self.counts.rejected[e.reason] += 1
+            raise
+        with contextlib.suppress(OSError):
+            os.utime(path)  # its modification time is when it was last used, for every engine's LRU order
+        with self._lock:
+            if path in self._files:
+                self._files.move_to_end(path)
+            self.counts.read_seconds += time.perf_counter() - start
+        tensor = torch.frombuffer(data, dtype=torch.uint8, offset=at, count=self.payload)
+        return tensor.view(self.dtype).view(self.page_shape)
+
+    # -- the writer thread ----------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=RESCAN_EVERY)
+            except queue.Empty:
+                self.rescan()
+                continue
+            if job is None:  # close
+                return
+            if isinstance(job, threading.Event):  # flush: everything queued before it is done
+                job.set()
+                continue
+            page, data, done = job
+            try:
+                self._store(page, data)
+            finally:
+                done()
+                with self._lock:
+                    self._pending -= 1
+
+    def _store(self, page: PageFile, data: torch.Tensor) -> None:
+        if page.key in self._ours:
+            return
+        start = time.perf_counter()
+        size = self.file_bytes
+        self._evict(size)
+        path = self.path(page.key)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        head = page.head(self.payload)
+        payload = data.contiguous().view(torch.uint8).numpy().data.cast("B")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with tmp.open("wb") as f:
+                f.write(head)
+                f.write(payload)
+                f.write(CRC.pack(zlib.crc32(payload, zlib.crc32(head))))
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._failed(e)
+            return
+        with self._lock:
+            self._add(path, page.key, size)
+            self.counts.written += 1
+            self.counts.write_seconds += time.perf_counter() - start
+            self.degraded = ""
+
+    def _failed(self, error: OSError) -> None:
+        with self._lock:
+            self.counts.write_errors += 1
+            first = not self.degraded
+            self.degraded = f"writes failed ({error.strerror or error}); paused"
+            self._paused_until = time.monotonic() + WRITE_PAUSE
+        if first:
+            log.warning("KV disk tier: writing to %s failed (%s); pages are not stored for %.0f s, then tried again "
+                        "(the engine serves on, computing what is not stored)", self.dir, error, WRITE_PAUSE)
+
+    def _evict(self, incoming: int) -> None:
+        """Delete least recently used files until `incoming` more bytes fit under the cap (to LOW_WATER of it)."""
+        if self._total + incoming <= self.cap_bytes:
+            return
+        if time.monotonic() - self._scanned_at >= RESCAN_SPACING:
+            self.rescan()  # count (and do not try to delete twice) what other engines wrote or deleted
+        goal = max(0, int(self.cap_bytes * LOW_WATER) - incoming)
+        while self._total > goal and self._files:
+            with self._lock:
+                path, _ = next(iter(self._files.items()))
+            self._delete(path, self._key_of(path))
+
+    # -- the index --------------------------------------------------------------------------------
+    def rescan(self) -> None:
+        """Rebuild the index from the directory: every fingerprint's page files, ordered by modification time
+        (when each was last used); temporary files of crashed writers are deleted."""
+        found: list[tuple[float, Path, int]] = []
+        now = time.time()
+        for top, _, names in os.walk(self.root):
+            for name in names:
+                path = Path(top) / name
+                try:
+                    stat = path.stat()
+                except OSError:  # deleted meanwhile
+                    continue
+                if name.endswith(SUFFIX):
+                    found.append((stat.st_mtime, path, stat.st_size))
+                elif name.endswith(".tmp") and now - stat.st_mtime > STALE_TMP:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+        found.sort(key=lambda f: f[0])
+        with self._lock:
+            self._files = OrderedDict((path, size) for _, path, size in found)
+            self._total = sum(size for _, _, size in found)
+            self._ours = {k for path in self._files if (k := self._key_of(path)) is not None}
+            self._scanned_at = time.monotonic()
+
+    def _key_of(self, path: Path) -> bytes | None:
+        """The key a file of this fingerprint is named for (None for another fingerprint's)."""
+        if path.parent.parent != self.dir:
+            return None
+        with contextlib.suppress(ValueError):
+            return bytes.fromhex(path.name.removesuffix(SUFFIX))
+        return None
+
+    def _add(self, path: Path, key: bytes, size: int) -> None:
+        self._total += size - self._files.pop(path, 0)
+        self._files[path] = size
+        self._ours.add(key)
+
+    def _forget(self, path: Path, key: bytes | None) -> None:
+        with self._lock:
+            self._total -= self._files.pop(path, 0)
+            if key is not None:
+                self._ours.discard(key)
+
+    def _delete(self, path: Path, key: bytes | None) -> None:
+        self._forget(path, key)
+        with contextlib.suppress(OSError):
+            path.unlink()
