@@ -30,7 +30,7 @@ from tui.status import MAP_LINES, MAP_WIDTH, page_map
 
 @pytest.fixture(scope="module")
 def engine(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Four slots of a 16k context: a pool of 4096 pages, a 64-line map."""
+    """Four slots of a 64k context (tests/checkpoints.py: LONG_CONTEXT): a pool of 16,384 pages, a 64-line map."""
     address = f"ipc://{tmp_path_factory.mktemp('cli')}/engine.sock"
     with start(address, model=str(long_ckpt), timeout=120, max_running_requests=4) as handle:
         yield handle.address
