@@ -17,6 +17,7 @@ from engine.service import protocol
 from engine.service.options import ServerOptions
 from engine.service.server import EngineServer
 from engine.service.sockets import Sockets
+from tests.checkpoints import UNTIL_ABORTED
 from tests.wire import raw_dealer
 
 
@@ -100,7 +101,7 @@ def assert_one_record_per_live_request(server: EngineServer) -> None:
 def test_one_record_per_live_request_from_submit_to_final(server: EngineServer, gate: threading.Event) -> None:
     address, inbox = server.sockets.address, []
     with raw_dealer(address) as alice, raw_dealer(address) as bob:
-        submit(alice, "ids", token_ids=[5, 6, 7], max_tokens=64)
+        submit(alice, "ids", token_ids=[5, 6, 7], max_tokens=UNTIL_ABORTED)  # running until aborted
         submit(alice, "text", prompt="held on the tokenizer worker")
         until(server, lambda: len(server.requests) == 2)
         text = server.requests.get("text")
@@ -116,7 +117,7 @@ def test_one_record_per_live_request_from_submit_to_final(server: EngineServer, 
         until(server, lambda: "text" in finals(read(alice, inbox)))
         assert "text" not in server.requests and finals(inbox) == {"text": "abort"}
 
-        submit(bob, "bob-ids", token_ids=[8, 9], max_tokens=10_000)
+        submit(bob, "bob-ids", token_ids=[8, 9], max_tokens=UNTIL_ABORTED)
         submit(bob, "bob-text", prompt="queued behind the held one")
         until(server, lambda: {"bob-ids", "bob-text"} <= {r.rid for r in server.requests})
         bob.close()  # bob vanishes: a send to him fails, and his requests are aborted
@@ -126,15 +127,17 @@ def test_one_record_per_live_request_from_submit_to_final(server: EngineServer, 
 
         gate.set()
         submit(alice, "text2", prompt="tokenized at last", max_tokens=3)
-        until(server, lambda: not server.requests)  # "ids" and "text2" finish
-        assert finals(read(alice, inbox)) == {"text": "abort", "ids": "length", "text2": "length"}
+        until(server, lambda: "text2" in finals(read(alice, inbox)))
+        alice.send(protocol.encode(protocol.Abort(rid="ids")))
+        until(server, lambda: not server.requests)
+        assert finals(read(alice, inbox)) == {"text": "abort", "ids": "abort", "text2": "length"}
         assert not server.llm.has_unfinished() and server.llm.stats().idle
 
-        submit(alice, "last", token_ids=[3, 4], max_tokens=10_000)
+        submit(alice, "last", token_ids=[3, 4], max_tokens=UNTIL_ABORTED)
         submit(alice, "last-text", prompt="preparing or queued when the engine stops")
         until(server, lambda: server.llm.request("last") is not None)
         server.request_stop()
         server.run()  # stopped: only the shutdown, which aborts both
         assert not server.requests and not server.llm.has_unfinished()
-        assert finals(read(alice, inbox)) == {"text": "abort", "ids": "length", "text2": "length", "last": "abort",
+        assert finals(read(alice, inbox)) == {"text": "abort", "ids": "abort", "text2": "length", "last": "abort",
                                               "last-text": "abort"}

@@ -369,10 +369,22 @@ class Scheduler:
         """New pages a running request needs for its next `tokens` query tokens (its next token and drafts)."""
         return max(0, pages_for(req.cached_len + tokens, self.page_size) - len(req.pages))
 
+    def _drop_loads(self) -> None:
+        """Waiting requests' KV loads from the tiers give their pages back (a request loads again when it is next
+        considered): running requests' next tokens come before a waiting prefix, and retracting a running request
+        for pages a waiting one holds would retract the last one in a tight pool."""
+        for req in self.reqs.values():
+            if req.slot is None and req.loading is not None:
+                self.cache.cancel_load(req.loading)
+                req.loading = None
+
     def _make_room(self) -> bool:
         """Free or evictable pages for every running request's next token, retracting requests until
         there are; False (and nothing changed) while a batch in flight still holds pages."""
         need = sum(self._next_pages(r) for r in self.decode_manager.running.values())
+        if need <= self.cache.available_size:
+            return True
+        self._drop_loads()
         if need <= self.cache.available_size:
             return True
         if self.inflight_batches:
