@@ -489,6 +489,11 @@ class LLM:
         if self.workers is not None:
             self.workers.check()
 
+    def write_behind(self) -> bool:
+        """At idle: write down the KV pages that waited for room on their way to disk; True while some still wait
+        (the idle loop comes back soon rather than leave them until the next request)."""
+        return self.scheduler.write_behind()
+
     def flush_kv(self, timeout: float = 60.0) -> bool:
         """Write every cached KV page down to the disk tier and wait for the writes (at idle: every page is then
         final); False if that took longer than `timeout` seconds. Nothing to do without a disk tier."""

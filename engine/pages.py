@@ -115,7 +115,8 @@ REJECTIONS = ("truncated", "corrupt", "foreign", "missing")  # why the disk tier
 
 class TierUse(msgspec.Struct, kw_only=True):
     """A KV tier below the pool (engine/kv/tiers.py), "host" or "disk": the pages it holds and can hold, their
-    bytes, pages `stored` into it and `loaded` back to the pool since start, pages being read now (`loading`);
+    bytes, pages `stored` into it and `loaded` back to the pool since start, pages being read now (`loading`) and
+    on their way in, not written yet (`writing`: copied into the staging ring, or waiting for room in it);
     the disk's files refused by reason (`rejected`: truncated, corrupt, foreign, missing), writes that failed,
     pages not stored (`skipped`: its queue was full or writing was paused), the seconds spent writing and
     reading, why it does not write now (`degraded`, "" when it does) and its directory (`where`). The prompt
@@ -129,6 +130,7 @@ class TierUse(msgspec.Struct, kw_only=True):
     stored: int = 0
     loaded: int = 0
     loading: int = 0
+    writing: int = 0
     rejected: dict[str, int] = msgspec.field(default_factory=dict)
     write_errors: int = 0
     skipped: int = 0

@@ -65,9 +65,12 @@ def main() -> None:
     parser.add_argument("--sample", type=float, default=10.0, help="seconds between RSS samples")
     parser.add_argument("--warmup", type=float, default=5.0, help="minutes left out of the growth fit")
     parser.add_argument("--json", type=Path, default=Path("soak_rss.json"))
+    parser.add_argument("--kv-disk-gib", type=float, help="the engine's disk tier cap (0: off; default: the engine's)")
     args = parser.parse_args()
     address = f"ipc://{tempfile.mkdtemp(prefix='soak')}/engine.sock"
-    options = {"model": args.model} if args.model else {}
+    options: dict[str, object] = {"model": args.model} if args.model else {}
+    if args.kv_disk_gib is not None:
+        options["kv_disk_gib"] = args.kv_disk_gib
     handle = start(address, timeout=300, **options)
     stop, done = threading.Event(), [0]
     structured = importlib.util.find_spec("xgrammar") is not None

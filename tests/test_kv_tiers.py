@@ -491,3 +491,20 @@ def test_pages_past_the_staging_ring_are_written_as_it_drains(tmp_path):
     assert cache.flush(30) and disk.pages == 22
     cache.check_integrity(idle=True)
     disk.close(10)
+
+
+def test_an_idle_engine_writes_what_waited_for_the_staging_ring(long_ckpt, tmp_path):
+    """A served prompt of more pages than the staging ring holds (64 at least): the engine, idle after it, writes
+    the rest as the ring drains without another request coming, and says meanwhile how many pages are on the way."""
+    from engine.service.launcher import start
+
+    prompt = ids(100 * PAGE + 1, 41)
+    with start(f"ipc://{tmp_path}/engine.sock", model=str(long_ckpt), timeout=120, num_pages=1024,
+               max_prefill_tokens=512, kv_cache_dir=str(tmp_path / "kv")) as handle, handle.client() as client:
+        client.complete(prompt, greedy(2))
+        stats = client.wait_stats(lambda s: not s.running and not s.waiting)
+        (disk,) = stats.pages.tiers
+        assert disk.pages + disk.writing >= 100 or disk.stored >= 100  # every full page written or on its way
+        stats = client.wait_stats(lambda s: s.pages.tiers[0].pages >= 100 and not s.pages.tiers[0].writing, 60)
+    assert len(page_files(tmp_path / "kv")) == stats.pages.tiers[0].pages >= 100
+    assert all(path.exists() for path in page_paths(tmp_path / "kv", prompt))

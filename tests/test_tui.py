@@ -828,9 +828,12 @@ async def snapshots(pilot: Pilot, count: Callable[[], int], n: int) -> None:
 
 
 def engine_idle(stats: Stats | None) -> bool:
+    """Nothing runs, waits or moves: no rate, and no KV page on its way to or from disk (the disk tier's writes
+    of earlier tests' pages go on after their last step)."""
     c = stats.counters if stats is not None else None
     return c is not None and stats is not None and not stats.running and not stats.waiting and \
-        c.prefill_tokens_per_s == c.decode_tokens_per_s == c.steps_per_s == 0
+        c.prefill_tokens_per_s == c.decode_tokens_per_s == c.steps_per_s == 0 and \
+        not any(t.writing or t.loading for t in stats.pages.tiers)
 
 
 def saved_session(i: int) -> Session:

@@ -80,6 +80,8 @@ def _tier(t: TierUse, hit: int, brief: bool) -> str:
                f"{hit:,} tokens hit, {t.stored:,} pages in, {t.loaded:,} out"
     if t.loading:
         text += f" · {t.loading} loading" if brief else f", {t.loading} loading"
+    if t.writing:
+        text += f" · {t.writing} writing" if brief else f", {t.writing} being written"
     problems = [f"{n} {why}" for why, n in t.rejected.items()]
     if t.write_errors:
         problems.append(f"{t.write_errors} failed writes")

@@ -140,6 +140,12 @@ class CacheManager(ABC):
         """The tiers below the pool and what they did."""
         return []
 
+    @property
+    def unstaged(self) -> bool:
+        """Final pages wait to be written down (the staging ring had no room, or their batch was not processed
+        when the engine went idle): the idle loop calls `processed` until none do."""
+        return False
+
     def flush(self, timeout: float = 60.0) -> bool:
         """At idle: write every cached page down and wait for the writes; False if that took over `timeout` s."""
         return True

@@ -283,7 +283,11 @@ class RadixCacheManager(CacheManager):
         return self.tiers is not None and bool(self.tiers.loads)
 
     def tier_use(self) -> list[TierUse]:
-        return self.tiers.use() if self.tiers is not None else []
+        return self.tiers.use(waiting=len(self._unstaged) + len(self._pending)) if self.tiers is not None else []
+
+    @property
+    def unstaged(self) -> bool:
+        return bool(self._unstaged or self._pending)
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Write through every cached page not written yet (at idle every one is final), as many at a time as the

@@ -304,8 +304,9 @@ class KVTiers:
                 self.host.put(page.key, kv)
 
     # -- the rest -------------------------------------------------------------------------------
-    def use(self) -> list[TierUse]:
-        """Each tier's pages, bytes and counts, for the stats."""
+    def use(self, waiting: int = 0) -> list[TierUse]:
+        """Each tier's pages, bytes and counts, for the stats; `waiting`: final pages the staging ring had no room
+        for yet (they count as writing, with those in the ring)."""
         out = []
         if self.host is not None:
             h = self.host
@@ -316,6 +317,7 @@ class KVTiers:
             out.append(TierUse(name="disk", pages=d.pages, capacity=d.cap_bytes // d.file_bytes, bytes=d.total_bytes,
                                capacity_bytes=d.cap_bytes, stored=c.written, loaded=self.loaded["disk"],
                                loading=sum(len(load.reads) for load in self.loads),
+                               writing=(self.staging.used if self.staging is not None else 0) + waiting,
                                rejected={k: v for k, v in c.rejected.items() if v}, write_errors=c.write_errors,
                                skipped=c.skipped, write_seconds=c.write_seconds, read_seconds=c.read_seconds,
                                degraded=d.degraded, where=str(d.dir)))

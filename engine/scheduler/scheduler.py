@@ -217,6 +217,13 @@ class Scheduler:
             self.cache.wait_loads(KV_WAIT)
         return self._result(StepResult(kind="idle"))
 
+    def write_behind(self) -> bool:
+        """At idle (every batch processed): write down the final KV pages that waited for room in the disk tier's
+        staging ring; True while some still wait."""
+        if self.cache.unstaged:
+            self.cache.processed(self._processed_count)
+        return self.cache.unstaged
+
     # -- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> ForwardBatch | None:
         """The next batch, or None when there is nothing to run: decide who runs (`_prefill_first`),

@@ -101,6 +101,7 @@ class EngineServer:
         self.publisher = StatsPublisher(sockets.pub, self.stats.snapshot)
         self.requests = Registry()  # every live request, from its Submit to its Final (registry.py)
         self.answering: deque[_Answer] = deque()  # in the order the one tokenizer worker finishes them
+        self._writing = False  # KV pages wait at idle for room on their way to disk (`LLM.write_behind`)
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar", initializer=_yield_cores)
         self._max_prompt_chars = max_prompt_chars(llm.tokenizer, llm.max_seq_len)
@@ -151,6 +152,8 @@ class EngineServer:
         self._answer()
         if self.llm.has_unfinished():
             self._deliver(self._step(self.llm.config.use_overlap))
+        else:
+            self._writing = self.llm.write_behind()
         self._sweep_clients()
         self.publisher.publish(idle=not self.llm.has_unfinished())
 
@@ -158,7 +161,7 @@ class EngineServer:
     def _idle_wait_ms(self) -> int:
         """How long an idle loop may block on the sockets: until the next stats snapshot is due while
         someone subscribes, else a heartbeat interval (the health check still runs that often)."""
-        if self.requests.preparing() or self.answering:
+        if self.requests.preparing() or self.answering or self._writing:
             return 5
         if self.publisher.listening:
             return self.publisher.wait_ms()
