@@ -71,9 +71,11 @@ def ttft(llm: LLM, prompt: list[int]) -> float:
 
 
 def drop_page_cache(root: Path) -> None:
+    """Each page file out of the OS page cache: written back first (the kernel drops only clean pages)."""
     for path in root.rglob("*.kv"):
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

@@ -82,25 +82,32 @@ def build_llama_cpp() -> Path:
     return bin_dir
 
 
-def make_files(names: list[str], bin_dir: Path, work: Path) -> dict[str, Path]:
-    """The GGUF files asked for, made once under `work`."""
+def qwen_f32_gguf(work: Path) -> Path:
+    """The random Qwen2.5-0.5B-shaped checkpoint as an F32 GGUF with SmolLM2's tokenizer, made once under `work`
+    (scripts/bench_speculative.py reads it too)."""
     from tests.gguf_files import write_gguf
     from tests.real_model import smollm2_gguf
 
-    smollm2 = smollm2_gguf()
-    files = {"smollm2-q4_1": smollm2}
+    f32 = work / "qwen0.5b-f32.gguf"
+    if not f32.is_file():
+        ckpt = work / "qwen0.5b-random"
+        if not (ckpt / "config.json").is_file():
+            log("writing a random Qwen2.5-0.5B-shaped checkpoint")
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_random_checkpoint.py"), str(ckpt),
+                            "--shape", "qwen2.5-0.5b", "--dtype", "float32"], check=True)
+        log("writing it as an F32 GGUF")
+        write_gguf(ckpt, f32.with_suffix(".tmp"), "qwen2", "F32", tokenizer_from=smollm2_gguf())
+        f32.with_suffix(".tmp").rename(f32)
+    return f32
+
+
+def make_files(names: list[str], bin_dir: Path, work: Path) -> dict[str, Path]:
+    """The GGUF files asked for, made once under `work`."""
+    from tests.real_model import smollm2_gguf
+
+    files = {"smollm2-q4_1": smollm2_gguf()}
     if any(n.startswith("qwen") for n in names):
-        f32 = work / "qwen0.5b-f32.gguf"
-        if not f32.is_file():
-            ckpt = work / "qwen0.5b-random"
-            if not (ckpt / "config.json").is_file():
-                log("writing a random Qwen2.5-0.5B-shaped checkpoint")
-                subprocess.run([sys.executable, str(ROOT / "scripts" / "make_random_checkpoint.py"), str(ckpt),
-                                "--shape", "qwen2.5-0.5b", "--dtype", "float32"], check=True)
-            log("writing it as an F32 GGUF")
-            write_gguf(ckpt, f32.with_suffix(".tmp"), "qwen2", "F32", tokenizer_from=smollm2)
-            f32.with_suffix(".tmp").rename(f32)
-        files["qwen0.5b-f32"] = f32
+        f32 = files["qwen0.5b-f32"] = qwen_f32_gguf(work)
         for kind in ("q8_0", "q4_k_m"):
             out = work / f"qwen0.5b-{kind}.gguf"
             if not out.is_file():

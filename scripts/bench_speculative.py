@@ -8,10 +8,10 @@ Targets (each loaded once, with each proposer, in process):
   prompt lookup (`ngram`); there is no smaller model with its tokenizer for a draft;
 - `smollm2-f32`: the same file expanded to float32 (`dequantize`, the transformers-exact path), without, with
   prompt lookup and with the Q4_1 file as its draft model (`draft`);
-- `qwen0.5b-int8`: a random Qwen2.5-0.5B-shaped checkpoint (scripts/bench_llamacpp.py writes it, with SmolLM2's
-  tokenizer) quantized to int8 at load, without, with prompt lookup and with SmolLM2 Q4_1 as its draft. Its
-  weights are random, so it copies nothing and accepts (almost) no draft: the case where speculation must not
-  cost anything.
+- `qwen0.5b-int8`: a random Qwen2.5-0.5B-shaped checkpoint (written once, as scripts/bench_llamacpp.py writes
+  it, with SmolLM2's tokenizer padded to Qwen's vocabulary) quantized to int8 at load, without and with prompt
+  lookup. Its weights are random, so it copies nothing and accepts (almost) no draft: the case where speculation
+  must not cost anything. (No draft model: SmolLM2's vocabulary is not the padded one, which a draft must share.)
 
 Workloads, greedy, at most 160 new tokens, one request at a time (decode tok/s: (completion tokens - 1) over
 the time after the first token, from the engine's own timings):
@@ -80,12 +80,10 @@ def targets(names: list[str]) -> dict[str, tuple[dict, dict[str, dict]]]:
             out[name] = ({"model": smollm2, "dequantize": True},
                          {"none": {}, "ngram": {"speculative": "ngram"}, "draft": draft})
         elif name == "qwen0.5b-int8":
-            f32 = cache_dir() / "bench-llamacpp" / "qwen0.5b-f32.gguf"
-            if not f32.is_file():
-                raise SystemExit(f"{f32} is missing: make it with `python scripts/bench_llamacpp.py --files "
-                                 f"qwen0.5b-f32 --rounds 0` (no llama.cpp build is needed for it)")
-            out[name] = ({"model": str(f32), "quantization": "int8"},
-                         {"none": {}, "ngram": {"speculative": "ngram"}, "draft": draft})
+            from scripts.bench_llamacpp import qwen_f32_gguf
+
+            f32 = qwen_f32_gguf(cache_dir() / "bench-llamacpp")
+            out[name] = ({"model": str(f32), "quantization": "int8"}, {"none": {}, "ngram": {"speculative": "ngram"}})
         else:
             raise SystemExit(f"unknown target {name!r}")
     return out

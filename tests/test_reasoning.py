@@ -176,3 +176,31 @@ def test_a_budget_for_a_model_that_does_not_think_is_refused(tmp_path, llama_ckp
     with pytest.raises(ValueError, match="thinking_token_budget: this model's chat template has no think block"):
         llm.add_request("To be", SamplingParams(max_tokens=4, reasoning=True, thinking_token_budget=2))
     llm.close()
+
+
+def test_a_tool_call_follows_the_thinking(tmp_path):
+    """tool_choice "required" (one call: parallel calls off) on a thinking model: the thinking stays
+    `reasoning_content`, and the call's grammar starts after the block (closed by the budget), so what follows
+    it is one call that parses and keeps the tool's schema, whole and streamed."""
+    from tests.checkpoints import with_context
+    from tests.test_tool_calls import TOOLS, check_call
+
+    path = with_context(thinking_checkpoint(tmp_path / "qwen3", real_template(QWEN3)), tmp_path / "long", 4096)
+    body = {**FORCED, "thinking_token_budget": 2}
+    for root, _ in serve_http(path):
+        client = openai.OpenAI(base_url=f"{root}/v1", api_key="none", max_retries=0, timeout=120)
+        resp = client.chat.completions.create(model="m", messages=ASK, max_tokens=400, temperature=0, tools=TOOLS,
+                                              tool_choice="required", parallel_tool_calls=False, extra_body=body)
+        message = resp.choices[0].message
+        assert message.reasoning_content == "<think>" * 2 + "\n" and not message.content
+        assert len(message.tool_calls) == 1 and resp.choices[0].finish_reason == "tool_calls"
+        check_call(message.tool_calls[0])
+        reasoning, arguments = "", ""
+        for chunk in client.chat.completions.create(model="m", messages=ASK, max_tokens=400, temperature=0,
+                                                    tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                                    extra_body=body, stream=True):
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                arguments += "".join(c.function.arguments or "" for c in choice.delta.tool_calls or ())
+        assert reasoning == message.reasoning_content
+        assert arguments == "".join(c.function.arguments for c in message.tool_calls)

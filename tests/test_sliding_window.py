@@ -136,6 +136,43 @@ def test_a_windowed_model_does_not_retract_where_full_attention_does(checkpoints
     assert_all_free(llm)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_a_windowed_request_retracted_after_giving_pages_back_stays_exact(checkpoints, hf, overlap):
+    """Three requests of the lowest priority decode past their window (their early pages given back); then a crowd
+    of short prompts of a higher priority arrives, which admission that has learnt to expect little (its ratio at
+    the floor) lets in, and which outgrows 16 pages as it grows to its window: the first three are retracted after
+    giving pages back, recomputed from prompt and output (a prefill longer than the window, whose early pages go
+    back again), and every request finishes with transformers' tokens; everything is freed."""
+    from engine.scheduler.admission import FLOOR
+
+    path = checkpoints["mistral_window"]
+    llm = LLM(str(path), page_size=PAGE, num_pages=16, overlap=overlap, schedule_policy="priority")
+    llm.scheduler.admission.ratio = FLOOR
+    prompts = mixed_prompts(13, seed=3, max_len=6)
+    tokens: dict[str, list[int]] = {}
+    retracted: set[str] = set()  # of the first three, once their window had passed pages
+
+    def step() -> None:
+        for out in llm.step(overlap).outputs:
+            tokens[out.rid] += out.token_ids
+        retracted.update(rid for rid in early if (r := llm.request(rid)) is not None and r.retractions)
+
+    early: list[str] = []
+    early += [llm.add_request(p, SamplingParams(max_tokens=60, ignore_eos=True, priority=9)) for p in prompts[:3]]
+    tokens |= {rid: [] for rid in early}
+    while not all((r := llm.request(rid)) is not None and r.cached_len >= WINDOW + 2 * PAGE for rid in early):
+        step()
+    assert llm.stats().counters.retractions == 0
+    crowd = [llm.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts[3:]]
+    tokens |= {rid: [] for rid in crowd}
+    while llm.has_unfinished():
+        step()
+    assert retracted, f"none of the first three was retracted ({llm.stats().counters.retractions} retractions)"
+    for prompt, rid in zip(prompts, early + crowd, strict=True):
+        hf.check_greedy(tokens[rid], path, prompt, len(tokens[rid]))
+    assert_all_free(llm)
+
+
 def test_windows_in_the_one_call_layers(checkpoints):
     """A block-format model windowed on every layer runs all its layers in one C call (kernels/cpu/decode.c, each
     layer's window in its plan): the same log-probabilities as layer by layer, bit for bit, past several windows."""

@@ -229,6 +229,27 @@ def test_speculative_sampling_keeps_the_token_distribution(tmp_path):
     assert counts(spec, range(400))[1] == spec_tokens  # seeded runs reproduce
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "self"])
+def test_penalties_and_n_choices_see_only_accepted_tokens(llama_ckpt, proposer):
+    """Penalties count the tokens a request emitted, never its drafts, and each of n choices drafts and verifies on
+    its own: greedy under repetition, presence and frequency penalties, n=3 seeded samples under penalties, and n=3
+    without (penalised outputs leave the prompt's phrases, so prompt lookup finds nothing to draft there) give the
+    tokens decoding without speculation gives (which test_sampling holds to transformers' processors)."""
+    plain, spec = LLM(str(llama_ckpt)), LLM(str(llama_ckpt), **speculating(proposer, llama_ckpt))
+    penalised = SamplingParams(max_tokens=OUT, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5,
+                               frequency_penalty=0.3)
+    choices = SamplingParams(max_tokens=OUT, ignore_eos=True, n=3, temperature=0.9, seed=7, presence_penalty=0.4,
+                             frequency_penalty=0.2)
+    repeating = SamplingParams(max_tokens=OUT, ignore_eos=True, n=3, temperature=0.5, seed=8)  # where ngram drafts
+    for params in (penalised, choices, repeating):
+        want = [(o.index, o.token_ids) for o in plain.generate(prompts(3), params)]
+        got = [(o.index, o.token_ids) for o in spec.generate(prompts(3), params)]
+        assert got == want
+    verifications, drafted, accepted = spec_counts(spec)
+    assert verifications > 0 and 0 < accepted <= drafted
+    assert_all_free(spec)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 def test_abort_while_drafts_are_verified_frees_everything(llama_ckpt, hf, overlap):
     """Aborted once its verification is scheduled: before it runs, or (overlap) after the next step was

@@ -54,6 +54,15 @@ def test_required_tool_calls_parse_and_follow_the_schema(sdk):
             check_call(call)
 
 
+def test_parallel_calls_switched_off_make_one_call(sdk):
+    """parallel_tool_calls false under "required": the grammar takes one call, then the end."""
+    resp = sdk.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required", n=5,
+                                       parallel_tool_calls=False, temperature=1.0, seed=1, max_tokens=400)
+    for choice in resp.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        check_call(choice.message.tool_calls[0])
+
+
 def test_a_named_function_streamed_is_one_call_of_it(sdk):
     for seed in range(3):
         calls: dict[int, dict] = {}

@@ -237,10 +237,33 @@ def test_required_takes_several_calls_and_named_only_one(tokenizers) -> None:
     one = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2.5}}\n</tool_call>'
     two = one + '\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
 
-    def accepts(name: str | None, text: str) -> bool:
-        matcher = compiler.matcher(compiler.compile(forced_tool_grammar("qwen", TOOLS, name)))
+    def accepts(name: str | None, text: str, single: bool = False) -> bool:
+        matcher = compiler.matcher(compiler.compile(forced_tool_grammar("qwen", TOOLS, name, one=single)))
         return all(matcher.accept(t) for t in [*tok.encode(text), tok.eos_token_id]) and matcher.is_terminated
 
     assert accepts(None, one) and accepts(None, two) and accepts("add", one)
     assert not accepts("add", two) and not accepts("ping", one) and not accepts(None, "Sure. " + one)
+    assert accepts(None, one, single=True) and not accepts(None, two, single=True)  # parallel calls switched off
     assert not accepts(None, one.replace('"b": 2.5', '"b": "x"'))  # arguments must match the schema
+
+
+@pytest.mark.parametrize("fmt", ["qwen", "llama3"])
+def test_one_call_keeps_the_first_call_whole_and_streamed(fmt) -> None:
+    """Parallel calls switched off (`parallel_tool_calls: false`) where no grammar forces one call: a reply the
+    model wrote with two calls gives the client the first only, in the whole reply and in its stream, finishing
+    as a call; the content around them is kept."""
+    from engine.outputs import Delta, Final, Timings, Usage
+    from engine.service.http.reply import Reply
+
+    text, calls = next((t, k) for f, t, _, k in CASES if f == fmt and len(k) == 2)
+    cut = len(text) // 3
+    outputs = [Delta(rid="r", text=text[:cut], token_ids=[1]), Delta(rid="r", text=text[cut:], token_ids=[2]),
+               Final(rid="r", text="", token_ids=[], finish_reason="stop",
+                     usage=Usage(prompt_tokens=1, completion_tokens=2, cached_tokens=0),
+                     timings=Timings(queue=0.0, ttft=0.1, total=0.2))]
+    for one_call, want in ((False, calls), (True, calls[:1])):
+        reply = Reply({0: 1}, calls_in=fmt, one_call=one_call)
+        streamed = [c for out in outputs for piece in reply.feed(0, out)[1] for c in piece.tool_calls]
+        ((_, whole),) = reply.finish()
+        assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == want
+        assert whole.finish_reason == "tool_calls" and {d.index for d in streamed} == set(range(len(want)))

@@ -510,7 +510,7 @@ def test_abort_in_the_ops_panel_follows_the_selected_request(engine: str) -> Non
             await wait_for(pilot, lambda: "load-e" in table_rids(app, "waiting"), "load-e waiting")
             assert cell(waiting, "load-e", "waiting for") == "no free slot"
             table.focus()
-            await wait_for(pilot, lambda: table.selected_rid is not None, "a selection")
+            await wait_for(pilot, lambda: table.has_focus and table.selected_rid is not None, "a selection")
             await pilot.press(*["down"] * table.get_row_index("load-b"))  # a person moves to load-b
             assert table.selected_rid == "load-b"
             await other.abort("load-a")  # the row above goes: load-b moves up a row

@@ -81,8 +81,8 @@ class ToolSyntax(ABC):
 
     @staticmethod
     @abstractmethod
-    def forced_grammar(schema: dict[str, Any], named: bool) -> GrammarSpec:
-        """The grammar that makes a whole reply calls whose objects follow `schema` (`named`: exactly one)."""
+    def forced_grammar(schema: dict[str, Any], one: bool) -> GrammarSpec:
+        """The grammar that makes a whole reply calls whose objects follow `schema` (`one`: exactly one)."""
 
     @abstractmethod
     def split(self, text: str, final: bool) -> Split:

@@ -50,9 +50,11 @@ def tool_call_schema(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: 
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
-def forced_tool_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: str | None = None) -> GrammarSpec:
+def forced_tool_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: str | None = None,
+                        one: bool = False) -> GrammarSpec:
     """The grammar that makes the model's whole reply tool calls (tool_choice "required"; with `name`,
-    tool_choice {"type": "function", "function": {"name": name}}), in the format it was taught (each
-    format's `forced_grammar`), so `parse_tool_calls` finds them and their arguments match the tools'
-    parameter schemas. InvalidTools if the tools are malformed or `name` is not among them."""
-    return FORMATS[fmt].forced_grammar(tool_call_schema(fmt, tools, name), named=name is not None)
+    tool_choice {"type": "function", "function": {"name": name}}, one call), in the format it was taught
+    (each format's `forced_grammar`), so `parse_tool_calls` finds them and their arguments match the tools'
+    parameter schemas; `one`: a single call (parallel calls switched off). InvalidTools if the tools are
+    malformed or `name` is not among them."""
+    return FORMATS[fmt].forced_grammar(tool_call_schema(fmt, tools, name), one=one or name is not None)

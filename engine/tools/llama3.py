@@ -27,7 +27,7 @@ class Llama3Syntax(ToolSyntax):
         return "<|start_header_id|>" in template and (PYTHON_TAG in template or '"parameters"' in template)
 
     @staticmethod
-    def forced_grammar(schema: dict[str, Any], named: bool) -> GrammarSpec:
+    def forced_grammar(schema: dict[str, Any], one: bool) -> GrammarSpec:
         """A JSON schema of one call, named or not (Llama 3 templates take one call per turn)."""
         return GrammarSpec(kind="json_schema", value=json.dumps(schema))
 

@@ -30,13 +30,13 @@ class QwenSyntax(ToolSyntax):
         return TOOL_CALL_OPEN in template
 
     @staticmethod
-    def forced_grammar(schema: dict[str, Any], named: bool) -> GrammarSpec:
+    def forced_grammar(schema: dict[str, Any], one: bool) -> GrammarSpec:
         """An xgrammar structural tag: `<tool_call>\\n` + a call's JSON + `\\n</tool_call>`, one or more
-        separated by a newline (exactly one when named)."""
+        separated by a newline (exactly one when `one`)."""
         tag = {"type": "tag", "begin": TOOL_CALL_OPEN + "\n", "end": "\n" + TOOL_CALL_CLOSE,
                # max_whitespace_cnt: honoured by xgrammar >= 0.2.4 (structural tags), ignored before
                "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}}
-        fmt = tag if named else {"type": "tags_with_separator", "tags": [tag], "separator": "\n", "at_least_one": True}
+        fmt = tag if one else {"type": "tags_with_separator", "tags": [tag], "separator": "\n", "at_least_one": True}
         return GrammarSpec(kind="structural_tag", value=json.dumps({"type": "structural_tag", "format": fmt}))
 
     def split(self, text: str, final: bool) -> Split:

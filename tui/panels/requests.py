@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from rich.text import Text
 from textual.binding import Binding, BindingType
+from textual.coordinate import Coordinate
 from textual.message import Message
 from textual.widgets import DataTable
 
@@ -107,6 +108,7 @@ class RequestTable(DataTable):
         self.total = 0
         self._drawn_part: object = None
         self._drawn_rows: dict[str, Row] = {}  # request id -> the cells it shows
+        self._drawing = False  # `draw` moves the cursor: its moves are not a person's
 
     def on_mount(self) -> None:
         self.add_columns(*self.COLUMNS)
@@ -159,6 +161,14 @@ class RequestTable(DataTable):
     def draw(self, rows: dict[str, Row]) -> None:
         """Show `rows` in their order, touching only what changed when the order allows, and keep the
         selection on a shown request."""
+        self._drawing = True
+        try:
+            self._draw(rows)
+        finally:
+            self._drawing = False
+        self.show_title()
+
+    def _draw(self, rows: dict[str, Row]) -> None:
         drawn, self._drawn_rows = self._drawn_rows, rows
         order = list(drawn)
         at = order.index(self.selected_rid) if self.selected_rid in drawn else None
@@ -178,9 +188,10 @@ class RequestTable(DataTable):
                     self.update_cell(rid, column, cell, update_width=True)
         if self.selected_rid not in rows and at is not None:  # its row went: the one now in its place
             self.selected_rid = list(rows)[min(at, len(rows) - 1)] if rows else None
+        if self.selected_rid is None and rows:  # the first rows: the cursor's is the selection
+            self.selected_rid = self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
         if self.selected_rid in rows:  # the cursor follows the request, wherever its row moved
             self.move_cursor(row=self.get_row_index(self.selected_rid))
-        self.show_title()
 
     def show_title(self) -> None:
         count = f"{self.shown} of {self.total}" if self.filter else str(self.total)
@@ -194,13 +205,13 @@ class RequestTable(DataTable):
         self._drawn_part = None
         self.draw({})
 
-    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        # A moved cursor (a key, a click) selects its row. A row removed above the cursor shifts the
-        # cursor onto another request too, but show_stats has moved it back by the time this message
-        # is read: a highlight the cursor no longer shows is stale and selects nothing.
-        if self.row_count and event.cursor_row == self.cursor_row and \
-                event.row_key == self.coordinate_to_cell_key(self.cursor_coordinate).row_key:
-            self.selected_rid = event.row_key.value
+    def watch_cursor_coordinate(self, old: Coordinate, new: Coordinate) -> None:
+        """A cursor moved by a person (a key, a click) selects its row at once, not when its highlight message is
+        read: a snapshot drawn in between would put the cursor back on the old selection. Moves of `draw`'s own
+        (rows removed above the cursor, rows put in afresh) select nothing: it places the cursor on the selection."""
+        super().watch_cursor_coordinate(old, new)
+        if not self._drawing and self.row_count and new.row < self.row_count:
+            self.selected_rid = self.coordinate_to_cell_key(new).row_key.value
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         event.stop()

@@ -266,6 +266,11 @@ class Prepared:
         return cast("ToolFormat", self.info.tool_format) if self.requests[0].tools else None
 
     @property
+    def one_call(self) -> bool:
+        """A reply keeps its first tool call only (parallel calls switched off)."""
+        return self.requests[0].one_call
+
+    @property
     def reasoning(self) -> bool:
         """The replies' thinking is split off (the model has a think block)."""
         return self.requests[0].params.reasoning
@@ -313,7 +318,7 @@ async def respond(state: ApiState, request: Request, body: GenerationRequest, sh
     echo = await _echo_texts(state, body, requests)
     generations = await start_all(state, request, shape.endpoint, requests, count_prompt)
     envelope = Envelope(f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()), prepared.model)
-    reply = Reply({gen.index: gen.prompt_tokens for gen in generations}, echo, prepared.calls_in)
+    reply = Reply({gen.index: gen.prompt_tokens for gen in generations}, echo, prepared.calls_in, prepared.one_call)
     if body.stream:
         chunks = Chunks(envelope, shape.chunk_object, reply.usage, every=body.usage_in_every_chunk,
                         at_end=body.usage_at_the_end, reasoning=prepared.reasoning)

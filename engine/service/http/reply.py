@@ -189,9 +189,10 @@ class ToolCallChoice(ChoiceWriter):
     """A choice read for tool calls as it comes: its pieces carry content and call deltas; the whole
     choice's text is None when the reply is only calls."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, one_call: bool = False) -> None:
         super().__init__()
         self._parser = ToolCallStreamParser(fmt)
+        self._one_call = one_call  # calls after the first are dropped (parallel calls switched off)
         self._parsed: list[StreamDelta] = []  # what the parser made of the text so far
 
     def feed(self, out: Output) -> list[Piece]:
@@ -210,6 +211,8 @@ class ToolCallChoice(ChoiceWriter):
 
     def _piece(self, parsed: StreamDelta, reasoning: str, finish_reason: str | None,
                entries: list[TokenLogprob] | None) -> Piece:
+        if self._one_call:
+            parsed = StreamDelta(parsed.content, [d for d in parsed.tool_calls if d.index == 0])
         self._parsed.append(parsed)
         return Piece(reasoning, parsed.content, parsed.tool_calls, entries,
                      _with_calls(finish_reason, bool(self._parser.calls)),
@@ -225,13 +228,14 @@ class Reply:
     """Every choice of one HTTP request, each with its writer (made at its first output), and the usage.
     Outputs come by engine request: `first` is the index of its first choice (its own `index` counts
     from there). `echo`: each echoed prompt's text by its first choice; `calls_in`: the tool-call format
-    to read (chat with tools)."""
+    to read (chat with tools); `one_call`: a choice's calls after its first are dropped."""
 
     def __init__(self, prompt_tokens: dict[int, int | None], echo: dict[int, str] | None = None,
-                 calls_in: ToolFormat | None = None) -> None:
+                 calls_in: ToolFormat | None = None, one_call: bool = False) -> None:
         self.usage = Tally(prompt_tokens)
         self._prompts = {first: EchoedPrompt(text) for first, text in (echo or {}).items()}
         self._calls_in = calls_in
+        self._one_call = one_call
         self._choices: dict[int, ChoiceWriter] = {}
 
     def feed(self, first: int, out: Output) -> tuple[int, list[Piece]]:
@@ -251,5 +255,5 @@ class Reply:
         if first in self._prompts:
             return EchoChoice(self._prompts[first])
         if self._calls_in is not None:
-            return ToolCallChoice(self._calls_in)
+            return ToolCallChoice(self._calls_in, self._one_call)
         return TextChoice()

@@ -99,6 +99,7 @@ class EngineRequest:
     params: SamplingParams
     tools: Tools | None = None
     template_kwargs: dict[str, Any] | None = None
+    one_call: bool = False  # parallel tool calls switched off: the reply's first call is its only one
 
 
 class StreamOptions(BaseModel):
@@ -200,6 +201,12 @@ class GenerationRequest(BaseModel):
         """The tools for the chat template and the grammar forcing calls (tool_choice), if any."""
         return None, None
 
+    @property
+    def one_call(self) -> bool:
+        """Parallel tool calls are switched off: a reply makes one call at most (forced to one where calls
+        are forced; any after the first dropped otherwise, as vLLM does)."""
+        return False
+
     def template_kwargs(self) -> dict[str, Any] | None:
         """More variables for the chat template (chat only)."""
         return None
@@ -266,7 +273,8 @@ class GenerationRequest(BaseModel):
         tools, forced = self.tools_for(cast("ToolFormat | None", info.tool_format))
         params = self.params(info.max_seq_len, forced, self.reasoning(info))
         kwargs = self.template_kwargs()
-        return [EngineRequest(i * self.n, prompt, params, tools, kwargs) for i, prompt in enumerate(self.prompts())]
+        return [EngineRequest(i * self.n, prompt, params, tools, kwargs, self.one_call)
+                for i, prompt in enumerate(self.prompts())]
 
 
 class TextPart(BaseModel):
@@ -350,7 +358,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # calls are parsed however many there are
+    parallel_tool_calls: bool | None = None  # false: one call at most (`one_call`)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
     thinking_token_budget: Annotated[int, Field(ge=0), Wire] | None = None  # vLLM's: the think block's budget
 
@@ -374,7 +382,11 @@ class ChatCompletionRequest(GenerationRequest):
         tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
         if isinstance(choice, NamedToolChoice):
             return tool_setup(tools, tool_format, "named", choice.function.name)
-        return tool_setup(tools, tool_format, choice or "auto")
+        return tool_setup(tools, tool_format, choice or "auto", one=self.one_call)
+
+    @property
+    def one_call(self) -> bool:
+        return self.parallel_tool_calls is False
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -392,11 +404,12 @@ class ChatCompletionRequest(GenerationRequest):
         return [_chat(self.messages)]
 
 
-def tool_setup(tools: Tools, fmt: ToolFormat | None, choice: str, name: str | None = None
+def tool_setup(tools: Tools, fmt: ToolFormat | None, choice: str, name: str | None = None, one: bool = False
                ) -> tuple[Tools | None, GrammarSpec | None]:
     """A request's OpenAI function `tools` for the template (none when `choice` is "none") and, for
-    "required" or "named" (the function `name`), the grammar that makes the reply those calls;
-    InvalidParams naming what is wrong. Every API's tool choice comes down to one of these."""
+    "required" or "named" (the function `name`), the grammar that makes the reply those calls (`one`: a
+    single call, where the client switched parallel calls off); InvalidParams naming what is wrong. Every
+    API's tool choice comes down to one of these."""
     if not tools or choice == "none":
         return None, None
     if fmt is None:
@@ -407,7 +420,7 @@ def tool_setup(tools: Tools, fmt: ToolFormat | None, choice: str, name: str | No
             if name not in names:
                 raise InvalidTools(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
             return tools, forced_tool_grammar(fmt, tools, name)
-        return tools, forced_tool_grammar(fmt, tools) if choice == "required" else None
+        return tools, forced_tool_grammar(fmt, tools, one=one) if choice == "required" else None
     except InvalidTools as e:
         raise InvalidParams(str(e)) from e
 

@@ -40,7 +40,8 @@ async def respond(state: ApiState, request: Request, body: MessagesRequest) -> R
     """`POST /v1/messages`: the whole message, or its stream of events."""
     prepared = await prepare(state, body)
     generations = await start_all(state, request, ENDPOINT, prepared.requests, count_prompt=body.stream)
-    reply = Reply({gen.index: gen.prompt_tokens for gen in generations}, calls_in=prepared.calls_in)
+    reply = Reply({gen.index: gen.prompt_tokens for gen in generations}, calls_in=prepared.calls_in,
+                  one_call=prepared.one_call)
     message = Message(f"msg_{uuid.uuid4().hex}", prepared.model, reply.usage, prepared.reasoning)
     if body.stream:
         return EventStream(_events(generations, reply, message), generations)

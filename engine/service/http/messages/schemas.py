@@ -6,9 +6,10 @@ tool calls and `tool_result` as "tool" turns, as engine/tools reads them; `think
 
 What this server cannot honour is refused with a 400 naming the field, as on the OpenAI routes: content
 blocks other than those four (images, documents), server tools, a last assistant turn to continue (a
-prefill), `output_config.effort`, `thinking.display: "omitted"`, parallel calls refused under `auto`.
-Unknown fields are ignored, as the OpenAI routes do. `cache_control` marks are accepted: the engine's
-prefix cache reuses every prompt's prefix whatever is marked.
+prefill), `output_config.effort`, `thinking.display: "omitted"`. `disable_parallel_tool_use` makes a
+reply one tool call at most (as `parallel_tool_calls: false` on the OpenAI routes). Unknown fields are
+ignored, as the OpenAI routes do. `cache_control` marks are accepted: the engine's prefix cache reuses every
+prompt's prefix whatever is marked.
 """
 
 from __future__ import annotations
@@ -103,9 +104,6 @@ class ToolChoice(BaseModel):
     def _named(self) -> ToolChoice:
         if (self.type == "tool") != (self.name is not None):
             raise ValueError("a 'tool' choice names its tool ('name'); the other choices name none")
-        if self.disable_parallel_tool_use and self.type in ("auto", "any"):
-            raise ValueError(f"disable_parallel_tool_use cannot be honoured with {self.type!r}: only a named tool "
-                             f"('tool') is called exactly once")
         return self
 
 
@@ -172,7 +170,12 @@ class MessagesInput(BaseModel):
         """The tools for the template and the grammar forcing calls (`any`, a named tool), if any."""
         choice = self.tool_choice
         kind = "auto" if choice is None else {"any": "required", "tool": "named"}.get(choice.type, choice.type)
-        return tool_setup([t.to_openai() for t in self.tools or ()], fmt, kind, choice.name if choice else None)
+        return tool_setup([t.to_openai() for t in self.tools or ()], fmt, kind, choice.name if choice else None,
+                          one=self.one_call)
+
+    @property
+    def one_call(self) -> bool:
+        return self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """`thinking` for templates that switch it (Qwen3's `enable_thinking`); adaptive leaves the default."""
@@ -183,7 +186,8 @@ class MessagesInput(BaseModel):
     def engine_requests(self, info: Info) -> list[EngineRequest]:
         """The one engine request (count_tokens renders its prompt only)."""
         tools, forced = self.tools_for(cast("ToolFormat | None", info.tool_format))
-        return [EngineRequest(0, self.chat(), self.params(info, forced), tools, self.template_kwargs())]
+        return [EngineRequest(0, self.chat(), self.params(info, forced), tools, self.template_kwargs(),
+                              self.one_call)]
 
     def params(self, info: Info, forced: GrammarSpec | None) -> SamplingParams:
         """The sampling (count_tokens samples nothing: the defaults, after the thinking is checked)."""

@@ -37,7 +37,8 @@ async def respond(state: ApiState, request: Request, body: ResponsesRequest) -> 
     """`POST /v1/responses`: the whole response, or its stream of events."""
     prepared = await prepare(state, body)
     generations = await start_all(state, request, ENDPOINT, prepared.requests, count_prompt=False)
-    reply = Reply({gen.index: gen.prompt_tokens for gen in generations}, calls_in=prepared.calls_in)
+    reply = Reply({gen.index: gen.prompt_tokens for gen in generations}, calls_in=prepared.calls_in,
+                  one_call=prepared.one_call)
     dress = Dress(body, prepared.model, reply.usage)
     if body.stream:
         return EventStream(_events(generations, reply, dress), generations)

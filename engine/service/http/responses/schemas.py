@@ -156,7 +156,7 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool | None = None  # calls are parsed however many there are, as on chat
+    parallel_tool_calls: bool | None = None  # false: one call at most, as on chat (`one_call`)
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None  # given back in the response
     logit_bias: LogitBias | None = None  # extensions, as on chat and completions
@@ -199,7 +199,11 @@ class ResponsesRequest(BaseModel):
         choice, tools = self.tool_choice, [t.to_openai() for t in self.tools or ()]
         if isinstance(choice, NamedFunction):
             return tool_setup(tools, fmt, "named", choice.name)
-        return tool_setup(tools, fmt, choice or "auto")
+        return tool_setup(tools, fmt, choice or "auto", one=self.one_call)
+
+    @property
+    def one_call(self) -> bool:
+        return self.parallel_tool_calls is False
 
     def structured(self) -> GrammarSpec | None:
         """`text.format` as a grammar (None for plain text)."""
@@ -236,7 +240,7 @@ class ResponsesRequest(BaseModel):
                                     top_p=1.0 if self.top_p is None else self.top_p, structured=structured or forced,
                                     reasoning=reasoning, thinking_token_budget=budget,
                                     logit_bias=logit_bias(self.logit_bias), ignore_eos=self.ignore_eos)
-        return [EngineRequest(0, self.chat(), params, tools, self.template_kwargs())]
+        return [EngineRequest(0, self.chat(), params, tools, self.template_kwargs(), self.one_call)]
 
 
 def _assistant(turns: list[ChatMessage], reasoning: str) -> ChatMessage:
