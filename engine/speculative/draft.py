@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from engine.request import Req
 
 PASS_LEARN = 0.2  # the average pass time's weight of a new measurement
+PASS_RECOVER = 0.02  # per step without a pass, the estimate falls by this share: a slow pass is tried again later
 
 
 class DraftModel:
@@ -48,6 +49,7 @@ class DraftModel:
         self.known = [0] * slots  # per request slot: tokens whose draft K/V are stored
         self.pages: list[list[int]] = [[] for _ in range(slots)]
         self.pass_seconds = 0.0  # measured: one forward of a draft position for the drafting requests
+        self._passes = 0  # timed so far; the first, which builds its kernels, is not learnt from
 
     def lookahead(self, req: Req, most: int) -> int:
         """Drafts it could propose for `req` now: any number, as long as its pages fit the draft pool."""
@@ -56,7 +58,12 @@ class DraftModel:
         return most if short <= self.allocator.num_free else 0
 
     def propose(self, counts: dict[Req, int]) -> dict[Req, list[int]]:
-        """`counts[req]` greedy drafts for each request (all of them processed: every token is known)."""
+        """`counts[req]` greedy drafts for each request (all of them processed: every token is known). A step
+        without any lets the pass time's estimate fall a little (PASS_RECOVER): one slow pass (the machine was
+        busy) would otherwise price drafting out for good, since only passes measure it."""
+        if not counts:
+            self.pass_seconds *= 1 - PASS_RECOVER
+            return {}
         reqs = list(counts)
         for req in reqs:
             self._reserve(req, req.total_len + counts[req] - 1)
@@ -142,7 +149,9 @@ class DraftModel:
         assert logits is not None  # one rank: a draft model is never split
         tokens = dict(zip(reqs, logits.argmax(dim=-1).tolist(), strict=True))
         if max(q_lens) <= 2:
-            self.pass_seconds += PASS_LEARN * (time.perf_counter() - began - self.pass_seconds)
+            if self._passes:
+                self.pass_seconds += PASS_LEARN * (time.perf_counter() - began - self.pass_seconds)
+            self._passes += 1
         return tokens
 
 

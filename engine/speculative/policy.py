@@ -65,12 +65,18 @@ class SpecState:
 class StepCosts:
     """Seconds a step without prompt tokens takes, by its token count: an average per count measured, between
     measured counts a straight line, beyond the longest measured that plus UNMEASURED_EXTRA per token (so a
-    longer step is tried, and then known). Only ratios matter, so before any measurement 1 is a step."""
+    longer step is tried, and then known). Only ratios matter, so before any measurement 1 is a step. The first
+    step of each count is not learnt from: it builds that shape's kernels (a oneDNN primitive per row count),
+    and a count priced out by it would never be tried, so never measured, again."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self._seen: set[int] = set()  # counts whose first step has run
 
     def record(self, tokens: int, seconds: float) -> None:
+        if tokens not in self._seen:
+            self._seen.add(tokens)
+            return
         old = self._seconds.get(tokens)
         self._seconds[tokens] = seconds if old is None else old + COST_LEARN * (seconds - old)
 
