@@ -10,7 +10,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,7 +233,9 @@ class LLM:
         elif cfg.speculative == "draft":
             assert cfg.speculative_model is not None  # checked by EngineConfig
             checkpoint = resolve_checkpoint(cfg.speculative_model)
-            model, _ = load_model(checkpoint, LoadOptions.of(cfg))
+            # a GGUF draft keeps its blocks even where the target's are expanded (`dequantize` is for the target's
+            # exactness; verification makes the output exact whatever the draft reads, and reading less is its point)
+            model, _ = load_model(checkpoint, replace(LoadOptions.of(cfg), dequantize=False))
             check_same_tokens(self.tokenizer, load_tokenizer(checkpoint.meta), self.model.spec.vocab_size,
                               model.spec.vocab_size)
             backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels)

@@ -334,12 +334,28 @@ def test_slow_first_measurements_do_not_price_drafting_out_for_good(llama_ckpt):
     assert allocate([Offer(0, 4, 0.8)], costs, 1, 1) != {}
     costs.record(2, 1.05)
     assert costs.estimate(2) == 1.05
+    assert allocate([Offer(0, 4, 0.8)], costs, 1, 1, passes=StepCosts(first=0.0)) != {}  # passes never timed
     llm = LLM(str(llama_ckpt), speculative_model=str(llama_ckpt))
-    draft = llm.scheduler.speculator.proposer
-    draft.pass_seconds = 1.0
+    passes = llm.scheduler.speculator.proposer.pass_costs
+    for _ in range(2):
+        passes.record(1, 1.0)  # a second a pass, against a millisecond idle
+    assert allocate([Offer(0, 4, 0.8)], costs, 1, 1, passes) == {}
     for _ in range(300):
-        draft.propose({})  # a step that drafted nothing
-    assert draft.pass_seconds < 0.003
+        llm.scheduler.speculator.proposer.propose({})  # a step that drafted nothing
+    assert passes.estimate(1) < 0.003 and allocate([Offer(0, 4, 0.8)], costs, 1, 1, passes) != {}
+
+
+def test_a_draft_pass_is_priced_by_the_requests_it_carries():
+    """A full batch's drafts each add a row to passes that carry many requests: where the draft model's pass
+    grows with its rows as the target's step does, a full batch is given fewer drafts than one stream."""
+    steps, passes = StepCosts(), StepCosts(first=0.0)
+    for n in range(1, 200):
+        for _ in range(2):
+            steps.record(n, 10.0 + 0.5 * n)
+            passes.record(n, 1.0 + 0.5 * n)
+    single = allocate([Offer(0, 4, 0.9)], steps, 1, 1, passes)
+    batch = allocate([Offer(i, 4, 0.9) for i in range(32)], steps, 32, 32, passes)
+    assert single == {0: 4} and sum(batch.values()) < 32
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.model.decoder import CausalLM
 from engine.scheduler.budget import pages_for
+from engine.speculative.policy import StepCosts
 from kernels.attention.base import AttentionBackend, build_metadata
 
 if TYPE_CHECKING:
@@ -28,8 +29,7 @@ if TYPE_CHECKING:
 
     from engine.request import Req
 
-PASS_LEARN = 0.2  # the average pass time's weight of a new measurement
-PASS_RECOVER = 0.02  # per step without a pass, the estimate falls by this share: a slow pass is tried again later
+PASS_RECOVER = 0.02  # per step without a pass, the estimates fall by this share: a slow pass is tried again later
 
 
 class DraftModel:
@@ -48,8 +48,7 @@ class DraftModel:
         self.max_chunk = max_chunk  # catch-up tokens per forward (a long prompt is fed in several)
         self.known = [0] * slots  # per request slot: tokens whose draft K/V are stored
         self.pages: list[list[int]] = [[] for _ in range(slots)]
-        self.pass_seconds = 0.0  # measured: one forward of a draft position for the drafting requests
-        self._passes = 0  # timed so far; the first, which builds its kernels, is not learnt from
+        self.pass_costs = StepCosts(first=0.0)  # one forward of a draft position, by the requests it carries
 
     def lookahead(self, req: Req, most: int) -> int:
         """Drafts it could propose for `req` now: any number, as long as its pages fit the draft pool."""
@@ -59,10 +58,10 @@ class DraftModel:
 
     def propose(self, counts: dict[Req, int]) -> dict[Req, list[int]]:
         """`counts[req]` greedy drafts for each request (all of them processed: every token is known). A step
-        without any lets the pass time's estimate fall a little (PASS_RECOVER): one slow pass (the machine was
+        without any lets the pass times' estimates fall a little (PASS_RECOVER): one slow pass (the machine was
         busy) would otherwise price drafting out for good, since only passes measure it."""
         if not counts:
-            self.pass_seconds *= 1 - PASS_RECOVER
+            self.pass_costs.fade(PASS_RECOVER)
             return {}
         reqs = list(counts)
         for req in reqs:
@@ -133,7 +132,7 @@ class DraftModel:
 
     def _forward(self, ids: dict[Req, list[int]], starts: dict[Req, int]) -> dict[Req, int]:
         """One draft forward of each request's `ids` at positions from `starts[req]`: its greedy next token. A
-        forward feeding at most two tokens a request is a draft pass, and its time is what `pass_seconds` says."""
+        forward feeding at most two tokens a request is a draft pass, timed into `pass_costs`."""
         began = time.perf_counter()
         reqs = list(ids)
         device = self.table.table.device
@@ -149,9 +148,7 @@ class DraftModel:
         assert logits is not None  # one rank: a draft model is never split
         tokens = dict(zip(reqs, logits.argmax(dim=-1).tolist(), strict=True))
         if max(q_lens) <= 2:
-            if self._passes:
-                self.pass_seconds += PASS_LEARN * (time.perf_counter() - began - self.pass_seconds)
-            self._passes += 1
+            self.pass_costs.record(len(reqs), time.perf_counter() - began)
         return tokens
 
 

@@ -60,7 +60,7 @@ class NgramProposer:
     """Prompt lookup for every request slot: an index per slot, built as its request's tokens arrive and
     dropped with its slot. `lookahead` looks the proposal up; `propose` hands out as much of it as asked."""
 
-    pass_seconds = 0.0  # no model runs
+    pass_costs = None  # no model runs
 
     def __init__(self, slots: int, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max

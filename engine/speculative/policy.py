@@ -6,7 +6,7 @@ accepted too. So the j-th draft of a request whose drafts are each accepted with
 (given the ones before) is worth alpha**j expected tokens, and the step's expected rate is
 
     (tokens the step emits anyway + the drafts' expected tokens) / (measured time of a step that long
-                                                                    + the proposer's own time)
+                                                                    + the proposer's own passes)
 
 Drafts are added most valuable first while the rate rises (`allocate`), so a request whose drafts are
 rejected gets none (its alpha falls below what one more query token costs), a full batch gets few or
@@ -65,13 +65,17 @@ class SpecState:
 class StepCosts:
     """Seconds a step without prompt tokens takes, by its token count: an average per count measured, between
     measured counts a straight line, beyond the longest measured that plus UNMEASURED_EXTRA per token (so a
-    longer step is tried, and then known). Only ratios matter, so before any measurement 1 is a step. The first
-    step of each count is not learnt from: it builds that shape's kernels (a oneDNN primitive per row count),
-    and a count priced out by it would never be tried, so never measured, again."""
+    longer step is tried, and then known). Before any measurement a step is `first` (1: only ratios matter to
+    the steps' own table; 0 for a draft model's passes, so that they are tried and measured). The first step of
+    each count is not learnt from: it builds that shape's kernels (a oneDNN primitive per row count), and a
+    count priced out by it would never be tried, so never measured, again. A draft model's passes are measured
+    only when it drafts: `fade` lowers every estimate a little at each step without one, so a pass timed on a
+    busy moment is tried again later."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: float = 1.0) -> None:
         self._seconds: dict[int, float] = {}
         self._seen: set[int] = set()  # counts whose first step has run
+        self._first = first
 
     def record(self, tokens: int, seconds: float) -> None:
         if tokens not in self._seen:
@@ -91,7 +95,12 @@ class StepCosts:
             return known[below] + share * (known[above] - known[below])
         if below is not None:
             return known[below] * (1 + UNMEASURED_EXTRA * (tokens - below))
-        return known[above] if above is not None else 1 + UNMEASURED_EXTRA * (tokens - 1)
+        return known[above] if above is not None else self._first * (1 + UNMEASURED_EXTRA * (tokens - 1))
+
+    def fade(self, share: float) -> None:
+        """Every estimate `share` lower (a step that measured none)."""
+        for tokens in self._seconds:
+            self._seconds[tokens] *= 1 - share
 
 
 @dataclass(frozen=True)
@@ -104,25 +113,30 @@ class Offer:
 
 
 def allocate(offers: list[Offer], costs: StepCosts, base_tokens: int, emitted: int,
-             pass_seconds: float = 0.0) -> dict[int, int]:
+             passes: StepCosts | None = None) -> dict[int, int]:
     """Drafts per offer (by key; absent: none) for a step of `base_tokens` query tokens that emits `emitted`
-    tokens without drafts. `pass_seconds`: what the proposer spends per draft position (a draft model runs
-    once per position for every drafting request; prompt lookup costs nothing)."""
+    tokens without drafts. `passes`: a draft model's pass times by the requests a pass carries (its j-th pass
+    carries every request given j drafts or more); None for prompt lookup, which costs nothing."""
     counts: dict[int, int] = {}
     if not offers or emitted == 0:
         return counts
-    tokens, expected, passes = base_tokens, float(emitted), 0
+    tokens, expected, spent = base_tokens, float(emitted), 0.0
+    carried: list[int] = []  # requests each draft pass carries so far
     rate = expected / costs.estimate(tokens)
     heap = [(-o.alpha, 1, i) for i, o in enumerate(offers) if o.most > 0 and o.alpha > 0]
     heapq.heapify(heap)
     while heap:
         value, j, i = heapq.heappop(heap)
         offer = offers[i]
-        more_passes = max(passes, j)
-        new_rate = (expected - value) / (costs.estimate(tokens + 1) + more_passes * pass_seconds)
+        rows = carried[j - 1] if j <= len(carried) else 0
+        extra = 0.0 if passes is None else passes.estimate(rows + 1) - (passes.estimate(rows) if rows else 0.0)
+        new_rate = (expected - value) / (costs.estimate(tokens + 1) + spent + extra)
         if new_rate <= rate:
             break
-        tokens, expected, passes, rate = tokens + 1, expected - value, more_passes, new_rate
+        tokens, expected, spent, rate = tokens + 1, expected - value, spent + extra, new_rate
+        if j > len(carried):
+            carried.append(0)
+        carried[j - 1] += 1
         counts[offer.key] = j
         if j < offer.most:
             heapq.heappush(heap, (value * offer.alpha, j + 1, i))

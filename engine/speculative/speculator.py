@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 
 
 class Proposer(Protocol):
-    """Where drafts come from (engine/speculative/ngram.py, draft.py). `pass_seconds`: its own time per draft
-    position (0 for prompt lookup)."""
+    """Where drafts come from (engine/speculative/ngram.py, draft.py). `pass_costs`: its own time per draft
+    position, by the requests it carries (None for prompt lookup, which runs no model)."""
 
-    pass_seconds: float
+    @property
+    def pass_costs(self) -> StepCosts | None: ...
 
     def lookahead(self, req: Req, most: int) -> int:
         """How many drafts (at most `most`) it could propose for `req` now."""
@@ -83,7 +84,7 @@ class Speculator:
                 offers.append(Offer(len(by_key), offered, state.alpha))
                 by_key.append(req)
         counts = allocate(offers, self.costs, base_tokens - len(resting), len(decoding) - len(resting),
-                          self.proposer.pass_seconds) if self.adaptive else {o.key: o.most for o in offers}
+                          self.proposer.pass_costs) if self.adaptive else {o.key: o.most for o in offers}
         drafts = self.proposer.propose({by_key[key]: n for key, n in counts.items()})
         for req in decoding:
             state = self.state(req)
