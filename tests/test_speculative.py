@@ -381,3 +381,19 @@ def test_speculation_is_visible_in_metrics_status_and_request_detail(spec_server
                         ("vllm:spec_decode_num_accepted_tokens", c.spec_accepted_tokens)):
         assert families[name].samples[0].value == value
     assert any(line.startswith("speculative: ") for line in summary(stats, info))
+
+
+def test_one_request_a_step_starts_a_draft_model_over():
+    """A draft model that has not seen a request must catch up on it (its whole prompt the first time) before it
+    drafts, which pays only if drafting then goes on: one request a step starts over, while those it keeps up
+    with (a token or two unseen) all draft, and prompt lookup, which feeds nothing, is not held back."""
+    flat = StepCosts()
+    for n in range(1, 80):
+        for _ in range(2):
+            flat.record(n, 1.0 + 0.01 * n)
+    fresh = [Offer(i, 4, 0.8, feeds=60) for i in range(32)]
+    assert len(allocate(fresh, flat, 32, 32, StepCosts(first=0.0))) == 1
+    kept_up = [Offer(i, 4, 0.8, feeds=2) for i in range(32)]
+    assert len(allocate(kept_up, flat, 32, 32, StepCosts(first=0.0))) == 32
+    lookup = [Offer(i, 4, 0.8, feeds=0) for i in range(32)]
+    assert len(allocate(lookup, flat, 32, 32)) == 32

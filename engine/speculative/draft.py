@@ -56,6 +56,11 @@ class DraftModel:
         short = pages_for(req.total_len + most - 1, self.page_size) - len(self.pages[req.slot])
         return most if short <= self.allocator.num_free else 0
 
+    def feeds(self, req: Req) -> int:
+        """The tokens `_catch_up` feeds for `req`: those it has not seen, and its last one again."""
+        assert req.slot is not None
+        return req.total_len - min(self.known[req.slot], req.total_len - 1)
+
     def propose(self, counts: dict[Req, int]) -> dict[Req, list[int]]:
         """`counts[req]` greedy drafts for each request (all of them processed: every token is known). A step
         without any lets the pass times' estimates fall a little (PASS_RECOVER): one slow pass (the machine was

@@ -67,6 +67,9 @@ class NgramProposer:
         self._indexes: list[NgramIndex | None] = [None] * slots
         self._found: dict[int, list[int]] = {}  # this step's proposals by slot, between lookahead and propose
 
+    def feeds(self, req: Req) -> int:
+        return 0
+
     def lookahead(self, req: Req, most: int) -> int:
         assert req.slot is not None
         index = self._indexes[req.slot]

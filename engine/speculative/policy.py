@@ -28,6 +28,7 @@ TRY = 0.5  # under overlap a request sits out a step to carry drafts in the next
 PROBE = 16  # ... and only if its last clean step had drafts, or it has had no clean step for this many steps
 COST_LEARN = 0.2  # the step-time average's weight of a new measurement
 UNMEASURED_EXTRA = 0.05  # a step longer than any measured: this share of the longest one's time per token more
+CATCH_UP = 2  # a draft model feeding a request more tokens than this before its first draft is starting over
 
 
 @dataclass
@@ -105,29 +106,43 @@ class StepCosts:
 
 @dataclass(frozen=True)
 class Offer:
-    """A request that could verify up to `most` drafts this step, and how likely each is accepted."""
+    """A request that could verify up to `most` drafts this step, how likely each is accepted, and how many tokens
+    a draft model's first pass feeds for it (what it has not seen of the request: 1 or 2 while the request drafts
+    every step, its whole prompt the first time; 0 for prompt lookup)."""
 
     key: int  # the caller's handle for the request
     most: int
     alpha: float
+    feeds: int = 1
 
 
 def allocate(offers: list[Offer], costs: StepCosts, base_tokens: int, emitted: int,
              passes: StepCosts | None = None) -> dict[int, int]:
     """Drafts per offer (by key; absent: none) for a step of `base_tokens` query tokens that emits `emitted`
     tokens without drafts. `passes`: a draft model's pass times by the requests a pass carries (its j-th pass
-    carries every request given j drafts or more); None for prompt lookup, which costs nothing."""
+    carries every request given j drafts or more); None for prompt lookup, which costs nothing.
+
+    A draft model must first catch up on what it has not seen of a request (`Offer.feeds`: its whole prompt the
+    first time), which is worth it only if the request then drafts for a while, and whether it does is known
+    only once steps that long are measured: so at most one request a step starts over (feeds more than
+    CATCH_UP tokens). A single stream is that one; a full batch tries drafting on one request, measures what
+    its longer step costs, and goes on only where that pays (32 prompts caught up at once for a few drafts
+    cost a batch of 32 a fifth of its throughput)."""
     counts: dict[int, int] = {}
     if not offers or emitted == 0:
         return counts
     tokens, expected, spent = base_tokens, float(emitted), 0.0
     carried: list[int] = []  # requests each draft pass carries so far
+    started = False  # a request has been given drafts that make the draft model catch up
     rate = expected / costs.estimate(tokens)
     heap = [(-o.alpha, 1, i) for i, o in enumerate(offers) if o.most > 0 and o.alpha > 0]
     heapq.heapify(heap)
     while heap:
         value, j, i = heapq.heappop(heap)
         offer = offers[i]
+        starts = j == 1 and offer.feeds > CATCH_UP
+        if starts and started:
+            continue
         rows = carried[j - 1] if j <= len(carried) else 0
         extra = 0.0 if passes is None else passes.estimate(rows + 1) - (passes.estimate(rows) if rows else 0.0)
         new_rate = (expected - value) / (costs.estimate(tokens + 1) + spent + extra)
@@ -137,6 +152,7 @@ def allocate(offers: list[Offer], costs: StepCosts, base_tokens: int, emitted: i
         if j > len(carried):
             carried.append(0)
         carried[j - 1] += 1
+        started = started or starts
         counts[offer.key] = j
         if j < offer.most:
             heapq.heappush(heap, (value * offer.alpha, j + 1, i))

@@ -31,6 +31,9 @@ class Proposer(Protocol):
     def lookahead(self, req: Req, most: int) -> int:
         """How many drafts (at most `most`) it could propose for `req` now."""
 
+    def feeds(self, req: Req) -> int:
+        """Tokens its first pass would feed for `req` (what it has not seen of it; prompt lookup: none)."""
+
     def propose(self, counts: dict[Req, int]) -> dict[Req, list[int]]:
         """The drafts, `counts[req]` or fewer for each request."""
 
@@ -81,7 +84,7 @@ class Speculator:
                 if state.sits_out(offered):
                     resting.add(req)
             elif offered:
-                offers.append(Offer(len(by_key), offered, state.alpha))
+                offers.append(Offer(len(by_key), offered, state.alpha, self.proposer.feeds(req)))
                 by_key.append(req)
         counts = allocate(offers, self.costs, base_tokens - len(resting), len(decoding) - len(resting),
                           self.proposer.pass_costs) if self.adaptive else {o.key: o.most for o in offers}
