@@ -129,7 +129,7 @@ def llama_bench(bin_dir: Path, path: Path, threads: int) -> dict[str, float]:
 IN_PROCESS = """
 import json, statistics, sys, time
 from engine import LLM, SamplingParams
-llm = LLM(sys.argv[1], threads=int(sys.argv[2]), seed=0, max_prefill_tokens=512)
+llm = LLM(sys.argv[1], threads=int(sys.argv[2]), seed=0, max_prefill_tokens=512, kv_disk_gib=0)
 decode = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
 llm.generate([[1, 2, 3, 4]], decode)
 times = []

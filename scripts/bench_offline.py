@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_running_requests=args.max_running_requests,
-              max_model_len=2 * args.max_len + 1)
+              max_model_len=2 * args.max_len + 1, kv_disk_gib=0)  # compute: no prompt loaded from an earlier run
     prompts, outputs = workload(args.num_seqs, args.min_len, args.max_len, llm.model.spec.vocab_size, args.seed)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up: kernels, graphs
     steps_before = llm.stats().counters.steps

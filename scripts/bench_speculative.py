@@ -117,7 +117,7 @@ def run(names: list[str], rounds: int) -> dict:
     report: dict = {"rounds": rounds, "load": os.getloadavg(), "cpus": os.cpu_count(), "targets": {}}
     for name, (base, configs) in targets(names).items():
         log(f"{name}: loading {', '.join(configs)}")
-        engines = {config: LLM(**base, **extra) for config, extra in configs.items()}
+        engines = {config: LLM(**base, **extra, kv_disk_gib=0) for config, extra in configs.items()}
         for llm in engines.values():  # warm: kernels built, step costs measured once
             llm.generate([chat("Hello.")], SamplingParams(max_tokens=16))
         results: dict[str, dict[str, list[float]]] = {c: {"copy": [], "open": [], "c32": []} for c in configs}

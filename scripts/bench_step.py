@@ -65,7 +65,7 @@ def engine_rounds(args: argparse.Namespace, options: dict[str, object]) -> Round
     """Whole `LLM.step()` calls: a prefill step of every prompt, then decode steps with all running."""
     n, length = args.num_prompts, args.prompt_len
     llm = LLM(args.model, dtype=args.dtype, max_running_requests=max(n, args.decode_batch),
-              max_prefill_tokens=max(n, args.decode_batch) * length, **options)
+              max_prefill_tokens=max(n, args.decode_batch) * length, kv_disk_gib=0, **options)
     vocab = llm.model.spec.vocab_size
     params = SamplingParams(max_tokens=args.decode_steps + 2, ignore_eos=True)
     for rep in itertools.count():
@@ -130,7 +130,7 @@ def floor_rounds(args: argparse.Namespace, linear_dtype: str, prepack: bool) -> 
     """The engine model's linear layers alone (`engine.model.ops.linear`: `F.linear`, or oneDNN on
     prepacked weights), at the prefill and decode row counts."""
     model = LLM(args.model, dtype=args.dtype, max_running_requests=1, num_pages=4, linear_dtype=linear_dtype,
-                prepack_weights=prepack).model
+                prepack_weights=prepack, kv_disk_gib=0).model
     dtype = model.lm_head.weight.dtype
     hidden = model.spec.hidden_size
     layers = []

@@ -523,7 +523,8 @@ def build_llm(args: argparse.Namespace, output_budget: int) -> LLM:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
               num_pages=largest * (pages_for(length, args.page_size) + 1), max_running_requests=largest,
               max_prefill_tokens=args.max_prefill_tokens or max(2048, largest * args.prompt_len),
-              max_model_len=length + args.page_size, overlap=False, **options)
+              max_model_len=length + args.page_size, overlap=False,
+              kv_disk_gib=0, **options)  # no disk tier: a rerun's prompts would be loaded, not computed
     llm.model.one_call = args.one_call
     return llm
 

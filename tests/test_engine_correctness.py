@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, RequestOutput, SamplingParams
+from engine.model.decoder import ROWS_ONE_CALL_CACHED
 from tests.checkpoints import with_eos
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
@@ -163,25 +164,31 @@ def test_prepacked_weights(checkpoints, hf, family, prepack):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_small_float32_models_decode_few_rows_in_one_c_call(checkpoints, hf, family):
-    """A small float32 model keeps its projections' rows (CausalLM.keep_float_rows): steps of up to ROWS_ONE_CALL
-    rows run every layer in one C call (decode.c over the F32 rows), bigger ones through oneDNN layer by layer.
-    Twelve requests of different lengths make steps of both kinds: transformers' tokens either way, and the
-    log-probabilities of the run with the one-call path switched off to float32 summation order."""
+    """A small float32 model keeps its projections' rows (CausalLM.keep_float_rows): steps of up to
+    `float_rows_most` rows (ROWS_ONE_CALL_CACHED for a model this small, whose rows stay in cache) run every layer
+    in one C call (decode.c over the F32 rows), bigger ones through oneDNN layer by layer. Twelve requests of
+    different lengths, also with the limit at 8, make steps of both kinds: transformers' tokens either way, and
+    the log-probabilities of the run with the one-call path switched off to float32 summation order."""
     path = checkpoints[family]
     prompts = mixed_prompts(12, seed=13)
     params = [SamplingParams(max_tokens=2 + i, logprobs=0, ignore_eos=True) for i in range(len(prompts))]
     runs = []
-    for one_call in (True, False):
+    for one_call, most in ((True, None), (True, 8), (False, None)):
         llm = LLM(str(path))
+        assert llm.model.float_rows_most == ROWS_ONE_CALL_CACHED
         llm.model.one_call = one_call
+        llm.model.float_rows_most = most or llm.model.float_rows_most
         assert llm.model.float_rows is not None and llm.model.runs_one_call == one_call
         outs = llm.generate(prompts, params)
         assert (llm.model._fused is not None) == one_call
         runs.append(outs)
-    for prompt, p, ours, layered in zip(prompts, params, *runs, strict=True):
-        hf.check_greedy(ours.token_ids, path, prompt, p.max_tokens)
-        if ours.token_ids == layered.token_ids:
-            assert [e.logprob for e in ours.logprobs] == pytest.approx([e.logprob for e in layered.logprobs], abs=1e-4)
+    layered = runs[-1]
+    for ours in runs[:-1]:
+        for prompt, p, one, layer in zip(prompts, params, ours, layered, strict=True):
+            hf.check_greedy(one.token_ids, path, prompt, p.max_tokens)
+            if one.token_ids == layer.token_ids:
+                assert [e.logprob for e in one.logprobs] == pytest.approx([e.logprob for e in layer.logprobs],
+                                                                          abs=1e-4)
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c_kernels", "torch"])

@@ -50,8 +50,16 @@ DENSE_ROWS tokens or more (16 MiB: 1,024 rows of a 4,096-wide projection)."""
 ROWS_ONE_CALL = 8
 """A float32 model keeping its projections' rows (`CausalLM.keep_float_rows`) runs steps of at most this many
 rows in one C call, more through oneDNN layer by layer: on the demo model a decode step of one stream took
-1.2 ms one-call against 3.3 ms layer by layer (oneDNN and the calls around it), the two were even at 8-12
-rows, and at 32 oneDNN's GEMMs were 10-35% faster (2026-12-04, /tmp-run alternations in one process)."""
+1.2 ms one-call against 3.3 ms layer by layer (oneDNN and the calls around it; 2026-12-04, in one process).
+The C call reads the weights again for every few rows, oneDNN once: past a few rows a model whose weights do
+not stay in the CPU's cache is better off in oneDNN."""
+ROWS_ONE_CALL_CACHED = 32
+CACHED_ROWS_BYTES = 32 << 20
+"""A model keeping at most CACHED_ROWS_BYTES of rows (they stay in cache as the C call reads them again) runs
+steps of up to ROWS_ONE_CALL_CACHED rows in one C call: on the demo model (18.6 MiB) whole decode steps of 12,
+24 and 32 rows took 1.8-2.0, 3.1 and 3.5-4.2 ms so, against 2.7-3.7, 3.7-5.2 and 4.3-5.8 ms with oneDNN layer by
+layer (`python scripts/gpu_profile.py engine/demo_model --batches 12,24,32`, two alternating runs each,
+2026-12-06): the GEMMs are a small part of such a step, the calls between them most of the rest."""
 FLOAT_ROWS_MAX_BYTES = 256 << 20
 """The float32 projections a model keeps a second copy of as rows, at most: for a larger model the weights' own
 reading outweighs the per-call costs the one-call path saves (0.5B: ~100 ms a step against ~1.5 ms)."""
@@ -422,6 +430,7 @@ class CausalLM(nn.Module):
         self._fused: tuple[KVPool, FusedLayers] | None = None  # the layers as one C call, for the pool it was built on
         self.one_call = True  # run the layers as one C call where `_fused_layers` can (off: layer by layer, as tested)
         self.float_rows: list[list[BlockMatrix]] | None = None  # per layer, its projections' rows (keep_float_rows)
+        self.float_rows_most = ROWS_ONE_CALL  # the most rows a step runs in one C call on them
 
     def make_layer(self, spec: ModelSpec, index: int, tp: TensorParallel) -> DecoderLayer:
         return self.layer_class(spec, index, tp)
@@ -529,7 +538,7 @@ class CausalLM(nn.Module):
         if not self.cos_sin:
             raise RuntimeError("CausalLM.load_weights() must run before the first step")
         residual: torch.Tensor | None = None
-        most = ROWS_ONE_CALL if self.float_rows is not None else DENSE_ROWS - 1  # more: per layer, torch's GEMM
+        most = self.float_rows_most if self.float_rows is not None else DENSE_ROWS - 1  # more: per layer, torch's GEMM
         few_rows = isinstance(meta, PagedStep) and x.shape[0] <= most
         fused = self._fused_layers(kv) if few_rows and self.triton is None else None
         if fused is not None and isinstance(meta, PagedStep):  # every layer in one C call (decode.c), x in place
@@ -550,7 +559,8 @@ class CausalLM(nn.Module):
         family's layers run otherwise than the shared decoder's (`DecoderLayer.execution`)."""
         layers = "one C call a step" if self.runs_one_call else "one call each"
         if self.runs_one_call and self.float_rows is not None:
-            layers = f"one C call a step of up to {ROWS_ONE_CALL} rows (float32 rows kept), oneDNN layer by layer above"
+            layers = f"one C call a step of up to {self.float_rows_most} rows (float32 rows kept), oneDNN layer by " \
+                "layer above"
         if self.one_call and not all(layer.in_one_call for layer in self.layers) and \
                 all(layer.block_kernels is not None for layer in self.layers):
             layers += " (the one-call path runs Llama-shaped dense layers; this model's are not)"
@@ -563,7 +573,7 @@ class CausalLM(nn.Module):
     def runs_one_call(self) -> bool:
         """Whether steps the CPU attention kernel takes whole run every layer in one C call (`_fused_layers`):
         every layer Llama-shaped (`DecoderLayer.in_one_call`) with its products in block formats, or with its
-        float32 rows kept (`keep_float_rows`, then for steps of at most ROWS_ONE_CALL rows)."""
+        float32 rows kept (`keep_float_rows`, then for steps of at most `float_rows_most` rows)."""
         in_blocks = all(layer.block_kernels is not None for layer in self.layers)
         return self.one_call and all(layer.in_one_call for layer in self.layers) and \
             (in_blocks or (self.float_rows is not None and self.kernels is not None))
@@ -577,9 +587,12 @@ class CausalLM(nn.Module):
         weights = [[p.weight for p in layer.projections()] for layer in self.layers]
         flat = [w for ws in weights for w in ws]
         if not all(layer.in_one_call and layer.tp.size == 1 for layer in self.layers) or not all(
-                isinstance(w, torch.Tensor) and w.dtype == torch.float32 and not w.is_mkldnn for w in flat) or \
-                sum(cast(torch.Tensor, w).numel() * 4 for w in flat) > FLOAT_ROWS_MAX_BYTES:
+                isinstance(w, torch.Tensor) and w.dtype == torch.float32 and not w.is_mkldnn for w in flat):
             return
+        size = sum(cast(torch.Tensor, w).numel() * 4 for w in flat)
+        if size > FLOAT_ROWS_MAX_BYTES:
+            return
+        self.float_rows_most = ROWS_ONE_CALL_CACHED if size <= CACHED_ROWS_BYTES else ROWS_ONE_CALL
         self.float_rows = [[BlockMatrix.join(w.shape[1], [Segment(QTYPES["F32"], w.detach().contiguous().clone()
                                                                   .view(torch.uint8), w.shape[0])])
                             for w in cast(list[torch.Tensor], ws)] for ws in weights]
