@@ -1,13 +1,14 @@
 """Decode throughput of a mixture of experts on the CPU: minichat against transformers, and against the dense model with
 the same active parameters, at batch 1 and 32, beside the batch-1 floor of the bytes one token reads.
 
-    python scripts/bench_moe.py /tmp/bench-moe                  # writes both checkpoints once (~9 + 3 GB), measures
+    python scripts/bench_moe.py /tmp/bench-moe                  # writes both checkpoints once (~5 + 2 GB), measures
     python scripts/bench_moe.py /tmp/bench-moe-tiny --shape tiny  # the script's own check: a minute
 
-The MoE ("qwen3-30b-a3b-6l"): Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query heads of 128 over 4 KV heads, q/k
-norms, 128 experts of 768 rows, 8 per token, vocab 151,936) with 6 of its 48 layers, 4.4 B parameters: 16.3 GiB in
+The MoE ("qwen3-30b-a3b-3l"): Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query heads of 128 over 4 KV heads, q/k
+norms, 128 experts of 768 rows, 8 per token, vocab 151,936) with 3 of its 48 layers, 2.5 B parameters: 9.3 GiB in
 float32 (`--dtype`, the default: what both engines run on a CPU without native bf16; saved as bf16; `--dtype
-bfloat16` halves it where the CPU has AVX512-BF16 or AMX), within 24 GiB with its KV pool. Its dense equivalent is a
+bfloat16` halves it where the CPU has AVX512-BF16 or AMX). With 6 layers (16.3 GiB) minichat ran, but transformers
+was killed loading it: it holds the experts twice while it stacks them, past 24 GiB. Its dense equivalent is a
 Qwen3 of the same attention whose MLP has the routed experts' rows (8 x 768 = 6,144): the same weights read per token
 at batch 1, while 32 tokens reach some 112 of the 128 experts of a layer, 14 times as many. Each engine runs in a
 process of its own (one model in memory at a time), on every core. A measurement: `--batch` prompts of `--prompt`
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 SHAPES = {
-    "qwen3-30b-a3b-6l": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=6, num_attention_heads=32,
+    "qwen3-30b-a3b-3l": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=3, num_attention_heads=32,
                              num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                              moe_intermediate_size=768, max_position_embeddings=4096),
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -147,14 +148,15 @@ def in_subprocess(engine: str, model: Path, batch: int, args: argparse.Namespace
            "--prompt", str(args.prompt), "--tokens", str(args.tokens), "--dtype", args.dtype]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{engine} on {model.name} at batch {batch} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{engine} on {model.name} at batch {batch} failed (exit status {done.returncode}; -9: "
+                           f"killed, out of memory as a rule):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="where the checkpoints and results.json go")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b-6l")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b-3l")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed")
