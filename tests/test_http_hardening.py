@@ -661,7 +661,10 @@ def chain_grammar(rules: int) -> str:
                                        for i in range(rules - 1)), f'r{rules - 1} ::= "z"'])
 
 
-GAP_BOUND = 0.5  # seconds between two tokens of another stream while a grammar compiles
+GAP_BOUND = 0.5
+"""Seconds between two tokens of another stream while a grammar compiles, at least: on a loaded machine the
+bound is a third of the grammar's compile time measured there, since the compile and the stream then share fewer
+free cycles (compiled on the loop, the gap would be the whole compile)."""
 
 
 def test_11_grammars_compile_off_the_loop_and_within_limits(tmp_path: Path) -> None:
@@ -670,7 +673,7 @@ def test_11_grammars_compile_off_the_loop_and_within_limits(tmp_path: Path) -> N
     and a grammar with too many rules (refused at once, naming the limit), a grammar within the limits that
     compiles for longer than the time limit (refused when it passes; its compile finishes on the grammar
     worker) and a request whose grammar is aborted while it waits to compile. The stream's largest gap stays
-    under GAP_BOUND: a step of this model takes ~10 ms and the compile runs on a worker thread (xgrammar
+    under a bound (GAP_BOUND): a step of this model takes ~10 ms and the compile runs on a worker thread (xgrammar
     releases the GIL), so what is left is the compile competing for the cores; compiled on the loop, the gap
     would be the compile's whole time, which this test first checks is longer than GAP_BOUND. /health
     answers 200 throughout."""
@@ -689,6 +692,7 @@ def test_11_grammars_compile_off_the_loop_and_within_limits(tmp_path: Path) -> N
     compiler.compile_grammar(slow_grammar)
     compile_s = time.monotonic() - began
     assert compile_s > GAP_BOUND, f"the grammar compiles in {compile_s:.2f} s: too fast to test anything"
+    gap_bound = max(GAP_BOUND, compile_s / 3)
     address = f"ipc://{tmp_path}/engine.sock"
     front = serve_api(["serve", "--address", address, "--model", str(model), "--grammar-time-limit", "0.3"],
                       NO_KEY, tmp_path / "api.log", None, address)
@@ -745,7 +749,7 @@ def test_11_grammars_compile_off_the_loop_and_within_limits(tmp_path: Path) -> N
                 w.join()
             stream.response.close()
             gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-            assert len(gaps) > 10 and max(gaps) < GAP_BOUND, (len(gaps), sorted(gaps)[-5:])
+            assert len(gaps) > 10 and max(gaps) < gap_bound, (gap_bound, len(gaps), sorted(gaps)[-5:])
             assert health and set(health) == {200}, health
             engine.wait_stats(idle, timeout=30)
     finally:

@@ -512,12 +512,15 @@ def test_an_idle_engine_writes_what_waited_for_the_staging_ring(long_ckpt, tmp_p
 
 def test_an_idle_disk_tier_scans_its_directory_only_when_it_changed(tmp_path):
     """An idle writer looks every RESCAN_EVERY seconds, but scans the directory (a stat a file: 215,000 files took
-    5 s) only when one of its directories changed since the last scan: another engine wrote or deleted a file."""
+    5 s) only when one of its directories changed since the last scan: another engine wrote or deleted a file. It counts
+that engine's file as its own is not, and leaves a file not named as a page alone."""
     from engine.kv.disk import DiskTier, PageFile
 
     shape, ours, theirs = (2, 1, 4, 1, 8), bytes(16), bytes(range(16))
     a = DiskTier(tmp_path, ours, shape, torch.float32, 1 << 30)
     b = DiskTier(tmp_path, theirs, shape, torch.float32, 1 << 30)
+    stray = tmp_path / ours.hex() / "notes.kv"  # not named as a page file: neither counted nor deleted
+    stray.write_text("a user's file")
     a.rescan()
     assert a._stamp() == a._scanned_stamp  # nothing changed: no scan due
     key = chain_key(theirs, (1, 2, 3, 4))
@@ -525,5 +528,7 @@ def test_an_idle_disk_tier_scans_its_directory_only_when_it_changed(tmp_path):
     assert a._stamp() != a._scanned_stamp  # the other engine's file: a scan is due
     a.rescan()
     assert a._stamp() == a._scanned_stamp and a.total_bytes == b.total_bytes > 0
+    assert (a.pages, b.pages) == (0, 1) and key not in a and key in b and stray.exists()
+    a.check_integrity()
     a.close(10)
     b.close(10)

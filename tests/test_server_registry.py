@@ -5,6 +5,7 @@ that vanishes, finishing and shutdown, and never an id left behind in the regist
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -73,9 +74,12 @@ def finals(inbox: list[msgspec.Struct]) -> dict[str, str]:
             for item in m.items if item.finished}
 
 
-def until(server: EngineServer, done: Callable[[], bool], passes: int = 2000) -> None:
-    """Run the server's loop pass by pass until `done`, checking the registry after every pass."""
-    for _ in range(passes):
+def until(server: EngineServer, done: Callable[[], bool], seconds: float = 60.0) -> None:
+    """Run the server's loop pass by pass until `done`, checking the registry after every pass. Bounded by
+    time, not passes: a busy pass is one tiny step (under a millisecond), while what the test waits for (a
+    worker's tokenizing, a vanished client found by a failed send) takes wall time, more on a loaded machine."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         server.run_once()
         assert_one_record_per_live_request(server)
         if done():

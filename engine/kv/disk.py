@@ -142,9 +142,12 @@ class DiskTier:
         self.counts = DiskCounts()
         self.degraded = ""  # why writing is paused now ("" when it is not)
         self._lock = threading.Lock()
-        self._files: OrderedDict[Path, int] = OrderedDict()  # every page file in `root`, least recently used first
-        self._ours: set[bytes] = set()  # the keys of this fingerprint's files
+        # every page file in `root` by its fingerprint + key (32 bytes: ~150 bytes an entry where a Path and a set
+        # of keys took 545, and a cap of 8 GiB holds 233,000 of the demo model's pages), least recently used first
+        self._files: OrderedDict[bytes, int] = OrderedDict()
+        self._own = 0  # how many of them are this fingerprint's
         self._total = 0
+        self._file_bytes = HEADER.size + 8 * page_shape[2] + self.payload + CRC.size
         self._pending = 0  # writes queued
         self._paused_until = 0.0
         self._scanned_at = -float("inf")
@@ -159,11 +162,11 @@ class DiskTier:
 
     # -- the scheduler's side -------------------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
-        return key in self._ours
+        return self.fingerprint + key in self._files
 
     @property
     def pages(self) -> int:
-        return len(self._ours)
+        return self._own
 
     @property
     def total_bytes(self) -> int:
@@ -172,17 +175,21 @@ class DiskTier:
 
     @property
     def file_bytes(self) -> int:
-        return HEADER.size + 8 * self.page_shape[2] + self.payload + CRC.size
+        return self._file_bytes
 
     def path(self, key: bytes) -> Path:
-        hexkey = key.hex()
-        return self.dir / hexkey[:2] / f"{hexkey}{SUFFIX}"
+        return self._path(self.fingerprint + key)
+
+    def _path(self, name: bytes) -> Path:
+        """The file of an index entry (a fingerprint and a key, 16 bytes each)."""
+        key = name[16:].hex()
+        return self.root / name[:16].hex() / key[:2] / f"{key}{SUFFIX}"
 
     def write(self, page: PageFile, data: torch.Tensor, done: Callable[[], None]) -> bool:
         """Queue one page's K/V (a contiguous host tensor of `page_shape`) for writing; False when it will not be
         stored (writing is paused, or a page does not fit the cap), True if it is or will be. `done()` is called
         once `data` is no longer needed: at once, or on the writer thread after the write."""
-        if page.key in self._ours:
+        if page.key in self:
             done()
             return True
         with self._lock:
@@ -230,40 +237,40 @@ class DiskTier:
     def check_integrity(self) -> None:
         """The index adds up and, once the writes are done, holds the cap."""
         with self._lock:
-            total, files, pending, ours = self._total, dict(self._files), self._pending, set(self._ours)
+            total, files, pending, own = self._total, dict(self._files), self._pending, self._own
         if total != sum(files.values()):
             raise AssertionError(f"disk tier: index total {total} != the sum of its files {sum(files.values())}")
         if not pending and total > self.cap_bytes:
             raise AssertionError(f"disk tier: {total} bytes indexed over the cap of {self.cap_bytes}")
-        stray = {k for k in ours if self.path(k) not in files}
-        if stray:
-            raise AssertionError(f"disk tier: {len(stray)} keys without a file in the index")
+        if own != sum(name[:16] == self.fingerprint for name in files):
+            raise AssertionError(f"disk tier: {own} pages of this model counted, not what the index holds")
 
     # -- the reader thread ----------------------------------------------------------------------
     def _read(self, page: PageFile) -> torch.Tensor:
         start = time.perf_counter()
-        path = self.path(page.key)
+        name = self.fingerprint + page.key
+        path = self._path(name)
         try:
             with path.open("rb") as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)
                 f.readinto(data)
             at = page.check(data, self.payload)
         except FileNotFoundError:
-            self._forget(path, page.key)
+            self._forget(name)
             with self._lock:
                 self.counts.rejected["missing"] += 1
             raise PageRejected("missing", str(path)) from None
         except PageRejected as e:
             log.warning("KV disk tier: %s is %s; deleted, its tokens are computed again", path, e)
-            self._delete(path, page.key)
+            self._delete(name)
             with self._lock:
                 self.counts.rejected[e.reason] += 1
             raise
         with contextlib.suppress(OSError):
             os.utime(path)  # its modification time is when it was last used, for every engine's LRU order
         with self._lock:
-            if path in self._files:
-                self._files.move_to_end(path)
+            if name in self._files:
+                self._files.move_to_end(name)
             self.counts.read_seconds += time.perf_counter() - start
         tensor = torch.frombuffer(data, dtype=torch.uint8, offset=at, count=self.payload)
         return tensor.view(self.dtype).view(self.page_shape)
@@ -291,12 +298,13 @@ class DiskTier:
                     self._pending -= 1
 
     def _store(self, page: PageFile, data: torch.Tensor) -> None:
-        if page.key in self._ours:
+        name = self.fingerprint + page.key
+        if name in self._files:
             return
         start = time.perf_counter()
         size = self.file_bytes
         self._evict(size)
-        path = self.path(page.key)
+        path = self._path(name)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         head = page.head(self.payload)
         payload = data.contiguous().view(torch.uint8).numpy().data.cast("B")
@@ -313,7 +321,7 @@ class DiskTier:
             self._failed(e)
             return
         with self._lock:
-            self._add(path, page.key, size)
+            self._add(name, size)
             self.counts.written += 1
             self.counts.write_seconds += time.perf_counter() - start
             self.degraded = ""
@@ -337,33 +345,38 @@ class DiskTier:
         goal = max(0, int(self.cap_bytes * LOW_WATER) - incoming)
         while self._total > goal and self._files:
             with self._lock:
-                path, _ = next(iter(self._files.items()))
-            self._delete(path, self._key_of(path))
+                name = next(iter(self._files))
+            self._delete(name)
 
     # -- the index --------------------------------------------------------------------------------
     def rescan(self) -> None:
-        """Rebuild the index from the directory: every fingerprint's page files, ordered by modification time
-        (when each was last used); temporary files of crashed writers are deleted."""
-        found: list[tuple[float, Path, int]] = []
+        """Rebuild the index from the directory: every fingerprint's page files (a file not named as
+        `<fingerprint>/<key[:2]>/<key>.kv` is not one, and is left alone), ordered by modification time (when
+        each was last used); temporary files of crashed writers are deleted."""
+        found: list[tuple[float, bytes, int]] = []
+        sizes: dict[int, int] = {}  # one int object per file size, not one per file
         now = time.time()
         stamp = self._stamp()
         for top, _, names in os.walk(self.root):
-            for name in names:
-                path = Path(top) / name
+            for filename in names:
+                path = Path(top) / filename
+                name = _name_of(path) if filename.endswith(SUFFIX) else None
+                if name is None and not filename.endswith(".tmp"):
+                    continue
                 try:
                     stat = path.stat()
                 except OSError:  # deleted meanwhile
                     continue
-                if name.endswith(SUFFIX):
-                    found.append((stat.st_mtime, path, stat.st_size))
-                elif name.endswith(".tmp") and now - stat.st_mtime > STALE_TMP:
+                if name is not None:
+                    found.append((stat.st_mtime, name, sizes.setdefault(stat.st_size, stat.st_size)))
+                elif now - stat.st_mtime > STALE_TMP:
                     with contextlib.suppress(OSError):
                         path.unlink()
         found.sort(key=lambda f: f[0])
         with self._lock:
-            self._files = OrderedDict((path, size) for _, path, size in found)
+            self._files = OrderedDict((name, size) for _, name, size in found)
             self._total = sum(size for _, _, size in found)
-            self._ours = {k for path in self._files if (k := self._key_of(path)) is not None}
+            self._own = sum(name[:16] == self.fingerprint for name in self._files)
             self._scanned_at = time.monotonic()
             self._scanned_stamp = stamp
 
@@ -381,26 +394,31 @@ class DiskTier:
                             stamp[sub.path] = sub.stat().st_mtime_ns
         return stamp
 
-    def _key_of(self, path: Path) -> bytes | None:
-        """The key a file of this fingerprint is named for (None for another fingerprint's)."""
-        if path.parent.parent != self.dir:
-            return None
-        with contextlib.suppress(ValueError):
-            return bytes.fromhex(path.name.removesuffix(SUFFIX))
-        return None
+    def _add(self, name: bytes, size: int) -> None:
+        old = self._files.pop(name, None)
+        self._total += size - (old or 0)
+        self._own += old is None and name[:16] == self.fingerprint
+        self._files[name] = size
 
-    def _add(self, path: Path, key: bytes, size: int) -> None:
-        self._total += size - self._files.pop(path, 0)
-        self._files[path] = size
-        self._ours.add(key)
-
-    def _forget(self, path: Path, key: bytes | None) -> None:
+    def _forget(self, name: bytes) -> None:
         with self._lock:
-            self._total -= self._files.pop(path, 0)
-            if key is not None:
-                self._ours.discard(key)
+            old = self._files.pop(name, None)
+            if old is not None:
+                self._total -= old
+                self._own -= name[:16] == self.fingerprint
 
-    def _delete(self, path: Path, key: bytes | None) -> None:
-        self._forget(path, key)
+    def _delete(self, name: bytes) -> None:
+        self._forget(name)
         with contextlib.suppress(OSError):
-            path.unlink()
+            self._path(name).unlink()
+
+
+def _name_of(path: Path) -> bytes | None:
+    """The index entry of a page file's path (its fingerprint's 16 bytes and its key's), None if it is not named
+    as one."""
+    key = path.name.removesuffix(SUFFIX)
+    if len(key) != 32 or path.parent.name != key[:2] or len(path.parent.parent.name) != 32:
+        return None
+    with contextlib.suppress(ValueError):
+        return bytes.fromhex(path.parent.parent.name) + bytes.fromhex(key)
+    return None
