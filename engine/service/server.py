@@ -35,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 import engine
 from engine.config import DEMO_MODEL_DIR, EngineConfig
+from engine.heap import HeapTrimmer
 from engine.llm import LLM
 from engine.outputs import Final, Output, StepResult, Timings, Usage
 from engine.params import invalid_params
@@ -102,6 +103,7 @@ class EngineServer:
         self.requests = Registry()  # every live request, from its Submit to its Final (registry.py)
         self.answering: deque[_Answer] = deque()  # in the order the one tokenizer worker finishes them
         self._writing = False  # KV pages wait at idle for room on their way to disk (`LLM.write_behind`)
+        self._heap = HeapTrimmer()  # freed memory back to the OS now and then (engine/heap.py)
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar", initializer=_yield_cores)
         self._max_prompt_chars = max_prompt_chars(llm.tokenizer, llm.max_seq_len)
@@ -150,10 +152,12 @@ class EngineServer:
         self._receive(0 if busy else self._idle_wait_ms())
         self._admit_prepared()
         self._answer()
-        if self.llm.has_unfinished():
+        stepping = self.llm.has_unfinished()
+        if stepping:
             self._deliver(self._step(self.llm.config.use_overlap))
         else:
             self._writing = self.llm.write_behind()
+        self._heap.maybe_trim(worked=stepping)
         self._sweep_clients()
         self.publisher.publish(idle=not self.llm.has_unfinished())
 
