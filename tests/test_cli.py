@@ -89,8 +89,9 @@ def test_the_page_map_of_a_large_pool_fits_the_screen() -> None:
 
 
 def test_status_watch_prints_until_ctrl_c(engine: str) -> None:
-    watch = subprocess.Popen([sys.executable, "-m", "tui.cli", "status", "--address", engine, "--watch",
-                              "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "tui.cli", "status", "--address", engine,
+                              "--watch", "--interval", "0.2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         prints, deadline = 0, time.monotonic() + 60
         with selectors.DefaultSelector() as selector:
@@ -100,10 +101,23 @@ def test_status_watch_prints_until_ctrl_c(engine: str) -> None:
                 if selector.select(timeout=1.0):
                     prints += (watch.stdout.readline()).startswith("request slots ")  # type: ignore[union-attr]
         watch.send_signal(signal.SIGINT)
-        _, stderr = watch.communicate(timeout=30)
+        try:
+            _, stderr = watch.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 30 s after SIGINT; {still_running(watch)}")
     finally:
         watch.kill()
     assert watch.returncode == 0 and "Traceback" not in stderr, stderr
+
+
+def still_running(process: subprocess.Popen[str]) -> str:
+    """What a process that should have ended was doing: its signal masks (blocked, ignored, caught: is SIGINT,
+    bit 2, among them?) and every thread's stack (faulthandler prints them on SIGABRT)."""
+    with open(f"/proc/{process.pid}/status") as status:
+        masks = [line.strip() for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+    process.send_signal(signal.SIGABRT)
+    _, stderr = process.communicate(timeout=30)
+    return f"{masks}; its threads:\n{stderr[-6000:]}"
 
 
 def test_help_texts_keep_their_brackets() -> None:
