@@ -142,7 +142,7 @@ class DiskTier:
         self.counts = DiskCounts()
         self.degraded = ""  # why writing is paused now ("" when it is not)
         self._lock = threading.Lock()
-        # every page file in `root` by its fingerprint + key (32 bytes: ~150 bytes an entry where a Path and a set
+        # every page file in `root` by its fingerprint + key (32 bytes: 170 bytes an entry where a Path and a set
         # of keys took 545, and a cap of 8 GiB holds 233,000 of the demo model's pages), least recently used first
         self._files: OrderedDict[bytes, int] = OrderedDict()
         self._own = 0  # how many of them are this fingerprint's
@@ -179,6 +179,10 @@ class DiskTier:
 
     def path(self, key: bytes) -> Path:
         return self._path(self.fingerprint + key)
+
+    def _is_own(self, name: bytes) -> bool:
+        """Whether an index entry is this fingerprint's page (the others are other models' files in `root`)."""
+        return name[:16] == self.fingerprint
 
     def _path(self, name: bytes) -> Path:
         """The file of an index entry (a fingerprint and a key, 16 bytes each)."""
@@ -242,7 +246,7 @@ class DiskTier:
             raise AssertionError(f"disk tier: index total {total} != the sum of its files {sum(files.values())}")
         if not pending and total > self.cap_bytes:
             raise AssertionError(f"disk tier: {total} bytes indexed over the cap of {self.cap_bytes}")
-        if own != sum(name[:16] == self.fingerprint for name in files):
+        if own != sum(map(self._is_own, files)):
             raise AssertionError(f"disk tier: {own} pages of this model counted, not what the index holds")
 
     # -- the reader thread ----------------------------------------------------------------------
@@ -376,7 +380,7 @@ class DiskTier:
         with self._lock:
             self._files = OrderedDict((name, size) for _, name, size in found)
             self._total = sum(size for _, _, size in found)
-            self._own = sum(name[:16] == self.fingerprint for name in self._files)
+            self._own = sum(map(self._is_own, self._files))
             self._scanned_at = time.monotonic()
             self._scanned_stamp = stamp
 
@@ -397,7 +401,7 @@ class DiskTier:
     def _add(self, name: bytes, size: int) -> None:
         old = self._files.pop(name, None)
         self._total += size - (old or 0)
-        self._own += old is None and name[:16] == self.fingerprint
+        self._own += old is None and self._is_own(name)
         self._files[name] = size
 
     def _forget(self, name: bytes) -> None:
@@ -405,7 +409,7 @@ class DiskTier:
             old = self._files.pop(name, None)
             if old is not None:
                 self._total -= old
-                self._own -= name[:16] == self.fingerprint
+                self._own -= self._is_own(name)
 
     def _delete(self, name: bytes) -> None:
         self._forget(name)
