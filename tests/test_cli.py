@@ -90,8 +90,8 @@ def test_the_page_map_of_a_large_pool_fits_the_screen() -> None:
 
 def test_status_watch_prints_until_ctrl_c(engine: str) -> None:
     watch = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "tui.cli", "status", "--address", engine,
-                              "--watch", "--interval", "0.2"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=ctrl_c_as_on_a_terminal)
     try:
         prints, deadline = 0, time.monotonic() + 60
         with selectors.DefaultSelector() as selector:
@@ -108,6 +108,13 @@ def test_status_watch_prints_until_ctrl_c(engine: str) -> None:
     finally:
         watch.kill()
     assert watch.returncode == 0 and "Traceback" not in stderr, stderr
+
+
+def ctrl_c_as_on_a_terminal() -> None:
+    """SIGINT's default action in the child, as a terminal's foreground command has it: a suite run as a background
+    job of a non-interactive shell (`pytest &`, `nohup`) ignores SIGINT, every child inherits that, and Python
+    then leaves it ignored, so Ctrl-C could not end `--watch` (seen: SigIgn 0x1001007, SIGINT's bit set)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def still_running(process: subprocess.Popen[str]) -> str:
