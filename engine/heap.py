@@ -7,11 +7,17 @@ few MiB, each a new high-water mark of memory freed but kept: 3-5 MiB a minute i
 demo model in process, where `malloc_trim(0)` then gave back 29 of 594 MiB, and the RSS after it was below
 the RSS at minute 2. Trimming takes 0.5-3 ms, so the server trims at most every TRIM_EVERY seconds and only
 after it ran steps (an idle engine has nothing new to give back).
+
+The objects a process creates while loading (modules, the model's parameters and their Python wrappers,
+the tokenizer: ~300,000 of them for the tiny test model) live as long as it does: `freeze_loaded` moves them out
+of the cyclic collector's reach, so no full collection walks them again. Measured on the tiny test model: an
+engine's exit 1.08 -> 0.20 s (the interpreter's last collections), and a full collection 160 ms -> 0.2 ms.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +35,12 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+def freeze_loaded() -> None:
+    """Exempt every object alive now from the cyclic garbage collector: call it once the process has loaded."""
+    gc.collect()
+    gc.freeze()
 
 
 class HeapTrimmer:

@@ -7,6 +7,11 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any @triton.jit
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads that finish a parallel region sleep at once instead of spinning (before torch loads libgomp,
+# here and in every engine the suite starts): the suite runs two workers with their engines on two cores, and a
+# spinning team took the cycles the other worker's processes needed (a quarter of the suite's CPU time, measured
+# on three heavy modules). The engine's own default, spinning, is tested where a test sets it (test_threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +20,7 @@ import pytest
 import torch
 import zmq
 
+from engine.heap import freeze_loaded
 from engine.service.client import EngineClient
 from engine.service.launcher import EngineHandle
 from kernels.cpu.build import cache_dir
@@ -22,6 +28,15 @@ from tests.checkpoints import LONG_CONTEXT, make_checkpoint, with_context
 from tests.wire import raw_dealer
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def frozen_imports() -> None:
+    """What the worker imported before its first test (torch, transformers, textual, the engine: ~450,000 objects)
+    lives as long as it does, so it leaves the cyclic collector's reach (engine/heap.py): a full collection then
+    walks what the tests made, not the libraries too (with them, one took 0.37 s beside a busy process, and a test
+    that loads a model runs several)."""
+    freeze_loaded()
 
 # The real model the tests download (tests/real_model.py) stays in the user's cache, once: 93 MB a run would be
 # wasted. Everything else the suite writes goes into its own directories (`private_dirs`).
@@ -36,9 +51,17 @@ def private_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("user")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_RUNTIME_DIR", str(root / "run"))
-        mp.setenv("MINICHAT_CACHE_DIR", str(root / "cache"))
+        mp.setenv("MINICHAT_CACHE_DIR", str(_run_dir(tmp_path_factory) / "cache"))
         mp.setenv("MINICHAT_DATA_DIR", str(root / "data"))
         yield root
+
+
+def _run_dir(factory: pytest.TempPathFactory) -> Path:
+    """The run's own directory: under pytest-xdist, each worker's base directory is inside the run's, and what
+    their engines build into the cache (C kernels, converted GGUF metadata; written atomically) one builds and the
+    others load; a run without workers has one base directory."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -662,9 +662,9 @@ def chain_grammar(rules: int) -> str:
 
 
 GAP_BOUND = 0.5
-"""Seconds between two tokens of another stream while a grammar compiles, at least: on a loaded machine the
-bound is a third of the grammar's compile time measured there, since the compile and the stream then share fewer
-free cycles (compiled on the loop, the gap would be the whole compile)."""
+"""Seconds between two tokens of another stream while a grammar compiles, at least: the bound is half the compile's
+time in the engine (from the request to the end of its compile, which the next grammar waits for), since compiled on
+the loop a gap would be the whole compile, and on a loaded machine the compile and the stream share fewer cycles."""
 
 
 def test_11_grammars_compile_off_the_loop_and_within_limits(tmp_path: Path) -> None:
@@ -692,7 +692,6 @@ def test_11_grammars_compile_off_the_loop_and_within_limits(tmp_path: Path) -> N
     compiler.compile_grammar(slow_grammar)
     compile_s = time.monotonic() - began
     assert compile_s > GAP_BOUND, f"the grammar compiles in {compile_s:.2f} s: too fast to test anything"
-    gap_bound = max(GAP_BOUND, compile_s / 3)
     address = f"ipc://{tmp_path}/engine.sock"
     front = serve_api(["serve", "--address", address, "--model", str(model), "--grammar-time-limit", "0.3"],
                       NO_KEY, tmp_path / "api.log", None, address)
@@ -727,6 +726,7 @@ def test_11_grammars_compile_off_the_loop_and_within_limits(tmp_path: Path) -> N
                                                   "guided_grammar": chain_grammar(MAX_GRAMMAR_RULES)})
             assert_openai_error(many.status_code, many.content, 400, param="guided_grammar", code="invalid_grammar",
                                 words=f"at most {MAX_GRAMMAR_RULES} rules")
+            slow_sent = time.monotonic()
             slow = front.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, "guided_grammar": slow_grammar})
             assert_openai_error(slow.status_code, slow.content, 400, code="invalid_grammar",
                                 words="did not compile within 0.3 s")
@@ -744,6 +744,10 @@ def test_11_grammars_compile_off_the_loop_and_within_limits(tmp_path: Path) -> N
             quick = engine.complete("hi", SamplingParams(max_tokens=2, structured=GrammarSpec(kind="regex",
                                                                                               value="[a-z]+")))
             assert quick.finish_reason in ("stop", "length") and time.monotonic() - window > compile_s * 0.5
+            # the slow grammar's compile in the engine, as long as it took there (on a loaded machine, longer than
+            # measured above): compiled on the loop, one gap of the stream would be all of it
+            engine_compile_s = time.monotonic() - slow_sent
+            gap_bound = max(GAP_BOUND, engine_compile_s / 2)
             stop_watching.set()
             for w in watchers:
                 w.join()

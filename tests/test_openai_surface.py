@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -160,12 +161,15 @@ def test_completion_prompt_forms(server: Server, engine: EngineClient, shape: st
 
 
 def test_prompt_lists_run_concurrently(server: Server, engine: EngineClient) -> None:
-    """The prompts of one request share engine steps (lm-eval sends its batches this way)."""
+    """The prompts of one request share engine steps (lm-eval sends its batches this way): watched while they run,
+    each long enough that prompts sent one after another's end could not meet in a step."""
     prompts = [[11, 12, 13, 14], [21, 22, 23], [31, 32, 33, 34, 35]]
-    resp = server.sdk().completions.create(model="tiny", prompt=prompts, max_tokens=16, temperature=0,
-                                          extra_body={"ignore_eos": True})
-    assert len(resp.choices) == 3
-    snap = engine.wait_stats(lambda s: any(sum(r.startswith("http-") for r in step.rids) == 3 for step in s.steps))
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(server.sdk().completions.create, model="tiny", prompt=prompts, max_tokens=300,
+                           temperature=0, extra_body={"ignore_eos": True})
+        snap = engine.wait_stats(lambda s: any(sum(r.startswith("http-") for r in step.rids) == 3
+                                               for step in s.steps), timeout=60)
+        assert len(done.result().choices) == 3
     assert snap.steps
 
 

@@ -26,8 +26,8 @@ def test_the_suite_leaves_the_users_home_as_it_found_it(tmp_path: Path) -> None:
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "MINICHAT_"))} | {"HOME": str(home)}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                          f"--basetemp={tmp_path / 'pytest'}", *TESTS], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+                          "-n", "0", f"--basetemp={tmp_path / 'pytest'}", *TESTS], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "2 passed" in run.stdout, run.stdout[-2000:]
     left = sorted(str(path.relative_to(home)) for path in home.rglob("*"))

@@ -9,6 +9,7 @@ As in tests/test_tui.py every wait is on a condition with a deadline (`wait_for`
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import subprocess
 import sys
@@ -20,7 +21,9 @@ import httpx
 import pytest
 from textual.widgets import DataTable, Label, Static
 
+from engine.heap import freeze_loaded
 from engine.service.client import AsyncEngineClient
+from tests.checkpoints import UNTIL_ABORTED
 from tests.test_tui import SIZE, box, run, shown, table_rids, type_and_send, wait_for
 from tests.test_tui_ops import started
 from tui.app import MinichatApp, tab_id
@@ -111,12 +114,13 @@ def cell(screen: FleetScreen, row: int, column: str) -> str:
     return str(screen.query_one(DataTable).get_cell(str(row), column))
 
 
-def test_the_fleet_view_with_two_replicas_and_one_stopped(engine: str, tmp_path: Path) -> None:
+def test_the_fleet_view_with_two_replicas_and_one_stopped(engine: str, long_ckpt: Path, tmp_path: Path) -> None:
     """Rows 1-3: nothing answering (the console's own engine, as the first ZeroMQ address), a real engine,
     an HTTP replica that is then stopped. States, numbers against the engines' own stats, the imbalance,
     the HTTP replica's metrics, and enter on the engine's row turning the console to it."""
     stack = ExitStack()
-    rep = stack.enter_context(replica())
+    # the long-context checkpoint: its request decodes until aborted, however long a loaded machine takes
+    rep = stack.enter_context(replica("--model", str(long_ckpt), "--served-model-name", "demo_model"))
 
     async def scenario() -> None:
         fleet = Fleet([f"ipc://{tmp_path}/stopped.sock", engine, rep.url])
@@ -134,7 +138,7 @@ def test_the_fleet_view_with_two_replicas_and_one_stopped(engine: str, tmp_path:
             # a long request on each replica: the rows count them as the engines do
             load = started(zmq, "fleet-load")
             await anext(load)
-            body = {"model": "demo_model", "prompt": "Once more unto the breach", "max_tokens": 900, "stream": True,
+            body = {"model": "demo_model", "prompt": "Once more unto the breach", "max_tokens": UNTIL_ABORTED, "stream": True,
                     "ignore_eos": True}
             async with http.stream("POST", rep.url + "/v1/completions", json=body) as stream:
                 lines = stream.aiter_lines()  # held: a dropped iterator closes the stream, which aborts the request
@@ -142,7 +146,7 @@ def test_the_fleet_view_with_two_replicas_and_one_stopped(engine: str, tmp_path:
                 await wait_for(pilot, lambda: cell(view, 2, "running") == cell(view, 3, "running") == "1",
                                "one request running on each")
                 stats, http_stats = await zmq.stats(), await behind_http.stats()
-                assert len(stats.running) == len(http_stats.running) == 1
+                assert len(stats.running) == len(http_stats.running) == 1, (stats.counters, http_stats.counters)
                 assert len(stats.waiting) == len(http_stats.waiting) == 0 == int(cell(view, 2, "waiting"))
                 await wait_for(pilot, lambda: all(cell(view, n, column) not in (MISSING, "0") for n in (2, 3)
                                                   for column in ("decode", "tpot")), "decode rates and TPOTs")
@@ -202,10 +206,27 @@ def rss_mib() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
+REFERENCE_TICKER = """
+import sys, threading, time
+stop, late = threading.Event(), 0.0
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+while not stop.is_set():
+    began = time.monotonic()
+    time.sleep(0.01)
+    late = max(late, time.monotonic() - began - 0.01)
+print(late)
+"""
+"""How late a process that only sleeps 10 ms at a time wakes, at most, until told to stop: what the machine's load
+alone does to a timer."""
+
+
 def test_a_hostile_replica_cannot_bloat_or_freeze_the_console(tmp_path: Path) -> None:
     """A fake replica on loopback (tests/hostile_replica.py) serving an endless, a 50 MB (declared and not), a
     trickling and a garbage /metrics, beside a fine one: each row goes down saying why, the console's memory
-    stays within 64 MiB of where it began, and its event loop is never late by more than 100 ms."""
+    stays within 64 MiB of where it began, and its event loop is never late by more than 100 ms beyond what the
+    machine makes a sleeping process late meanwhile (a second process ticking alone: on a loaded machine the
+    scheduler wakes everyone late); the objects earlier tests left in this process are frozen out of the cyclic
+    collector meanwhile, since a full collection of them is not the console's doing."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "tests.hostile_replica", str(port)], stdout=subprocess.PIPE,
                               cwd=Path(__file__).resolve().parent.parent)
@@ -230,6 +251,11 @@ def test_a_hostile_replica_cannot_bloat_or_freeze_the_console(tmp_path: Path) ->
                 view = app.screen
                 assert isinstance(view, FleetScreen)
                 before = rss_mib()
+                # what earlier tests left in this process is not the console's: a full collection of it (0.37 s
+                # beside a busy process, measured) would be counted as the console's loop being late
+                freeze_loaded()
+                reference = subprocess.Popen([sys.executable, "-c", REFERENCE_TICKER], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True)
                 tick = asyncio.create_task(ticker())
                 rows = range(1, len(kinds) + 1)
                 await wait_for(pilot, lambda: [cell(view, n, "state") for n in rows] == ["down"] * 5 + ["up"],
@@ -240,9 +266,11 @@ def test_a_hostile_replica_cannot_bloat_or_freeze_the_console(tmp_path: Path) ->
                 window_ends = time.monotonic() + 3 * POLL_TIMEOUT
                 await wait_for(pilot, lambda: time.monotonic() > window_ends, "the measuring window", timeout=30)
                 tick.cancel()
+                gc.unfreeze()
+                machine_late = float(reference.communicate("stop\n", timeout=30)[0])
                 assert cell(view, 6, "running") == "1"
                 assert rss_mib() - before < 64, (before, rss_mib())
-                assert max(lateness) < 0.1, sorted(lateness)[-5:]
+                assert max(lateness) < 0.1 + machine_late, (sorted(lateness)[-5:], machine_late)
 
         run(scenario)
     finally:

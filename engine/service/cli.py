@@ -175,11 +175,7 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
     if engine_options.get("node_rank"):  # another node of a multi-node engine: only its ranks run here
         _serve_node(log_level, engine_options)
         return
-    from engine.distributed.workers import WorkerFailed
-    from engine.service.options import ServerOptions
-    from engine.service.server import StartupError, run_server
-
-    if http is not None:
+    if http is not None:  # the HTTP front: the engine runs in a child process, so torch is never imported here
         server_options = {"allow_remote": allow_remote, "max_waiting_requests": max_waiting_requests,
                           "max_message_bytes": max_message_bytes, "max_connections": max_connections,
                           "client_buffer_messages": client_buffer_messages, "grammar_time_limit": grammar_time_limit,
@@ -188,6 +184,10 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
             os.environ[AUTH_ENV] = auth_token
         _serve_http(http, address, server_options, engine_options)
         return
+    from engine.distributed.workers import WorkerFailed
+    from engine.service.options import ServerOptions
+    from engine.service.server import StartupError, run_server
+
     for p in http_parameters():  # they only concern --http
         engine_options.pop(p.name)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

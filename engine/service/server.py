@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 import engine
 from engine.config import DEMO_MODEL_DIR, EngineConfig
-from engine.heap import HeapTrimmer
+from engine.heap import HeapTrimmer, freeze_loaded
 from engine.llm import LLM
 from engine.outputs import Final, Output, StepResult, Timings, Usage
 from engine.params import invalid_params
@@ -119,9 +119,17 @@ class EngineServer:
         if self._parent is not None:
             self._poller.register(self._parent, zmq.POLLIN)
         self._cover = StepCover(self.router, self._reply_during_step, self.requests.owners, HEARTBEAT_INTERVAL)
+        # a stop asked for by a signal wakes the idle poll at once (pyzmq resumes a poll a signal interrupted, so
+        # the loop would otherwise go on waiting up to a heartbeat interval before it saw the flag)
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_write.setblocking(False)
+        self._poller.register(self._wake_read, zmq.POLLIN)
 
     def request_stop(self) -> None:
+        """Leave the loop after this pass (signal-safe: a flag and a byte on the wake-up socket)."""
         self._stop = True
+        with contextlib.suppress(OSError):  # a full buffer: a wake-up is already pending
+            self._wake_write.send(b"\0")
 
     def run(self) -> None:
         """Pass after pass (`run_once`) until stopped; then abort what is in flight (`_shutdown`)."""
@@ -141,6 +149,8 @@ class EngineServer:
             raise
         finally:
             self._cover.close()
+            self._wake_read.close()
+            self._wake_write.close()
 
     def run_once(self) -> None:
         """One pass of the loop: receive (blocking only when idle) -> step -> deliver. With
@@ -643,6 +653,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
             llm = load_llm(config)
         except (ValueError, OSError) as e:
             raise StartupError(f"cannot load the model: {e}") from e
+        freeze_loaded()
         try:
             server = EngineServer(llm, sockets, options)
             server.run()

@@ -236,11 +236,17 @@ class EngineClient:
             yield self.stats(timeout)
 
     def wait_stats(self, predicate: Callable[[Stats], bool], timeout: float = 10.0) -> Stats:
-        """The first snapshot for which `predicate` holds; TimeoutError with the last one otherwise."""
+        """The first snapshot for which `predicate` holds; TimeoutError with the last one otherwise (EngineUnavailable
+        when none came at all)."""
         end = time.monotonic() + timeout
         last = None
         while (left := end - time.monotonic()) > 0:
-            last = self.stats(left)
+            try:
+                last = self.stats(left)
+            except core.EngineUnavailable:
+                if last is None:
+                    raise
+                break  # snapshots came, but not the next one within what was left of the wait
             if predicate(last):
                 return last
         raise TimeoutError(f"stats condition not met within {timeout:g}s; last snapshot: {last}")
