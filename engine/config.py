@@ -43,8 +43,8 @@ class EngineConfig:
     `overlap` schedules step N+1 while step N runs (the model in a worker thread or on a CUDA stream);
     None picks per device: on for CUDA, off on CPU (see `use_overlap` and docs/architecture.md);
     `mixed_batches` lets running requests decode in the same step as a prefill (see `Scheduler.schedule`);
-    off, a step is prefill only or decode only, as in the seed's walkthrough.
-    `admission` is how admission counts a request's KV need: "reserve" (the seed's rule: prompt plus the
+    off, a step is prefill only or decode only.
+    `admission` is how admission counts a request's KV need: "reserve" (prompt plus the
     whole output budget, so nothing is ever retracted) or "optimistic" (prompt plus an expected output,
     and running requests are retracted when the pool runs dry; see engine/scheduler/admission.py).
     `schedule_policy` orders the waiting queue: "fcfs" (arrival), "priority" (SamplingParams.priority,

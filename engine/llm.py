@@ -325,7 +325,7 @@ class LLM:
         rid = rid if rid is not None else uuid.uuid4().hex[:12]
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use; choose another")
-        # Like the seed's _process_one_msg: shrink the output budget to what the context allows (a request
+        # Shrink the output budget to what the context allows (a request
         # that only scores its prompt still samples once, unseen: max_tokens 0 is handled at processing).
         max_output = max(1, min(params.max_tokens, self.max_seq_len - len(ids)))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))

@@ -1,6 +1,6 @@
 """StepLoop: drives the scheduler's schedule -> run -> process, in sequence or overlapped.
 
-Overlapped (the seed project's `overlap_loop`): step N+1 is scheduled, and its batch handed to the
+Overlapped: step N+1 is scheduled, and its batch handed to the
 model worker, before step N's result is processed, so the host's scheduling, detokenisation and
 sending happen while the model runs (torch releases the GIL; one worker thread keeps the steps in
 order). Step N+1's input ids come from the token table the sampler of step N writes, so scheduling

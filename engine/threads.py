@@ -4,8 +4,8 @@ torch's intra-op pool and the C kernels share one libgomp team, and every parall
 barrier. On an idle machine the whole team is fastest, and libgomp's default wait (spin ~300k times,
 then sleep) beats a passive one. Beside any other busy process the same team collapses: one thread
 is descheduled for a time slice and the region waits for it, while its team mates spin. Measured on
-the 2-core machine with the README's bench (demo model): 6,400 output tok/s idle with 2 spinning
-threads, ~300 beside one busy process; one thread gives ~4,500 in both cases. Neither fixed choice is
+the 2-core machine with docs/benchmarks.md's serving bench (demo model): 6,400 output tok/s idle with
+2 spinning threads, ~300 beside one busy process; one thread gives ~4,500 in both cases. Neither fixed choice is
 right, and the runqueue-wait counters cannot tell a busy neighbour from the bench client's bursts; the
 step time can, so `ThreadGovernor` tries the neighbouring team size now and then and keeps what is faster.
 

@@ -1,6 +1,6 @@
-"""The README's serving benchmark on an idle machine and beside a fixed, bounded competing load, with the
-engine's thread settings of before (all cores, libgomp's spinning waits) and of now (passive waits,
-a team that shrinks while others want the cores), side by side.
+"""The serving benchmark of docs/benchmarks.md on an idle machine and beside a fixed, bounded competing
+load, with the engine's thread settings of before (all cores, libgomp's spinning waits) and of now
+(passive waits, a team that shrinks while others want the cores), side by side.
 
     python scripts/bench_contention.py                         # demo model, loads 0 and 1, 3 rounds
     python scripts/bench_contention.py --loads 0,1,2 --rounds 2 --model /tmp/qwen2.5-0.5b-random

@@ -2,15 +2,16 @@
 in one run, on a shared-prefix workload: `minichat bench --backend openai` against each setup, one table of
 output throughput, TTFT p50 / p95 and the prompt tokens the replicas' prefix caches served.
 
-    python scripts/bench_replicas.py                               # the README's table (demo model)
+    python scripts/bench_replicas.py                               # the table in docs/benchmarks.md (demo model)
     python scripts/bench_replicas.py --num-requests 8 --prefix-len 64 --input-len 8 --output-len 4   # smoke
     python scripts/bench_replicas.py --rounds 3 --serve-args "--model /tmp/qwen05b --dtype bfloat16"
 
 Every setup starts from fresh replicas (`minichat serve --http`, one short request each to warm them), so
 each meets the same prefixes cold; within a round the setups run in turn, their order alternating between
-rounds. smg runs with its defaults (plus --smg-args): what the README's recipe gives. "from cache" is what
-the replicas' `vllm:prefix_cache_hits` counters moved by over the run, of the prompt tokens they were sent
-(`vllm:prefix_cache_queries`); "spread" is each replica's share of the requests (`vllm:request_success`).
+rounds. smg runs with its defaults (plus --smg-args): what the recipe in docs/replicas.md gives. "from
+cache" is what the replicas' `vllm:prefix_cache_hits` counters moved by over the run, of the prompt tokens
+they were sent (`vllm:prefix_cache_queries`); "spread" is each replica's share of the requests
+(`vllm:request_success`).
 """
 
 from __future__ import annotations

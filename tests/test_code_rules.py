@@ -34,3 +34,13 @@ def test_clients_import_no_torch() -> None:
     probe = ("import sys, engine, engine.service.client, engine.service.protocol, engine.outputs, engine.params; "
              "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True)
+
+
+def test_the_schedulers_decision_imports_no_model_kernel_or_tier_code() -> None:
+    """engine/scheduler/policy.py decides who runs a step from the queues alone: importing it loads no torch,
+    model, kernel or KV code (a reader finds the whole decision there, and nothing it could lean on)."""
+    probe = ("import sys, engine.scheduler.policy; "
+             "loaded = [m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels') "
+             "or m.startswith(('engine.model', 'engine.kv', 'engine.runner', 'engine.speculative'))]; "
+             "assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True)

@@ -138,8 +138,8 @@ def test_the_fleet_view_with_two_replicas_and_one_stopped(engine: str, long_ckpt
             # a long request on each replica: the rows count them as the engines do
             load = started(zmq, "fleet-load")
             await anext(load)
-            body = {"model": "demo_model", "prompt": "Once more unto the breach", "max_tokens": UNTIL_ABORTED, "stream": True,
-                    "ignore_eos": True}
+            body = {"model": "demo_model", "prompt": "Once more unto the breach", "max_tokens": UNTIL_ABORTED,
+                    "stream": True, "ignore_eos": True}
             async with http.stream("POST", rep.url + "/v1/completions", json=body) as stream:
                 lines = stream.aiter_lines()  # held: a dropped iterator closes the stream, which aborts the request
                 await anext(lines)

@@ -89,7 +89,10 @@ def test_an_abort_confirmed_after_the_request_ended_is_not_an_error(engine: str)
             await pilot.press("x")
             await wait_for(pilot, lambda: isinstance(app.screen, AbortScreen), "the confirmation")
             question = app.screen.query_one(Label)
-            assert shown(question) == "Abort the request stale-c?"
+            latest = app.last_stats
+            assert shown(question) == "Abort the request stale-c?", (
+                f"link {app.link.state}; the newest snapshot runs "
+                f"{latest and sorted(r.rid for r in latest.running)}, counters {latest and latest.counters}")
             await wait_for(pilot, lambda: app.last_stats is not None and app.last_stats.counters.steps > 0, "stats")
             before = errors(app)
             await other.abort("stale-c")  # it ends while the question is open

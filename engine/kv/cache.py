@@ -89,7 +89,7 @@ class CacheManager(ABC):
 
     @property
     def available_size(self) -> int:
-        """Pages a new request could get: free plus evictable (the seed's `available_size`, in pages)."""
+        """Pages a new request could get: free plus evictable (in pages)."""
         return self.allocator.num_free + self.evictable_size
 
     def free(self, pages: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""How admission counts a request's KV need: the seed's reservation, or an expectation.
+"""How admission counts a request's KV need: a reservation, or an expectation.
 
 `reserve` counts every admitted request for its prompt plus its whole output budget, so a step
 always gets its pages and nothing is ever retracted. It is exact, and the worst case for clients that

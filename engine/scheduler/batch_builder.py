@@ -1,6 +1,6 @@
 """A step's tensors from the scheduler's decision: `build_batch(plan, table, eos_ids) -> ForwardBatch`.
 
-The scheduler decides (engine/scheduler/scheduler.py): which requests decode, which prefill, how many
+The scheduler decides (engine/scheduler/policy.py): which requests decode, which prefill, how many
 tokens each feeds (`extend_len`), and it gives them their pages. This module only turns that into
 what the runner reads: the flat token axis (all requests' new tokens concatenated, decoding requests
 first), where each sampled token goes, the attention metadata and the sampling rows. It reads the
@@ -19,28 +19,8 @@ from engine.batch import ForwardBatch
 from engine.kv.table import RequestTable
 from engine.request import Req
 from engine.sampling import SamplingBatch
+from engine.scheduler.policy import Plan
 from kernels.attention.base import build_metadata
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One step as the scheduler chose it: running requests decoding one token each, running requests
-    verifying drafts (`verify`: each with its drafts), then prompt chunks (admitted requests, the chunked
-    one first). Any of them may be empty, not all."""
-
-    decode: list[Req]
-    prefill: list[Req]
-    verify: dict[Req, list[int]] = field(default_factory=dict)
-
-    @property
-    def kind(self) -> str:
-        """The step's kind: "decode" (verifying included), "prefill" or "mixed" (both, the decode tokens first)."""
-        decoding = self.decode or self.verify
-        return "decode" if not self.prefill else "prefill" if not decoding else "mixed"
-
-    @property
-    def reqs(self) -> list[Req]:
-        return self.decode + list(self.verify) + self.prefill
 
 
 @dataclass

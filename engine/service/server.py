@@ -155,8 +155,7 @@ class EngineServer:
     def run_once(self) -> None:
         """One pass of the loop: receive (blocking only when idle) -> step -> deliver. With
         `EngineConfig.overlap` a step returns the previous batch, processed while the next one runs in the
-        model worker, so detokenising, sending and receiving all happen off the model's critical path (the
-        seed's overlap_loop)."""
+        model worker, so detokenising, sending and receiving all happen off the model's critical path."""
         self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
         busy = self.llm.has_unfinished()
         self._receive(0 if busy else self._idle_wait_ms())

@@ -4,7 +4,7 @@ It has its own KV pool and request table, and no scheduler: its table's rows are
 slots, and each proposal first feeds the draft what it has not seen of the request (the prompt the first
 time, then the tokens verification accepted since) in one ragged forward, then one forward per further
 draft position for all drafting requests together. Its proposals are greedy (one-hot), which is what
-makes verification by plain sampling exact (engine/speculative/verify.py). A request's draft K/V is kept
+makes verification by plain sampling exact (engine/speculative/speculator.py). A request's draft K/V is kept
 up to the tokens verification confirmed (`verified`) and dropped when the target releases the request
 (`release`), so a retracted request catches up again from its prompt.
 """

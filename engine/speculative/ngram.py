@@ -6,7 +6,7 @@ for free: no model runs. The index keeps, for every n in [n_min, n_max], each n-
 prompt and output with where its latest occurrence ends, added as tokens arrive (O(n_max) per token), so
 a lookup is a dict access per n, longest first. The latest occurrence is preferred to the first: in an
 edit or a continuation it is the one most like what comes next (llama.cpp's and vLLM's prompt lookup
-take the first or score several; this one is measured in README "Speculative decoding").
+take the first or score several; this one is measured in docs/speculative.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Request slots and KV pages drawn as grids of coloured cells, the way the seed pictures them.
+"""Request slots and KV pages drawn as grids of coloured cells.
 
 A held slot or page takes the colour of the request holding it (the colour it has in every other
 panel). Cells are as large as the panel allows; when items outnumber the room, one cell stands

@@ -1,4 +1,4 @@
-"""The last scheduler steps as the seed's table: step, prefill or decode, and the requests in the batch.
+"""The last scheduler steps as a table: step, prefill or decode, and the requests in the batch.
 
 Read top to bottom it shows continuous batching happen: a prefill step admits newcomers, decode
 steps advance the running set one token each, and a finished request's place is taken at the next

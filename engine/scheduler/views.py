@@ -1,0 +1,88 @@
+"""The scheduler's state as the console and the wire see it: functions of that state, changing none of it.
+
+`snapshot` is the whole picture (queues, slots, pages, counters; the row types are in snapshot.py, which
+the clients import without torch); `describe` is one live request in detail.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from engine.request import Req, ReqState
+from engine.scheduler.snapshot import (
+    PROMPT_ENDS,
+    PageSnapshot,
+    RequestDetail,
+    RunningEntry,
+    SchedulerCounters,
+    SchedulerSnapshot,
+    Speculation,
+    WaitingEntry,
+)
+
+if TYPE_CHECKING:
+    from engine.pages import PageMap
+    from engine.scheduler.scheduler import Scheduler
+
+
+def snapshot(s: Scheduler, page_map: PageMap, changed: set[int] | None = None) -> SchedulerSnapshot:
+    """Queues, slots, pages and counters: every page, or with `changed` (from `PageMap.watch`) only those."""
+    alloc = s.cache.allocator
+    page_map.refresh()
+    runs, owners = page_map.runs(changed)
+    held = len(alloc.owner)
+    cached = alloc.num_pages - alloc.num_free - held
+    admitted = sorted(((r, r.slot) for r in s.reqs.values() if r.slot is not None), key=lambda a: a[0].uid)
+    running = tuple(
+        RunningEntry(rid=r.rid, client=r.client, slot=slot,
+                     state="prefilling" if r.state is ReqState.PREFILLING else "running",
+                     prompt_tokens=r.input_len, prefilled=min(r.cached_len, r.input_len),
+                     generated=len(r.output_ids), max_tokens=r.max_output, pages=len(r.pages),
+                     claimed_pages=s.admission.claim(r), priority=r.params.priority,
+                     retractions=r.retractions, spec=_speculation(r))
+        for r, slot in admitted)
+    pages = PageSnapshot(page_size=s.page_size, total=alloc.num_pages, free=alloc.num_free, held=held,
+                         cached=cached, locked=cached - s.cache.evictable_size,
+                         claimed=sum(e.claimed_pages for e in running), runs=tuple(runs), owners=tuple(owners),
+                         complete=changed is None, tiers=tuple(s.cache.tier_use()))
+    now = time.monotonic()
+    waiting = tuple(WaitingEntry(rid=r.rid, client=r.client, prompt_tokens=r.input_len, waited=now - r.arrival_time,
+                                 reason=s.prefill_manager.reason(r), priority=r.params.priority,
+                                 retractions=r.retractions, generated=len(r.output_ids))
+                    for r in s.prefill_manager.ordered(s.counters["steps"]))
+    hits = {f"hit_tokens_{tier}": n for tier, n in s.prefill_manager.hit_tokens.items()}
+    return SchedulerSnapshot(waiting=waiting, running=running, slots=tuple(s.table.holder), pages=pages,
+                             counters=SchedulerCounters(**s.counters, **hits), inflight_batches=s.inflight_batches,
+                             admission=s.admission.describe(), policy=s.policy)
+
+
+def describe(s: Scheduler, rid: str, text_from: int = 0) -> RequestDetail[tuple[int, ...]] | None:
+    """One live request in detail (see RequestDetail), by the client's rid or a choice's own; None when it
+    is not live. Costs O(PROMPT_ENDS) plus the output text from `text_from` on."""
+    req = s.reqs.get(rid)
+    if req is None and (group := s.groups.get(rid)) is not None and group.open:
+        req = group.open[0]
+    if req is None:
+        return None
+    waiting = req.state is ReqState.WAITING
+    text = req.detokenizer.text[:req.detokenizer.emitted] if req.detokenizer is not None else ""
+    ends = PROMPT_ENDS
+    return RequestDetail(
+        rid=req.client_rid, client=req.client, state=req.state.value,
+        reason=s.prefill_manager.reason(req) if waiting else "", params=req.params,
+        prompt_tokens=req.input_len, prompt_head=tuple(req.input_ids[:ends]),
+        prompt_tail=tuple(req.input_ids[-ends:]) if req.input_len > 2 * ends else (),
+        cached_tokens=req.prefix_len, host_tokens=req.host_tokens, disk_tokens=req.disk_tokens, slot=req.slot,
+        pages=len(req.pages),
+        claimed_pages=0 if waiting else s.admission.claim(req), generated=len(req.output_ids),
+        max_tokens=req.max_output, retractions=req.retractions, choices=req.params.n,
+        age=time.monotonic() - req.arrival_time, ttft=req.ttft,
+        queue=None if req.admit_time is None else req.admit_time - req.arrival_time,
+        output=text[max(0, text_from):], output_chars=len(text), spec=_speculation(req))
+
+
+def _speculation(req: Req) -> Speculation | None:
+    spec = req.spec
+    return None if spec is None else Speculation(draft_tokens=spec.proposed, accepted_tokens=spec.accepted,
+                                                 verifications=spec.verifies)

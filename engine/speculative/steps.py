@@ -1,0 +1,63 @@
+"""A step's drafts, as the scheduler takes them: proposed within the free pages and what grammars allow
+(`propose`), then cut back to what verification accepted (`verify`). speculator.py says why that is exact."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from engine.scheduler.budget import next_pages, pages_for
+from engine.speculative.speculator import Speculator, accepted
+
+if TYPE_CHECKING:
+    from engine.request import Req
+
+
+def propose(speculator: Speculator, decoding: list[Req], running: Iterable[Req], free_pages: int,
+            page_size: int) -> tuple[list[Req], dict[Req, list[int]]]:
+    """The requests decoding this step and the drafts some of them verify, each cut where its grammar forbids a
+    draft or the `free_pages` (after every `running` request's next token) end; requests sitting this step out
+    (overlap: see `Speculator.plan`) are left out. A verifying request's `extend_len` counts its drafts."""
+    if not decoding:
+        return decoding, {}
+    drafts, resting = speculator.plan(decoding, len(decoding))
+    room = free_pages - sum(next_pages(r, page_size) for r in running)
+    kept: dict[Req, list[int]] = {}
+    for req, proposal in drafts.items():
+        count = _draftable(req, proposal)
+        while count and next_pages(req, page_size, 1 + count) - next_pages(req, page_size) > room:
+            count -= 1
+        room -= next_pages(req, page_size, 1 + count) - next_pages(req, page_size)
+        if count:
+            kept[req] = speculator.cut(req, proposal, count)
+            req.extend_len = 1 + count
+        else:
+            speculator.cut(req, proposal, 0)
+    return [r for r in decoding if r not in resting], kept
+
+
+def verify(speculator: Speculator, req: Req, drafts: list[int], sampled: list[int], page_size: int,
+           free: Callable[[list[int]], None]) -> int:
+    """How many of `req`'s drafts its rows' samples accept; the rest are rolled back: their positions leave
+    `cached_len` and `sampled`, and pages holding only them are `free`d."""
+    kept = accepted(drafts, sampled)
+    rejected = len(drafts) - kept
+    req.cached_len -= rejected
+    req.sampled -= rejected
+    keep = pages_for(req.cached_len, page_size)
+    if len(req.pages) > keep:
+        free(req.pages[keep:])
+        del req.pages[keep:]
+    speculator.verified(req, len(drafts), kept)
+    return kept
+
+
+def _draftable(req: Req, proposal: list[int]) -> int:
+    """How many of `proposal` a request may verify: what its grammar accepts; none while its think block
+    is not over and its masks depend on the block (a budget that may force its close along the drafts, or
+    a grammar that starts after it): those are known only token by token (engine/reasoning.py)."""
+    block = req.think
+    if block is not None and not block.answering and \
+            (req.grammar is not None or block.may_force(req.sampled + len(proposal))):
+        return 0
+    return len(proposal) if req.grammar is None else req.grammar.allowed(proposal)
