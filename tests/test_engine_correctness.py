@@ -3,11 +3,14 @@ with steps run in sequence or overlapped (step N+1 scheduled while step N runs).
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine import LLM, RequestOutput, SamplingParams
 from engine.model.decoder import ROWS_ONE_CALL_CACHED
@@ -189,6 +192,37 @@ def test_small_float32_models_decode_few_rows_in_one_c_call(checkpoints, hf, fam
             if one.token_ids == layer.token_ids:
                 assert [e.logprob for e in one.logprobs] == pytest.approx([e.logprob for e in layer.logprobs],
                                                                           abs=1e-4)
+
+
+def as_bfloat16(src: Path, out: Path) -> Path:
+    """A copy of the checkpoint `src` stored in bfloat16, as most Hugging Face checkpoints are."""
+    shutil.copytree(src, out)
+    for file in out.glob("*.safetensors"):
+        save_file({name: t.to(torch.bfloat16) for name, t in load_file(file).items()}, file, metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    return out
+
+
+def test_a_bfloat16_checkpoint_keeps_bfloat16_rows_and_decodes_like_transformers(llama_ckpt, hf, tmp_path):
+    """A bf16 checkpoint runs in float32 (transformers' float32 is the reference) and keeps its projections' and
+    output head's rows as bfloat16 for the one-call path: half the bytes a decode step reads, the same float32
+    products (a bf16 value widens exactly). Steps of one and of many rows (one call; oneDNN above the limit):
+    transformers' tokens, and the head's product through the rows equal to oneDNN's within float32 rounding."""
+    path = as_bfloat16(llama_ckpt, tmp_path / "llama-bf16")
+    llm = LLM(str(path))
+    model = llm.model
+    assert model.float_rows is not None and {f for ws in model.float_rows for w in ws for f in w.formats} == {"BF16"}
+    assert model.head_rows is not None and model.head_rows.formats == ["BF16"]
+    assert "(bfloat16 rows kept)" in llm.execution["layers"]
+    h = torch.randn(3, model.spec.hidden_size)
+    assert torch.allclose(model.head(h), model.lm_head(h), atol=1e-4, rtol=1e-4)
+    prompts = mixed_prompts(model.float_rows_most + 4, seed=21)  # a first step too big for one call
+    params = [SamplingParams(max_tokens=3 + i % 5, ignore_eos=True) for i in range(len(prompts))]
+    for prompt, p, out in zip(prompts, params, llm.generate(prompts, params), strict=True):
+        hf.check_greedy(out.token_ids, path, prompt, p.max_tokens)
+    assert model._fused is not None  # the decode steps ran in one C call
+    assert LLM(str(llama_ckpt)).model.float_rows[0][0].formats == ["F32"]  # float32 values stay float32 rows
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c_kernels", "torch"])

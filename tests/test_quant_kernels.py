@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as G
 from gguf import dequantize
 
 from kernels.cpu import CpuKernels, load_cpu_kernels
-from kernels.cpu.build import NATIVE, load_library
+from kernels.cpu.build import ISA_ENV, NATIVE, chosen_isa, load_library
 from kernels.quant import BLOCK_TYPES, PANEL, QTYPES, BlockMatrix, DeviceBlockWeight, Segment
 from tests.gguf_files import quantize_rows
 
@@ -39,6 +39,19 @@ def test_the_instruction_sets_are_what_they_say() -> None:
     assert CpuKernels(load_library(("-march=x86-64",))).isa == "C"
     assert CpuKernels(load_library(("-march=haswell",))).isa == "AVX2"
     assert load_cpu_kernels().isa in ("AVX2", "AVX2+VNNI")  # every x86 machine this project runs on has AVX2
+
+
+def test_an_environment_variable_forces_a_lower_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$MINICHAT_CPU_ISA picks the build the engine loads (kernels.cpu.load_cpu_kernels builds `chosen_isa()`)."""
+    if not X86:
+        pytest.skip("the AVX2 builds are x86 only")
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert CpuKernels(load_library(chosen_isa())).isa == "AVX2"
+    monkeypatch.setenv(ISA_ENV, "baseline")
+    assert CpuKernels(load_library(chosen_isa())).isa == "C"
+    monkeypatch.setenv(ISA_ENV, "avx9")
+    with pytest.raises(ValueError, match="MINICHAT_CPU_ISA='avx9': expected one of native, avx2, baseline"):
+        chosen_isa()
 
 
 def file_rows(qtype: str, rows: int, columns: int, seed: int) -> np.ndarray:
@@ -108,6 +121,28 @@ def test_mixed_segments_bias_and_residual(kernels: CpuKernels) -> None:
     y = kernels.q_linear(x, matrix, bias=bias, add=residual)
     exact = x.double() @ w.double().T + bias.double() + residual.double()
     assert ((y.double() - exact).abs() <= tolerance(x, w) + 1e-6).all()
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_float_rows_multiply_exactly_in_float32_and_read_back(kernels: CpuKernels, m: int) -> None:
+    """Plain float32 and bfloat16 rows (a float model's kept rows, kernels/quant.py ROW_TYPES): x is not quantized
+    and a bfloat16 weight widens exactly, so the product is float32 arithmetic on the very values, off the exact one
+    by float32 summation alone (k additions of terms bounded by |w| . |x|: 1e-6 of that covers 100 columns). 100
+    columns leave a tail past the last 8; 13 rows a part-filled panel. Rows read back as they are, by id too."""
+    columns, rows = 100, 13
+    w = torch.randn(rows, columns, generator=torch.Generator().manual_seed(m))
+    x = torch.randn(m, columns, generator=torch.Generator().manual_seed(m + 1))
+    for qtype, dtype in (("F32", torch.float32), ("BF16", torch.bfloat16)):
+        values = w.to(dtype)
+        matrix = BlockMatrix.join(columns, [Segment(QTYPES[qtype], values.contiguous().view(torch.uint8), rows)])
+        exact = x.double() @ values.double().T
+        bound = 1e-6 * (x.abs().double() @ values.abs().double().T)
+        assert ((kernels.q_linear(x, matrix).double() - exact).abs() <= bound).all(), qtype
+        assert torch.equal(kernels.dequantize(matrix.segments[0], columns), values.float())
+        picked = kernels.dequantize(matrix.segments[0], columns, torch.tensor([12, 0]))
+        assert torch.equal(picked, values[[12, 0]].float())
+        buffer = torch.empty(rows * columns)
+        assert torch.equal(kernels.dequantize_dense(matrix, buffer), values.float())
 
 
 def test_join_merges_only_whole_panels() -> None:

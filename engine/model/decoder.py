@@ -20,7 +20,7 @@ from torch import nn
 from engine.distributed import TensorParallel
 from engine.kv.pool import KVPool
 from engine.model.layer_ops import BLOCK_OPS, EAGER_OPS, LayerOps, LayerStep, TritonOps
-from engine.model.ops import fuses_add, gemm_dtype
+from engine.model.ops import fuses_add, gemm_dtype, linear
 from engine.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -35,7 +35,7 @@ from engine.model.quantized import finish_block_weights
 from kernels.attention.base import AttentionBackend
 from kernels.attention.cpu import PagedStep
 from kernels.cpu import DENSE_ROWS
-from kernels.quant import QTYPES, BlockMatrix, Segment
+from kernels.quant import QTYPES, BlockMatrix, QType, Segment
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
     from transformers import PretrainedConfig
@@ -431,6 +431,7 @@ class CausalLM(nn.Module):
         self.one_call = True  # run the layers as one C call where `_fused_layers` can (off: layer by layer, as tested)
         self.float_rows: list[list[BlockMatrix]] | None = None  # per layer, its projections' rows (keep_float_rows)
         self.float_rows_most = ROWS_ONE_CALL  # the most rows a step runs in one C call on them
+        self.head_rows: BlockMatrix | None = None  # the output head's bfloat16 rows, kept with bfloat16 float_rows
 
     def make_layer(self, spec: ModelSpec, index: int, tp: TensorParallel) -> DecoderLayer:
         return self.layer_class(spec, index, tp)
@@ -524,7 +525,7 @@ class CausalLM(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits of the final hidden states (None on tensor-parallel ranks other than 0)."""
-        logits = self.lm_head(h)
+        logits = self.head(h)
         return None if logits is None else logits.float()
 
     @torch.no_grad()
@@ -559,7 +560,8 @@ class CausalLM(nn.Module):
         family's layers run otherwise than the shared decoder's (`DecoderLayer.execution`)."""
         layers = "one C call a step" if self.runs_one_call else "one call each"
         if self.runs_one_call and self.float_rows is not None:
-            layers = f"one C call a step of up to {self.float_rows_most} rows (float32 rows kept), oneDNN layer by " \
+            kept = "bfloat16" if self.float_rows[0][0].formats == ["BF16"] else "float32"
+            layers = f"one C call a step of up to {self.float_rows_most} rows ({kept} rows kept), oneDNN layer by " \
                 "layer above"
         if self.one_call and not all(layer.in_one_call for layer in self.layers) and \
                 all(layer.block_kernels is not None for layer in self.layers):
@@ -579,23 +581,37 @@ class CausalLM(nn.Module):
             (in_blocks or (self.float_rows is not None and self.kernels is not None))
 
     def keep_float_rows(self) -> None:
-        """For a small float32 model on one rank, its layers Llama-shaped, before its weights are prepacked: each
-        projection's rows copied as an F32 block matrix, which decode.c multiplies by (quant.c), so that a step of
-        few rows runs every layer in one C call instead of some ten calls a layer, each paying the interpreter, a
-        oneDNN dispatch and an OpenMP team's start and join (see ROWS_ONE_CALL); bigger steps keep oneDNN's GEMMs.
-        Up to FLOAT_ROWS_MAX_BYTES of projections; the same float32 numbers, summed in another order."""
+        """For a float32 model on one rank, its layers Llama-shaped, before its weights are prepacked: each
+        projection's rows copied as a block matrix of plain rows, which decode.c multiplies by (quant.c), so that a
+        step of few rows runs every layer in one C call instead of some ten calls a layer, each paying the
+        interpreter, a oneDNN dispatch and an OpenMP team's start and join (see ROWS_ONE_CALL); bigger steps keep
+        oneDNN's GEMMs. Weights whose every value is a bfloat16 (a bf16 checkpoint, upcast) are kept as bfloat16
+        rows, widened as the kernel reads them: the same float32 products at half the bytes a step reads, which is
+        what bounds a decode step; the output head too then. Up to FLOAT_ROWS_MAX_BYTES of rows; the same float32
+        numbers, summed in another order."""
         weights = [[p.weight for p in layer.projections()] for layer in self.layers]
         flat = [w for ws in weights for w in ws]
         if not all(layer.in_one_call and layer.tp.size == 1 for layer in self.layers) or not all(
                 isinstance(w, torch.Tensor) and w.dtype == torch.float32 and not w.is_mkldnn for w in flat):
             return
-        size = sum(cast(torch.Tensor, w).numel() * 4 for w in flat)
+        tensors = cast(list[torch.Tensor], flat)
+        qtype = QTYPES["BF16" if all(_bf16_exact(w) for w in tensors) else "F32"]
+        size = sum(w.numel() * qtype.block_bytes for w in tensors)
         if size > FLOAT_ROWS_MAX_BYTES:
             return
         self.float_rows_most = ROWS_ONE_CALL_CACHED if size <= CACHED_ROWS_BYTES else ROWS_ONE_CALL
-        self.float_rows = [[BlockMatrix.join(w.shape[1], [Segment(QTYPES["F32"], w.detach().contiguous().clone()
-                                                                  .view(torch.uint8), w.shape[0])])
-                            for w in cast(list[torch.Tensor], ws)] for ws in weights]
+        self.float_rows = [[_plain_rows(w, qtype) for w in cast(list[torch.Tensor], ws)] for ws in weights]
+        head = self.lm_head.weight
+        if qtype.name == "BF16" and isinstance(head, torch.Tensor) and head.dtype == torch.float32 and \
+                not head.is_mkldnn and _bf16_exact(head):
+            self.head_rows = _plain_rows(head, qtype)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The output head's product: through its kept bfloat16 rows for a step of few rows (`keep_float_rows`),
+        else the head's own GEMM (None on tensor-parallel ranks other than 0)."""
+        if self.head_rows is not None and h.shape[0] <= self.float_rows_most:
+            return linear(h, self.head_rows)
+        return self.lm_head(h)
 
     def _fused_layers(self, kv: KVPool) -> FusedLayers | None:
         """The layers as one C call, for a model whose every layer runs its products in block formats
@@ -625,3 +641,14 @@ class CausalLM(nn.Module):
             self._fused = (kv, FusedLayers(kernels, layers, self.layers[0].num_heads, self.num_kv_heads, s.head_dim,
                                            s.rms_norm_eps, table[0].contiguous(), table[1].contiguous()))
         return self._fused[1]
+
+
+def _bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of the float32 `w` is a bfloat16 (its low 16 bits zero), as an upcast bf16 weight's are."""
+    return not bool((w.contiguous().view(torch.int32) & 0xFFFF).any())
+
+
+def _plain_rows(w: torch.Tensor, qtype: QType) -> BlockMatrix:
+    """A copy of the float32 weight [out, in] as one segment of plain rows of `qtype` (F32 or BF16, exact there)."""
+    rows = w.detach().to(torch.bfloat16 if qtype.name == "BF16" else torch.float32, copy=True).contiguous()
+    return BlockMatrix.join(w.shape[1], [Segment(qtype, rows.view(torch.uint8), w.shape[0])])

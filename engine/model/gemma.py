@@ -118,7 +118,7 @@ class Gemma(CausalLM):
         return x * float(torch.tensor(self.spec.hidden_size**0.5).to(x.dtype))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
-        logits = self.lm_head(h)
+        logits = self.head(h)
         cap = cast(GemmaSpec, self.spec).final_softcap
         if logits is None:
             return None

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu.build import NATIVE, KernelBuildError, load_library
-from kernels.quant import PANEL, BlockMatrix, QType, Segment
+from kernels.cpu.build import KernelBuildError, chosen_isa, load_library
+from kernels.quant import PANEL, ROW_TYPES, BlockMatrix, QType, Segment
 
 SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -291,9 +291,10 @@ class CpuKernels:
     def dequantize(self, seg: Segment, columns: int, ids: torch.Tensor | None = None) -> torch.Tensor:
         """A repacked segment's rows (`ids`: only those) as float32 [.., columns], equal bit for bit to gguf's
         dequantization of the file's rows."""
-        if seg.qtype.name == "F32":
-            dense = seg.data.view(torch.float32).reshape(seg.rows, columns)
-            return dense.clone() if ids is None else dense[ids]
+        if seg.qtype.name in ROW_TYPES:
+            dtype = torch.float32 if seg.qtype.name == "F32" else torch.bfloat16
+            dense = seg.data.view(dtype).reshape(seg.rows, columns)
+            return (dense.clone() if ids is None else dense[ids]).float()
         if seg.data.shape[1] != self._panel_bytes(seg.qtype.ggml_id, columns):
             raise ValueError(f"dequantize: panels of {seg.data.shape[1]} bytes do not hold {columns} {seg.qtype.name} "
                              f"values")
@@ -326,7 +327,7 @@ class CpuKernels:
 def _load() -> CpuKernels | KernelBuildError:
     """One build attempt per process: a failure is remembered, not retried at every call."""
     try:
-        return CpuKernels(load_library(NATIVE))
+        return CpuKernels(load_library(chosen_isa()))
     except KernelBuildError as e:
         return e
 

@@ -42,6 +42,18 @@ NATIVE = ("-march=native",)
 """The instruction set the library is built for: this CPU's. Tests also build older ones (`-march=haswell`:
 AVX2 without VNNI; `-march=x86-64`: no AVX at all) to run every path of the quantized kernels here."""
 LIBS = ["-lmvec", "-lm"]
+ISA_ENV = "MINICHAT_CPU_ISA"
+ISAS = {"native": NATIVE, "avx2": ("-march=haswell",), "baseline": ("-march=x86-64",)}
+"""What $MINICHAT_CPU_ISA may force the kernels down to (x86): this CPU's own instructions (the default), AVX2 and
+FMA without VNNI or AVX-512, or none of them (plain C): to compare paths, or to run where the CPU misreports."""
+
+
+def chosen_isa() -> tuple[str, ...]:
+    """The compiler flags $MINICHAT_CPU_ISA names (default: this CPU's); ValueError naming the choices otherwise."""
+    name = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if name not in ISAS:
+        raise ValueError(f"{ISA_ENV}={name!r}: expected one of {', '.join(ISAS)}")
+    return ISAS[name]
 
 
 class KernelBuildError(RuntimeError):

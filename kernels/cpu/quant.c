@@ -40,7 +40,10 @@
 #include "quant.h"
 
 enum { T_F32 = 0, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13,
-       T_Q6_K = 14 };
+       T_Q6_K = 14, T_BF16 = 30 };
+
+/* Float rows (plain [rows, k], not panels): multiplied as they are, x unquantized. */
+static inline int is_float(int type) { return type == T_F32 || type == T_BF16; }
 
 #define ROWS_PER_PASS 4          /* rows of x that share one unpacked tile */
 #define PARALLEL_MIN_WORK 32768
@@ -641,14 +644,30 @@ static void panel_rows(int type, const uint8_t *panel, const act_block *a, int64
 #undef BY_ROWS
 }
 
+#ifdef QUANT_AVX2
+/* Eight weights from `w` (float32, or bfloat16 widened: exact, a bf16 is a float32's high half). */
+static inline __attribute__((always_inline)) __m256 row8(const void *w, int64_t i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)w + i);
+    const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#endif
+
+static inline float row1(const void *w, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
 /* part[r][lane0 + l] = float weight row lane0 + l . x row r, for the R rows of x and L rows of w from lane0 (R, L
  * constants, so the accumulators stay in registers): each (row, lane) sums eight products at a time in a vector of
  * its own, reduced once at the end. R * L accumulators of 16 registers; the weight rows stream through once per R
- * rows of x. Values past the last multiple of 8 are added one by one. */
-static inline __attribute__((always_inline)) void f32_block(const float *w, int64_t lane0, const float *x,
-                                                            int64_t x_stride, int64_t k, int r0, const int R,
-                                                            const int L, float part[ROWS_PER_PASS][PANEL]) {
+ * rows of x. Values past the last multiple of 8 are added one by one. The rows are float32 or (`bf16`) bfloat16,
+ * widened as they are read: the same products as float32 rows of the same values, at half the bytes. */
+static inline __attribute__((always_inline)) void float_block(const void *w, int bf16, int64_t lane0, const float *x,
+                                                              int64_t x_stride, int64_t k, int r0, const int R,
+                                                              const int L, float part[ROWS_PER_PASS][PANEL]) {
     x += r0 * x_stride;
+    const int64_t width = bf16 ? 2 : 4; /* bytes a weight */
+    const uint8_t *rows = (const uint8_t *)w + lane0 * k * width;
     float sums[ROWS_PER_PASS][PANEL] = {{0}};
     int64_t i = 0;
 #ifdef QUANT_AVX2
@@ -657,7 +676,7 @@ static inline __attribute__((always_inline)) void f32_block(const float *w, int6
         for (int l = 0; l < L; l++) acc[r][l] = _mm256_setzero_ps();
     for (; i + 8 <= k; i += 8) {
         __m256 v[PANEL];
-        for (int l = 0; l < L; l++) v[l] = _mm256_loadu_ps(w + (lane0 + l) * k + i);
+        for (int l = 0; l < L; l++) v[l] = row8(rows + l * k * width, i, bf16);
         for (int r = 0; r < R; r++) {
             const __m256 xv = _mm256_loadu_ps(x + r * x_stride + i);
             for (int l = 0; l < L; l++) acc[r][l] = _mm256_fmadd_ps(xv, v[l], acc[r][l]);
@@ -672,30 +691,41 @@ static inline __attribute__((always_inline)) void f32_block(const float *w, int6
 #endif
     for (int r = 0; r < R; r++)
         for (int l = 0; l < L; l++) {
-            const float *wr = w + (lane0 + l) * k, *xr = x + r * x_stride;
+            const uint8_t *wr = rows + l * k * width;
+            const float *xr = x + r * x_stride;
             float sum = sums[r][l];
-            for (int64_t j = i; j < k; j++) sum += wr[j] * xr[j];
+            for (int64_t j = i; j < k; j++) sum += row1(wr, j, bf16) * xr[j];
             part[r0 + r][lane0 + l] = sum;
         }
 }
 
-/* part[r][lane] = float weight row `lane` . x row r, for nr rows of x and `width` rows of w ([width, k]): a row of
- * x against all 8 weight rows (8 independent sums keep the multiply-adds flowing; a single one would wait on its
- * own latency), two rows against 4, three or four against 2. */
-static void f32_columns(const float *w, int width, const float *x, int64_t x_stride, int nr, int64_t k,
-                        float part[ROWS_PER_PASS][PANEL]) {
+/* part[r][lane] = float weight row `lane` . x row r, for nr rows of x and `width` rows of w ([width, k], float32 or
+ * bfloat16): a row of x against all 8 weight rows (8 independent sums keep the multiply-adds flowing; a single one
+ * would wait on its own latency), two rows against 4, three or four against 2. */
+static inline __attribute__((always_inline)) void float_columns_of(const void *w, int bf16, int width, const float *x,
+                                                                   int64_t x_stride, int nr, int64_t k,
+                                                                   float part[ROWS_PER_PASS][PANEL]) {
     const int lanes = nr == 1 ? 8 : nr == 2 ? 4 : 2;
     for (int lane = 0; lane < width; lane += lanes) {
         const int L = width - lane < lanes ? width - lane : lanes;
-#define F32_CASE(R_, L_) if (nr == (R_) && L == (L_)) { f32_block(w, lane, x, x_stride, k, 0, R_, L_, part); continue; }
-        F32_CASE(1, 8) F32_CASE(2, 4) F32_CASE(3, 2) F32_CASE(4, 2)
-#undef F32_CASE
+#define FLOAT_CASE(R_, L_) \
+    if (nr == (R_) && L == (L_)) { float_block(w, bf16, lane, x, x_stride, k, 0, R_, L_, part); continue; }
+        FLOAT_CASE(1, 8) FLOAT_CASE(2, 4) FLOAT_CASE(3, 2) FLOAT_CASE(4, 2)
+#undef FLOAT_CASE
         for (int l = 0; l < L; l++) /* a segment's last panel, partly filled: its rows one by one */
-            for (int r = 0; r < nr; r++) f32_block(w, lane + l, x, x_stride, k, r, 1, 1, part);
+            for (int r = 0; r < nr; r++) float_block(w, bf16, lane + l, x, x_stride, k, r, 1, 1, part);
     }
 }
 
-/* Output columns [col, col + count) of one segment: a panel, or (T_F32) up to 8 float rows. */
+static void float_columns(const void *w, int bf16, int width, const float *x, int64_t x_stride, int nr, int64_t k,
+                          float part[ROWS_PER_PASS][PANEL]) {
+    if (bf16)
+        float_columns_of(w, 1, width, x, x_stride, nr, k, part);
+    else
+        float_columns_of(w, 0, width, x, x_stride, nr, k, part);
+}
+
+/* Output columns [col, col + count) of one segment: a panel, or (T_F32, T_BF16) up to 8 float rows. */
 static void panel_columns(const segment *s, int64_t panel, const act_block *a, const float *x, int64_t x_stride,
                           int64_t m, int64_t k, float *out, int64_t out_stride, const float *bias, const float *add,
                           int64_t add_stride) {
@@ -704,8 +734,10 @@ static void panel_columns(const segment *s, int64_t panel, const act_block *a, c
     float part[ROWS_PER_PASS][PANEL];
     for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
         const int nr = (int)(m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS);
-        if (s->type == T_F32) {
-            f32_columns((const float *)s->data + panel * PANEL * k, width, x + r0 * x_stride, x_stride, nr, k, part);
+        if (is_float(s->type)) {
+            const int bf16 = s->type == T_BF16;
+            float_columns(s->data + panel * PANEL * k * (bf16 ? 2 : 4), bf16, width, x + r0 * x_stride, x_stride, nr,
+                          k, part);
         } else {
             panel_rows(s->type, s->data + panel * q_panel_bytes(s->type, k), a + r0 * blocks, blocks, nr, part);
         }
@@ -816,6 +848,11 @@ void q_dequantize_dense(float *out, const segment *segs, int64_t nseg, int64_t k
         float *o = out + (seg->col + row - r0) * k;
         if (seg->type == T_F32) {
             memcpy(o, (const float *)seg->data + row * k, (size_t)(width * k) * sizeof(float));
+            continue;
+        }
+        if (seg->type == T_BF16) {
+            const uint16_t *w = (const uint16_t *)seg->data + row * k;
+            for (int64_t i = 0; i < width * k; i++) o[i] = bf16_to_f32(w[i]);
             continue;
         }
         const uint8_t *panel = seg->data + (p - first) * q_panel_bytes(seg->type, k);

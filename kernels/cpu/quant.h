@@ -14,7 +14,7 @@ typedef struct {
 
 typedef struct {
     int32_t type;
-    const uint8_t *data;  /* panels (T_F32: plain float32 rows) */
+    const uint8_t *data;  /* panels (T_F32, T_BF16: plain float32 or bfloat16 rows) */
     int64_t rows;         /* real rows (the last panel may be part padding) */
     int64_t col;          /* its first output column */
 } segment;
