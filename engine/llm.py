@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -9,6 +10,7 @@ import secrets
 import shutil
 import threading
 import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
@@ -76,6 +78,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _close_at_exit(ref: weakref.ReferenceType[LLM]) -> None:
+    """`LLM.close` for an engine still open when the interpreter exits."""
+    llm = ref()
+    if llm is not None:
+        llm.close()
+
+
 def _kv_budget_bytes(config: EngineConfig) -> int:
     """Memory for the KV pool when the user gave no page count."""
     if config.kv_memory_gb is not None:
@@ -120,6 +129,9 @@ class LLM:
         self.tp = TensorParallel()
         self.workers: WorkerPool | None = None
         self._grammar_lock = threading.Lock()
+        # a script may simply end: the tiers' and workers' threads must stop before the interpreter does (a thread
+        # still in torch or a file write at finalisation aborted the process, exit 134); weakly, not to keep it alive
+        atexit.register(_close_at_exit, weakref.ref(self))
         # CPU threads per rank: the ones asked for, or the usable cores; only a single rank adapts them to the load
         threads = max(1, (cfg.threads or usable_cores()) // per_node)
         self.governor = None

