@@ -110,7 +110,9 @@ class PageMap:
         return runs, list(index)
 
 
-REJECTIONS = ("truncated", "corrupt", "foreign", "missing")  # why the disk tier refuses a page file (TierUse.rejected)
+REJECTIONS = ("truncated", "corrupt", "foreign", "missing", "unreadable", "late")
+"""Why the disk tier refuses a page file (TierUse.rejected): "unreadable" is not a regular file of a page's size
+(a link, a FIFO, a directory) or an OS error reading it; "late" took longer than the load deadline."""
 
 
 class TierUse(msgspec.Struct, kw_only=True):

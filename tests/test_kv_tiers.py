@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.kv import tiers
 from engine.kv.disk import HEADER, SUFFIX
 from engine.kv.tiers import chain_key
 from engine.scheduler.snapshot import SchedulerCounters
@@ -104,11 +106,17 @@ def test_a_prefix_from_each_tier_gives_the_cold_runs_tokens_and_kv(llama_ckpt, h
         restarted.check_integrity()
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign"])
+DAMAGES = {"corrupt": "corrupt", "truncated": "truncated", "foreign": "foreign", "fifo": "unreadable",
+           "link": "unreadable", "sparse": "corrupt"}
+"""Each way a page file is damaged, and the reason the tier gives when it refuses it."""
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_bad_page_file_is_refused_counted_logged_deleted_and_recomputed(llama_ckpt, hf, tmp_path, damage, caplog):
-    """Page 3 of 5 is damaged: a byte flipped in its K/V, cut short, or another model's page under its name. The
-    next engine loads pages 0-2, refuses page 3 (counted by why, logged, deleted) and computes the rest: the cold
-    run's tokens."""
+    """Page 3 of 5 is damaged: a byte flipped in its K/V, cut short, another model's page under its name, a FIFO (a
+    read would wait for a writer forever), a link out of the directory (to a file of the user's), or a sparse file of
+    64 GiB (read whole, it would take that much memory). The next engine loads pages 0-2, refuses page 3 (counted
+    by why, logged, deleted: the link, never its target) and computes the rest: the cold run's tokens."""
     prompt = ids(90, 2)
     (cold,) = written(llama_ckpt, tmp_path / "kv", [prompt])
     hf.check_greedy(cold, llama_ckpt, prompt, 8)
@@ -119,25 +127,92 @@ def test_a_bad_page_file_is_refused_counted_logged_deleted_and_recomputed(llama_
         bad.write_bytes(data)
     elif damage == "truncated":
         bad.write_bytes(data[: len(data) // 2])
-    else:  # the same tokens' page 3 of the model in bfloat16: another fingerprint, a valid file
+    elif damage == "foreign":  # the same tokens' page 3 of the model in bfloat16: another fingerprint, a valid file
         written(llama_ckpt, tmp_path / "other", [prompt], dtype="bfloat16")
         foreign = page_paths(tmp_path / "other", prompt)[3]
         bad.write_bytes(foreign.read_bytes())
+    elif damage == "fifo":
+        bad.unlink()
+        os.mkfifo(bad)
+    elif damage == "link":
+        outside = tmp_path / "notes.txt"
+        outside.write_bytes(data)  # even a valid page's bytes are not read through a link
+        bad.unlink()
+        bad.symlink_to(outside)
+    else:
+        with bad.open("r+b") as f:
+            f.truncate(64 << 30)
 
     caplog.set_level(logging.WARNING, logger="engine.kv.disk")
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv")) as llm:
         out = llm.generate([prompt], greedy())[0]
         assert out.token_ids == cold and out.usage.cached_tokens == 48
         tier = llm.stats().pages.tiers[0]
-        assert tier.rejected == {damage: 1} and tier.loaded == 3
+        assert tier.rejected == {DAMAGES[damage]: 1} and tier.loaded == 3
         assert hits(llm).hit_tokens_disk == 48
         llm.check_integrity()
         assert llm.flush_kv()
-        assert bad.is_file()  # deleted when refused, then written again from the recomputed page
-    assert any(damage in r.getMessage() and str(bad) in r.getMessage() for r in caplog.records)
+        assert bad.is_file() and not bad.is_symlink()  # deleted when refused, written again from the recomputed page
+    assert any(DAMAGES[damage] in r.getMessage() and str(bad) in r.getMessage() for r in caplog.records)
+    if damage == "link":
+        assert (tmp_path / "notes.txt").read_bytes() == data
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv")) as again:  # the rewritten file is good
         assert run(again, prompt) == cold and hits(again).hit_tokens_disk == 80
         assert again.stats().pages.tiers[0].rejected == {}
+
+
+def test_a_huge_sparse_file_does_not_evict_the_good_pages(llama_ckpt, tmp_path):
+    """A 64 GiB sparse file named as a page of another model counts the blocks it takes (next to nothing) against a
+    cap of 1 MiB: the good pages stay, and a restarted engine loads them all."""
+    prompt = ids(90, 4)
+    (cold,) = written(llama_ckpt, tmp_path, [prompt], kv_disk_gib=1 / 1024)
+    good = page_files(tmp_path)
+    key = "ab" * 16
+    other = tmp_path / ("cd" * 16) / key[:2] / f"{key}{SUFFIX}"
+    other.parent.mkdir(parents=True)
+    with other.open("wb") as f:
+        f.truncate(64 << 30)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path), kv_disk_gib=1 / 1024) as llm:
+        assert run(llm, prompt) == cold and hits(llm).hit_tokens_disk == 80
+        llm.check_integrity()
+    assert len(good) >= 5 and all(p.is_file() for p in good)
+
+
+@pytest.mark.parametrize("linked", ["cache", "fingerprint"])
+def test_a_linked_cache_directory_is_refused(llama_ckpt, tmp_path, caplog, linked):
+    """The cache directory, or a model's directory in it, replaced by a link: the disk tier refuses it (logged, and
+    off), and nothing is written to where the link leads."""
+    prompt = ids(40, 5)
+    written(llama_ckpt, tmp_path / "kv", [prompt])  # makes the fingerprint directory
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if linked == "cache":
+        (tmp_path / "link").symlink_to(elsewhere)
+        where = tmp_path / "link"
+    else:
+        (fingerprint_dir,) = [d for d in (tmp_path / "kv").iterdir() if d.is_dir()]
+        shutil.rmtree(fingerprint_dir)
+        fingerprint_dir.symlink_to(elsewhere)
+        where = tmp_path / "kv"
+    caplog.set_level(logging.WARNING, logger="engine.kv.tiers")
+    with LLM(str(llama_ckpt), kv_cache_dir=str(where)) as llm:
+        run(llm, prompt)
+        assert llm.stats().pages.tiers == ()
+    assert not any(elsewhere.iterdir())
+    assert any("is a link" in r.getMessage() and "KV disk tier off" in r.getMessage() for r in caplog.records)
+
+
+def test_reads_past_the_load_deadline_are_computed_instead(llama_ckpt, tmp_path, monkeypatch):
+    """With the deadline at 0 every disk read is late by the time the scheduler looks: the pages are computed, counted
+    as late, and the tokens are the cold run's."""
+    prompt = ids(90, 6)
+    (cold,) = written(llama_ckpt, tmp_path, [prompt])
+    monkeypatch.setattr(tiers, "LOAD_DEADLINE", 0.0)
+    with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as llm:
+        out = llm.generate([prompt], greedy())[0]
+        tier = llm.stats().pages.tiers[0]
+        assert out.token_ids == cold and tier.rejected.get("late", 0) >= 1
+        llm.check_integrity()
 
 
 def test_pages_are_used_only_by_the_same_weights_dtype_and_layout(llama_ckpt, tmp_path):

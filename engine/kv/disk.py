@@ -9,6 +9,10 @@ a page out) and a CRC-32 of all of that. A read checks all of it against what th
 short is "truncated", one whose bytes do not match its checksum (or that is not a page file) "corrupt", one of
 another fingerprint, layout or prefix "foreign", one that vanished (another engine evicted it) "missing". Such a
 file is counted, logged, deleted (so it is not found again) and its page computed again; it is never used.
+Nothing outside the directory is touched through it: the tier's directories must be real directories of this
+user, not links, and every file is opened relative to them without following a link (`O_NOFOLLOW`) or blocking
+(`O_NONBLOCK`: a FIFO), and checked to be a regular file of a page's size before a byte is read ("unreadable";
+so is any OS error or failed allocation reading it).
 
 Two engines may share a directory: a file is written to a temporary name and renamed into place (readers see a
 whole file or none; a reader that opened one keeps it when another engine replaces or deletes it), and each
@@ -28,6 +32,7 @@ import contextlib
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -153,7 +158,12 @@ class DiskTier:
         self._scanned_at = -float("inf")
         self._scanned_stamp: dict[str, int] = {}  # the directories' modification times at the last scan
         self._jobs: queue.Queue[Job] = queue.Queue()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        _check_own_dir(self.root)
+        with contextlib.suppress(FileExistsError):
+            self.dir.mkdir()
+        _check_own_dir(self.dir)
+        self._dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self.rescan()
         self._evict(0)  # the cap may be smaller than last time
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="minichat-kv-read")
@@ -215,6 +225,13 @@ class DiskTier:
         with self._lock:
             self.counts.skipped += pages
 
+    def late(self, pages: int) -> None:
+        """Pages whose reads passed the load deadline (engine/kv/tiers.py): they are computed instead."""
+        with self._lock:
+            self.counts.rejected["late"] += pages
+        log.warning("KV disk tier: %d page reads in %s passed the deadline; their tokens are computed again", pages,
+                    self.dir)
+
     def read(self, page: PageFile) -> Future[torch.Tensor]:
         """The page's K/V read back and checked (PageRejected if the file must not be used)."""
         future = self._reader.submit(self._read, page)
@@ -237,6 +254,7 @@ class DiskTier:
         self._jobs.put(None)
         self._writer.join(timeout)
         self._reader.shutdown(wait=True, cancel_futures=True)
+        os.close(self._dir_fd)
 
     def check_integrity(self) -> None:
         """The index adds up and, once the writes are done, holds the cap."""
@@ -255,29 +273,64 @@ class DiskTier:
         name = self.fingerprint + page.key
         path = self._path(name)
         try:
-            with path.open("rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                f.readinto(data)
+            data = self._read_file(page.key)
             at = page.check(data, self.payload)
         except FileNotFoundError:
             self._forget(name)
             with self._lock:
                 self.counts.rejected["missing"] += 1
             raise PageRejected("missing", str(path)) from None
-        except PageRejected as e:
-            log.warning("KV disk tier: %s is %s; deleted, its tokens are computed again", path, e)
+        except (OSError, MemoryError, PageRejected) as e:
+            rejected = e if isinstance(e, PageRejected) else PageRejected("unreadable", f"{type(e).__name__}: {e}")
+            log.warning("KV disk tier: %s is %s; deleted, its tokens are computed again", path, rejected)
             self._delete(name)
             with self._lock:
-                self.counts.rejected[e.reason] += 1
-            raise
+                self.counts.rejected[rejected.reason] += 1
+            raise rejected from None
         with contextlib.suppress(OSError):
-            os.utime(path)  # its modification time is when it was last used, for every engine's LRU order
+            sub = self._sub_fd(page.key, create=False)
+            try:
+                os.utime(path.name, dir_fd=sub, follow_symlinks=False)
+            finally:
+                os.close(sub)
         with self._lock:
             if name in self._files:
                 self._files.move_to_end(name)
             self.counts.read_seconds += time.perf_counter() - start
         tensor = torch.frombuffer(data, dtype=torch.uint8, offset=at, count=self.payload)
         return tensor.view(self.dtype).view(self.page_shape)
+
+    def _read_file(self, key: bytes) -> bytearray:
+        """A page file's bytes, opened without following a link or blocking, and read only if it is a regular file of
+        at most twice a page's size (PageRejected otherwise; OSError as the system raises it)."""
+        hexed = key.hex()
+        sub = self._sub_fd(key, create=False)
+        try:
+            fd = os.open(f"{hexed}{SUFFIX}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sub)
+        finally:
+            os.close(sub)
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise PageRejected("unreadable", "not a regular file")
+            if info.st_size > 2 * self._file_bytes:  # not read at all (a sparse file of gigabytes, say)
+                raise PageRejected("corrupt", f"{info.st_size} bytes where a page file has {self._file_bytes}")
+            data = bytearray(info.st_size)  # a page's size, or another one's that `check` tells apart
+            view, got = memoryview(data), 0
+            while got < len(data):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise PageRejected("truncated", f"{got} bytes of {len(data)}")
+                got += n
+        return data
+
+    def _sub_fd(self, key: bytes, create: bool) -> int:
+        """A descriptor of the subdirectory a key's file is in (made first if `create`), not through a link."""
+        sub = key.hex()[:2]
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(sub, 0o700, dir_fd=self._dir_fd)
+        return os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
 
     # -- the writer thread ----------------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -308,22 +361,28 @@ class DiskTier:
         start = time.perf_counter()
         size = self.file_bytes
         self._evict(size)
-        path = self._path(name)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        final = f"{page.key.hex()}{SUFFIX}"
+        tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
         head = page.head(self.payload)
         payload = data.contiguous().view(torch.uint8).numpy().data.cast("B")
+        sub = -1
         try:
-            path.parent.mkdir(exist_ok=True)
-            with tmp.open("wb") as f:
+            sub = self._sub_fd(page.key, create=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=sub)
+            with os.fdopen(fd, "wb") as f:
                 f.write(head)
                 f.write(payload)
                 f.write(CRC.pack(zlib.crc32(payload, zlib.crc32(head))))
-            os.replace(tmp, path)
+            os.replace(tmp, final, src_dir_fd=sub, dst_dir_fd=sub)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            if sub >= 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=sub)
             self._failed(e)
             return
+        finally:
+            if sub >= 0:
+                os.close(sub)
         with self._lock:
             self._add(name, size)
             self.counts.written += 1
@@ -368,12 +427,13 @@ class DiskTier:
                 if name is None and not filename.endswith(".tmp"):
                     continue
                 try:
-                    stat = path.stat()
+                    info = path.lstat()
                 except OSError:  # deleted meanwhile
                     continue
                 if name is not None:
-                    found.append((stat.st_mtime, name, sizes.setdefault(stat.st_size, stat.st_size)))
-                elif now - stat.st_mtime > STALE_TMP:
+                    size = self._indexed_size(info)
+                    found.append((info.st_mtime, name, sizes.setdefault(size, size)))
+                elif now - info.st_mtime > STALE_TMP:
                     with contextlib.suppress(OSError):
                         path.unlink()
         found.sort(key=lambda f: f[0])
@@ -383,6 +443,12 @@ class DiskTier:
             self._own = sum(map(self._is_own, self._files))
             self._scanned_at = time.monotonic()
             self._scanned_stamp = stamp
+
+    @staticmethod
+    def _indexed_size(info: os.stat_result) -> int:
+        """The bytes a file named as a page counts against the cap: the blocks it takes on disk (a huge sparse file
+        must not evict every page), 0 for what is not a regular file (a read refuses both)."""
+        return min(info.st_size, info.st_blocks * 512) if stat.S_ISREG(info.st_mode) else 0
 
     def _stamp(self) -> dict[str, int]:
         """Every directory of the tier (fingerprints and their two-hex-digit subdirectories) and its modification
@@ -415,6 +481,17 @@ class DiskTier:
         self._forget(name)
         with contextlib.suppress(OSError):
             self._path(name).unlink()
+
+
+def _check_own_dir(path: Path) -> None:
+    """Refuse (ValueError) a directory of the tier that is a link or another user's: pages must not be read from, or
+    written to, anywhere else."""
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"KV disk tier: {path} is {'a link' if stat.S_ISLNK(info.st_mode) else 'not a directory'}; "
+                         f"refusing to keep pages through it (point --kv-cache-dir at a real directory)")
+    if info.st_uid != os.geteuid():
+        raise ValueError(f"KV disk tier: {path} belongs to another user; refusing to keep pages there")
 
 
 def _name_of(path: Path) -> bytes | None:

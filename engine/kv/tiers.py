@@ -26,6 +26,7 @@ import hashlib
 import logging
 import struct
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 STAGING_BYTES = 64 << 20  # pages waiting for the disk writer at most (a 4,000-token chat, 0.5B, bf16: 48 MiB) ...
 STAGING_SHARE = 16  # ... and at most a 16th of the pool (at least STAGING_MIN pages)
 STAGING_MIN = 64
+LOAD_DEADLINE = 10.0
+"""Seconds a load's disk reads may take before the pages still out are computed instead: a page reads in
+milliseconds, so only a stuck file (a hung mount) or a badly overloaded disk takes this long."""
 
 
 def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -98,6 +102,7 @@ class KVLoad:
     failed: int | None = None
     pin: object = None
     done: bool = False
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def usable(self) -> int:
@@ -239,6 +244,7 @@ class KVTiers:
         """Copy into the pool what the disk has read since the last call; the loads now complete (taken off)."""
         self._arrived.clear()
         complete = []
+        now = time.monotonic()
         for load in self.loads:
             arrived = [i for i, f in load.reads.items() if f.done()]
             good = []
@@ -247,6 +253,11 @@ class KVTiers:
                     good.append((i, load.reads.pop(i).result()))
                 except PageRejected:
                     load.failed = i if load.failed is None else min(load.failed, i)
+            late = [i for i in load.reads if i < load.usable] if now - load.started > LOAD_DEADLINE else []
+            if late:  # the reads still out fail: their pages are computed (a stuck file must not hold a request)
+                assert self.disk is not None
+                self.disk.late(len(late))
+                load.failed = min(late) if load.failed is None else min(load.failed, *late)
             good = [(i, data) for i, data in good if i < load.usable]
             if good:
                 self.pool.write_pages([load.pages[i] for i, _ in good], torch.stack([data for _, data in good]))
@@ -346,13 +357,14 @@ class KVTiers:
 def open_tiers(pool: KVPool, fingerprint: bytes, host_bytes: int, disk_dir: Path | None, disk_bytes: int,
                pin: bool) -> KVTiers | None:
     """The tiers asked for below `pool` (None if neither): a host tier of `host_bytes` (`pin`ned: on CUDA), a disk
-    tier of `disk_bytes` in `disk_dir`. A directory that cannot be made is logged and the disk tier is off."""
+    tier of `disk_bytes` in `disk_dir`. A directory that cannot be made, or that the tier refuses (a link, another
+    user's), is logged and the disk tier is off."""
     host = HostTier(host_bytes // pool.page_bytes, pool.page_shape, pool.buffer.dtype, pin) \
         if host_bytes >= pool.page_bytes else None
     disk = None
     if disk_dir is not None and disk_bytes > 0:
         try:
             disk = DiskTier(disk_dir, fingerprint, pool.page_shape, pool.buffer.dtype, disk_bytes)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a directory the tier refuses (a link, another user's)
             log.warning("KV disk tier off: cannot use %s (%s)", disk_dir, e)
     return KVTiers(pool, fingerprint, host, disk) if host is not None or disk is not None else None
