@@ -10,6 +10,7 @@ model's top-1 token agrees with the dequantized model's nearly everywhere.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -268,3 +269,56 @@ def test_layers_in_one_call_compute_what_the_layer_by_layer_path_does(mixed_file
         results.append([(o.token_ids, [p.logprob for p in o.prompt_logprobs[1:]], [p.logprob for p in o.logprobs])
                         for o in out])
     assert results[0] == results[1]
+
+
+def damaged(src: Path, out: Path, damage: str) -> Path:
+    """A copy of the Q4_1 file `src` damaged one way, at the byte positions gguf's reader gives for the valid file."""
+    import gguf
+
+    data = bytearray(src.read_bytes())
+    reader = gguf.GGUFReader(src)
+    tensors = {t.name: t for t in reader.tensors}
+    q = tensors["blk.0.attn_q.weight"]
+    info = q.field.offset + 8 + len(q.name.encode())  # past the name: its dimension count, dims, type, offset
+    dims_at, type_at = info, info + 4 + 8 * len(q.shape)
+    if damage == "nan scale":
+        data[q.data_offset : q.data_offset + 2] = b"\x00\x7e"  # block 0's d, a float16 NaN
+    elif damage == "relabelled":
+        data[type_at : type_at + 4] = (1).to_bytes(4, "little")  # F16: read as 3.2 times its bytes
+    elif damage == "overlap":
+        k = tensors["blk.0.attn_k.weight"]
+        data[type_at + 4 : type_at + 12] = (k.data_offset - reader.data_offset).to_bytes(8, "little")
+    elif damage == "tensor count":
+        data[8:16] = (2**40).to_bytes(8, "little")
+    elif damage == "24 bytes":
+        data = data[:24]
+    elif damage == "truncated":
+        data = data[: len(data) * 2 // 3]
+    else:  # 99 dimensions
+        data[dims_at : dims_at + 4] = (99).to_bytes(4, "little")
+    out.write_bytes(data)
+    return out
+
+
+DAMAGED = {"nan scale": r"tensor blk\.0\.attn_q\.weight \(Q4_1\) has a non-finite scale of block 0",
+           "relabelled": r"blk\.0\.attn_q\.weight.*(runs past the end|overlap)",
+           "overlap": r"tensors blk\.0\.attn_\w\.weight \(Q4_1\) and blk\.0\.attn_\w\.weight overlap",
+           "tensor count": r"the header counts 1099511627776 tensors, more than a file of \d+ bytes holds",
+           "24 bytes": r"the header counts \d+ metadata keys, more than a file of 24 bytes holds",
+           "truncated": r"data runs past the end of the file \(\d+ bytes\): truncated",
+           "99 dimensions": r"(malformed GGUF file|has 99 dimensions)"}
+"""Each damage, and what the refusal must say (besides the file's path, on one line)."""
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED))
+def test_an_inconsistent_or_malformed_file_is_refused_in_one_line_naming_what(ckpts, tmp_path, damage):
+    """A GGUF file whose tensor table or data cannot be right is refused when it is opened (or its tensors read), in
+    one line naming the file and what is wrong: never loaded into wrong text (a NaN scale made every request emit
+    token 0), never a reader's IndexError from deep inside."""
+    good = write_gguf(ckpts["llama"], tmp_path / "good.gguf", "llama", "Q4_1")
+    path = damaged(good, tmp_path / "bad.gguf", damage)
+    with pytest.raises(ValueError) as refused:
+        LLM(str(path), kv_disk_gib=0)
+    message = str(refused.value)
+    assert str(path) in message and "\n" not in message, message
+    assert re.search(DAMAGED[damage], message), message

@@ -20,15 +20,18 @@ read from its stretch of the stack, under the per-expert name the model asks for
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +43,9 @@ from engine.model.quantized import BlockSource
 from kernels.cpu.build import cache_dir
 from kernels.quant import BLOCK_TYPES, QTYPES
 
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
 log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
@@ -49,7 +55,7 @@ GGUF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"
 refused naming these."""
 PERMUTED_ARCHS = ("llama",)
 """GGUF architectures whose q/k rows llama.cpp permuted (its converter's LlamaModel.permute)."""
-INDEX_VERSION = 2  # 2: generation_config.json from the sampling metadata
+INDEX_VERSION = 3  # 2: generation_config.json from the sampling metadata; 3: tensor ranges checked
 EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+\.weight)")
 """A per-expert HF name (prefix, expert, projection), which GGUF stores in one stacked tensor per projection."""
 
@@ -107,10 +113,9 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
 
 def _convert_metadata(path: Path, meta: Path) -> None:
     """Write `meta` (atomically: concurrent engines may open the same file at once)."""
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
-    reader = GGUFReader(path)
+    reader = _reader(path)
     arch_field = reader.fields.get("general.architecture")
     arch = str(arch_field.contents()) if arch_field is not None else "?"
     tensors = []
@@ -120,6 +125,7 @@ def _convert_metadata(path: Path, meta: Path) -> None:
             raise ValueError(f"{path}: tensor {t.name} is {qtype}; minichat reads {', '.join(QTYPES)}")
         tensors.append({"name": t.name, "qtype": qtype, "shape": [int(d) for d in reversed(t.shape.tolist())],
                         "offset": int(t.data_offset), "nbytes": int(t.n_bytes)})
+    _check_ranges(path, tensors, path.stat().st_size)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -152,6 +158,89 @@ def _convert_metadata(path: Path, meta: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _reader(path: Path) -> GGUFReader:
+    """gguf's reader of the file, or a ValueError naming the file and what is wrong with it."""
+    from gguf import GGUFReader
+
+    _check_header(path)
+    try:
+        return GGUFReader(path)
+    except ValueError as e:  # gguf's own say what is wrong (bad magic, a version it cannot read); numpy's do not
+        if "reshape" in str(e):  # the view of a tensor's data, cut short by the end of the file
+            raise ValueError(f"{path}: a tensor's data runs past the end of the file ({path.stat().st_size} bytes): "
+                             f"truncated, or its table of tensors is wrong ({e})") from None
+        raise ValueError(f"{path}: {e}") from None
+    except (IndexError, TypeError, OverflowError, MemoryError, KeyError, struct.error) as e:
+        raise ValueError(f"{path}: malformed GGUF file: its metadata or tensor table runs past the end or holds "
+                         f"impossible values ({type(e).__name__}: {e})") from None
+
+
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, key-value count
+MIN_KV_BYTES = 8 + 8 + 4  # a key's length, a one-byte key at the least (padded here to 8), a value type
+MIN_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # a name's length and one byte, dims count, one dim, type, offset
+
+
+def _check_header(path: Path) -> None:
+    """Refuse, naming what is wrong, a file too short for a GGUF header or whose counts of keys and tensors its size
+    cannot hold (gguf's reader would index past the end, or try to allocate terabytes, and say neither)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(HEADER.size)
+    if len(head) < HEADER.size:
+        raise ValueError(f"{path}: {size} bytes, too short for a GGUF header ({HEADER.size} bytes)")
+    magic, _, tensor_count, kv_count = HEADER.unpack(head)
+    if magic != b"GGUF":
+        return  # gguf's reader says "GGUF magic invalid"
+    if kv_count * MIN_KV_BYTES > size:
+        raise ValueError(f"{path}: the header counts {kv_count} metadata keys, more than a file of {size} bytes holds")
+    if tensor_count * MIN_TENSOR_BYTES > size:
+        raise ValueError(f"{path}: the header counts {tensor_count} tensors, more than a file of {size} bytes holds")
+
+
+def _check_ranges(path: Path, tensors: list[dict], size: int) -> None:
+    """Every tensor's data lies inside the file, has at most MAX_DIMS dimensions, and no two overlap (a tensor
+    relabelled with a bigger format would otherwise read into its neighbours)."""
+    for t in tensors:
+        if len(t["shape"]) > MAX_DIMS:
+            raise ValueError(f"{path}: tensor {t['name']} has {len(t['shape'])} dimensions (at most {MAX_DIMS})")
+        if t["offset"] + t["nbytes"] > size:
+            raise ValueError(f"{path}: tensor {t['name']}'s data, bytes [{t['offset']}, {t['offset'] + t['nbytes']}), "
+                             f"runs past the end of the file ({size} bytes): truncated, or its format or shape is "
+                             f"wrong")
+    ordered = sorted(tensors, key=lambda t: t["offset"])
+    for a, b in itertools.pairwise(ordered):
+        if a["offset"] + a["nbytes"] > b["offset"]:
+            raise ValueError(f"{path}: tensors {a['name']} ({a['qtype']}) and {b['name']} overlap: bytes "
+                             f"[{a['offset']}, {a['offset'] + a['nbytes']}) and [{b['offset']}, "
+                             f"{b['offset'] + b['nbytes']}); the file's table of tensors is inconsistent")
+
+
+SCALES_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+             "Q6_K": (208,)}
+"""Where each block format keeps its float16 scales (d, and m or dmin) in a block."""
+NON_FINITE = {"F16": 0x7C00, "BF16": 0x7F80}
+"""The exponent bits that, all set, make a 16-bit float an infinity or a NaN."""
+
+
+def _check_finite(path: Path, info: TensorInfo, raw: np.ndarray) -> None:
+    """Refuse a tensor with a non-finite value or block scale, naming where: one NaN scale makes every logit NaN
+    (every request would then emit token 0 until its length ran out). A pass over the tensor's bytes, once at load."""
+    if info.qtype == "F32":
+        bad, where = ~np.isfinite(raw.view(np.float32)), "value"
+    elif info.qtype in SCALES_AT:
+        blocks = raw.reshape(-1, QTYPES[info.qtype].block_bytes)
+        scales = np.stack([np.ascontiguousarray(blocks[:, at : at + 2]).view(np.uint16)[:, 0]
+                           for at in SCALES_AT[info.qtype]], axis=1)
+        bad, where = ((scales & NON_FINITE["F16"]) == NON_FINITE["F16"]).any(axis=1), "scale of block"
+    else:
+        mask = NON_FINITE[info.qtype]
+        bad, where = (raw.view(np.uint16) & mask) == mask, "value"
+    if bad.any():
+        raise ValueError(f"{path}: tensor {info.name} ({info.qtype}) has a non-finite {where} {int(np.argmax(bad))} "
+                         f"(NaN or infinity); the file is damaged")
 
 
 def _decimal(value: object) -> object:
@@ -205,6 +294,7 @@ def read_tensors(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int, num
             size = info.nbytes // shape[0]
             raw, shape = raw[expert * size : (expert + 1) * size], shape[1:]
         heads = num_heads if ".q_proj." in hf else (num_kv_heads if ".k_proj." in hf else 0)
+        _check_finite(ckpt.path, info, raw)
         if info.qtype in BLOCK_TYPES:
             qtype = QTYPES[info.qtype]
             rows = raw.reshape(shape[0], -1)
