@@ -509,8 +509,18 @@ def test_empty_message_floods_are_refused_and_one_client_cannot_hog_the_tokenize
     many = [{"role": "user", "content": ""}] * (ops.info().max_seq_len // 2)  # as many as may be rendered
     for i in range(72):
         raw.send(pack({"type": "submit", "rid": f"chat-{i}", "messages": many}))
+    # a second caller on the same connection (as the HTTP front's callers are: its label names each) has a share
+    raw.send(pack({"type": "submit", "rid": "other-caller", "messages": many[:2], "client": "http 127.0.0.2 POST",
+                   "params": {"max_tokens": 1}}))
     assert ops.complete(PROBE, max_tokens=8, ignore_eos=True).token_ids == baseline  # someone else is served
-    codes = [reply(raw, timeout=120) for _ in range(72)]
+    codes, other = [], None
+    while len(codes) < 72 or other is None:
+        msg = reply(raw, timeout=120)
+        if msg["type"] == "error" and msg["rid"] != "other-caller":
+            codes.append(msg)
+        elif msg["type"] == "error" or any(item["type"] == "final" for item in msg.get("items", ())):
+            other = msg
     waited = [m for m in codes if m["code"] == "overloaded"]
     assert len(waited) >= 4 and all("at most 64" in m["message"] for m in waited), codes
+    assert other["type"] == "outputs", other  # served, not refused for the first caller's share
     healthy(served, baseline)

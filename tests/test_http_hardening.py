@@ -531,6 +531,7 @@ def test_8_a_stream_cut_by_the_engine_ends_with_an_error_and_no_done(long_ckpt: 
         began = time.monotonic()  # a request after the death is refused at once too
         r = front.post("/v1/completions", {"prompt": PROBE, "max_tokens": 2})
         assert_openai_error(r.status_code, r.content, 503, code="engine_unavailable")
+        assert r.headers.get("retry-after") == "1"  # a 503 says when to come back
         assert httpx.get(front.root + "/health", timeout=30).status_code == 503
         assert time.monotonic() - began < 5
         # Another engine at the address: the API finds it by itself.
@@ -978,3 +979,4 @@ def test_fuzzed_http_is_answered_in_openai_shape(api: Api, engine: EngineClient)
     assert victims and all(v.finished and v.text == expected for v in victims), [v.events[-2:] for v in victims]
     assert statuses.get(200, 0) > 20 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 100, statuses
     healthy(api, engine)
+

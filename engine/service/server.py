@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0  # clients with live requests hear from us at least this often
 MAX_DRAIN = 256  # messages handled between two steps, so a flood cannot starve generation
-MAX_PREPARING_PER_CLIENT = 64  # requests one connection may have tokenizing or compiling (a console's widest fan-out)
+MAX_PREPARING_PER_CLIENT = 64  # requests one client (connection and label) may have tokenizing or compiling at once
 MAX_RID_LEN = 256
 MAX_ECHOED_RID = 1024  # an invalid rid longer than this is not echoed back in the Error
 REMEMBERED_CLIENTS = 4096  # connections whose number ("client 3") is kept once they have no request live
@@ -299,9 +299,11 @@ class EngineServer:
         if msg.token_ids is not None and params.structured is None:
             self._queue(record, msg.token_ids)
         else:  # a text prompt or a grammar: prepared off the loop, after size checks that cost nothing
-            queued = sum(r.owner == identity for r, _ in self.requests.preparing())
-            if queued >= MAX_PREPARING_PER_CLIENT:  # one client's prompts must not starve everyone else's
-                raise Refused("overloaded", f"this client already has {queued} requests being tokenized or "
+            # one client's prompts must not starve everyone else's: a client is a connection and the label its
+            # requests carry, so each caller of the HTTP front (its address and endpoint) has its own share
+            queued = sum((r.owner, r.client) == (identity, record.client) for r, _ in self.requests.preparing())
+            if queued >= MAX_PREPARING_PER_CLIENT:
+                raise Refused("overloaded", f"{record.client!r} already has {queued} requests being tokenized or "
                                             f"compiled (at most {MAX_PREPARING_PER_CLIENT}); retry when they are done")
             ids: Future[list[int]] = Future()
             if msg.token_ids is not None:

@@ -14,6 +14,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+RETRY_AFTER = "1"
+"""Seconds a 503 (the engine's queue or a client's share of it full, the engine restarting) tells a client to wait:
+queues move in steps of milliseconds, so a second is long enough and the SDKs' own backoff short enough."""
+
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """The OpenAI error shape: {"error": {"message", "type", "param", "code"}}."""
@@ -46,7 +50,8 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def response(self, path: str = "") -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else \
+            {"Retry-After": RETRY_AFTER} if self.status == 503 else None
         return JSONResponse(self.body(path), self.status, headers=headers)
 
     def body(self, path: str = "") -> dict[str, Any]:
