@@ -157,6 +157,16 @@ def test_errors_have_anthropics_shape(qwen, r1):
     assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
     with pytest.raises(anthropic.BadRequestError, match="no tool calling"):
         client(r1).messages.create(model="m", max_tokens=4, messages=ASK, tools=TOOLS)
+    # a number as a string, a tool result answering no call, a body that is not JSON: 400s that say so
+    loose = httpx.post(qwen[0] + "/v1/messages", headers={"x-api-key": KEY},
+                       json={"model": "m", "max_tokens": "10", "messages": ASK})
+    assert loose.status_code == 400 and "max_tokens: must be an integer" in loose.json()["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.content\[0\]\.tool_use_id: no tool_use"):
+        sdk.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}]}])
+    garbage = httpx.post(qwen[0] + "/v1/messages", headers={"x-api-key": KEY, "content-type": "application/json"},
+                         content=b"garbage")
+    assert garbage.status_code == 400 and "b'" not in garbage.json()["error"]["message"], garbage.text
 
 
 def test_json_output_format_through_the_grammar(qwen):

@@ -105,6 +105,18 @@ def test_reasoning_items(sdk):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta") == "<think>" * 5
 
 
+@pytest.mark.parametrize(("items", "says"), [
+    ([{"type": "function_call_output", "call_id": "call_1", "output": "Sunny"}],
+     "input[1].call_id: no function_call with call_id 'call_1' before it"),
+    ([{"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{not json"}],
+     "input[1].arguments: not JSON")])
+def test_calls_that_do_not_add_up_are_a_400(sdk, items, says):
+    """A result of no call, or a call whose arguments are not JSON, would reach the template as nonsense."""
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model="m", max_output_tokens=4, input=[{"role": "user", "content": "Weather?"}, *items])
+    assert says in e.value.body["message"], e.value.body
+
+
 @pytest.mark.parametrize(("body", "param"), [({"store": True}, "store"), ({"previous_response_id": "resp_1"},
                                                                             "previous_response_id"),
                                              ({"include": ["reasoning.encrypted_content"]}, "include"),

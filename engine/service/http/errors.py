@@ -180,5 +180,7 @@ def _shown(value: Any) -> str:
         return "an object"
     if isinstance(value, float) and value.is_integer():
         return f"{value:g}"
+    if isinstance(value, (bytes, bytearray)):  # a body that is not JSON at all: shown as the text it is
+        return f"a body that is not JSON ({_shown(value.decode('utf-8', 'replace'))})"
     text = json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= 60 else text[:57] + "..."

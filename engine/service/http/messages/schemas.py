@@ -147,6 +147,7 @@ class MessagesInput(BaseModel):
 
     @model_validator(mode="after")
     def _honourable(self) -> MessagesInput:
+        _check_tool_results(self.messages)
         if self.messages[-1].role == "assistant":
             raise ValueError(f"messages[{len(self.messages) - 1}]: a last assistant turn to continue (a prefill) "
                              f"is not supported; end with a user turn")
@@ -205,6 +206,18 @@ class MessagesInput(BaseModel):
         return thinking(info, t.budget_tokens, "thinking")
 
 
+def _check_tool_results(messages: list[MessageIn]) -> None:
+    """Every tool_result answers a tool_use of an earlier assistant turn (a result of no call is a client's bug)."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        for j, b in enumerate(m.blocks()):
+            if isinstance(b, ToolUseBlock):
+                called.add(b.id)
+            elif isinstance(b, ToolResultBlock) and b.tool_use_id not in called:
+                raise ValueError(f"messages[{i}].content[{j}].tool_use_id: no tool_use with id {b.tool_use_id!r} "
+                                 f"before it")
+
+
 def _turns(m: MessageIn) -> list[ChatMessage]:
     """One Anthropic turn as chat turns: a user turn's tool results become "tool" turns ahead of its text;
     an assistant turn's tool uses its tool calls, its thinking its reasoning_content."""
@@ -230,7 +243,7 @@ def _turns(m: MessageIn) -> list[ChatMessage]:
 class MessagesRequest(MessagesInput):
     """`POST /v1/messages`."""
 
-    max_tokens: Annotated[int, Field(ge=1), Wire]
+    max_tokens: Annotated[int, Field(ge=1, strict=True), Wire]  # strict: a JSON integer, not "10"
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0), Wire] | None = None

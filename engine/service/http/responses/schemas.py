@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import ChatMessage, Tools
@@ -169,6 +169,21 @@ class ResponsesRequest(BaseModel):
     truncation: Annotated[str | None, unsupported(None, "disabled")] = None
     max_tool_calls: Annotated[int | None, unsupported(None)] = None
     top_logprobs: Annotated[int | None, unsupported(None, 0)] = None
+
+    @model_validator(mode="after")
+    def _calls_add_up(self) -> ResponsesRequest:
+        """A function_call's arguments are JSON, and a function_call_output answers an earlier function_call."""
+        called: set[str] = set()
+        for i, item in enumerate(self.input if isinstance(self.input, list) else ()):
+            if isinstance(item, FunctionCallItem):
+                try:
+                    json.loads(item.arguments)
+                except ValueError:
+                    raise ValueError(f"input[{i}].arguments: not JSON ({item.arguments[:40]!r})") from None
+                called.add(item.call_id)
+            elif isinstance(item, FunctionCallOutputItem) and item.call_id not in called:
+                raise ValueError(f"input[{i}].call_id: no function_call with call_id {item.call_id!r} before it")
+        return self
 
     def chat(self) -> list[ChatMessage]:
         """The conversation as the engine's chat template takes it."""
