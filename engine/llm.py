@@ -435,7 +435,7 @@ class LLM:
         total = sum(formats.values())
         main = [name for name, count in sorted(formats.items(), key=lambda f: -f[1]) if count >= 0.01 * total]
         execution = {"request_slots": str(self.config.request_slots), "attention_backend": self.runner.backend.name,
-                     "weights": f"{'+'.join(main)}, {size / 2**20:.1f} MiB", "gemm": gemm,
+                     "weights": f"{'+'.join(main)}, {size / 2**20:.1f} MiB{self._kept_rows()}", "gemm": gemm,
                      "cpu_kernels": "on" if self.model.kernels is not None else "off",
                      **self.model.execution(), "overlap": "on" if self.config.use_overlap else "off"}
         cfg = self.config
@@ -455,6 +455,14 @@ class LLM:
             execution["omp_wait"] = wait_policy()
             execution["onednn_caches"] = cache_capacities()
         return execution
+
+    def _kept_rows(self) -> str:
+        """The second copy of a float model's rows the one-call path reads (CausalLM.keep_float_rows), if any."""
+        model = self.model
+        kept = [w for ws in model.float_rows or () for w in ws] + ([model.head_rows] if model.head_rows else [])
+        if not kept:
+            return ""
+        return f" (+{sum(w.nbytes for w in kept) / 2**20:.1f} MiB of {'+'.join(kept[0].formats)} rows kept)"
 
     def _gemm(self) -> str:
         """Where the projections run: their weights' format or dtype, and whose kernels."""

@@ -195,8 +195,8 @@ def test_cli_status_stop_and_serve_refusing_a_taken_address(runtime: Path, llama
         assert "request slots 0/4 busy" in status.output and "KV pages (16 tokens each): 64 free" in status.output
         # what `auto` resolved to here: the C kernels build on this machine (tests/test_cpu_kernels.py)
         assert "running: request slots 4, attention backend cpu, weights float32, " in status.output
-        assert ("MiB, gemm float32 prepacked, cpu kernels on, layers one C call a step of up to 32 rows (float32 rows "
-                "kept), oneDNN layer by layer above, overlap off") in status.output
+        assert ("MiB of F32 rows kept), gemm float32 prepacked, cpu kernels on, layers one C call a step of up to 32 "
+                "rows (float32 rows kept), oneDNN layer by layer above, overlap off") in status.output
         stop = runner.invoke(app, ["stop", "--address", address])
         assert stop.exit_code == 0 and f"pid {handle.pid}" in stop.output
         assert handle.process.wait(timeout=30) == 0

@@ -60,9 +60,10 @@ steps of up to ROWS_ONE_CALL_CACHED rows in one C call: on the demo model (18.6 
 24 and 32 rows took 1.8-2.0, 3.1 and 3.5-4.2 ms so, against 2.7-3.7, 3.7-5.2 and 4.3-5.8 ms with oneDNN layer by
 layer (`python scripts/gpu_profile.py engine/demo_model --batches 12,24,32`, two alternating runs each,
 2026-12-06): the GEMMs are a small part of such a step, the calls between them most of the rest."""
-FLOAT_ROWS_MAX_BYTES = 256 << 20
-"""The float32 projections a model keeps a second copy of as rows, at most: for a larger model the weights' own
-reading outweighs the per-call costs the one-call path saves (0.5B: ~100 ms a step against ~1.5 ms)."""
+FLOAT_ROWS_MAX_BYTES = 1 << 30
+"""The rows a float32 model keeps a second copy of, at most (float32 or bfloat16, see `keep_float_rows`): a decode
+step reads them at a higher rate in the one C call than oneDNN reads its packed weights for one row (SmolLM2-135M
+as F32: 49.5 against 29 tok/s; docs/benchmarks.md), at the cost of that memory."""
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 Targets = dict[str, tuple[WeightTarget, ...]]
