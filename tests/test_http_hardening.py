@@ -379,6 +379,7 @@ def test_3_slow_and_hoarding_connections_are_cut(api: Api, engine: EngineClient,
                 continue
             if data:
                 assert data.startswith(b"HTTP/1.1 503 ") and b'"too_many_connections"' in data, data[:200]
+                assert b"\r\nRetry-After: 1\r\n" in data, data[:200]  # as every 503
                 refused += 1
             else:
                 cut += 1

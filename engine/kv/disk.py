@@ -197,7 +197,7 @@ class DiskTier:
     def _path(self, name: bytes) -> Path:
         """The file of an index entry (a fingerprint and a key, 16 bytes each)."""
         key = name[16:].hex()
-        return self.root / name[:16].hex() / key[:2] / f"{key}{SUFFIX}"
+        return self.root / name[:16].hex() / key[:2] / _file_name(name[16:])
 
     def write(self, page: PageFile, data: torch.Tensor, done: Callable[[], None]) -> bool:
         """Queue one page's K/V (a contiguous host tensor of `page_shape`) for writing; False when it will not be
@@ -287,12 +287,6 @@ class DiskTier:
             with self._lock:
                 self.counts.rejected[rejected.reason] += 1
             raise rejected from None
-        with contextlib.suppress(OSError):
-            sub = self._sub_fd(page.key, create=False)
-            try:
-                os.utime(path.name, dir_fd=sub, follow_symlinks=False)
-            finally:
-                os.close(sub)
         with self._lock:
             if name in self._files:
                 self._files.move_to_end(name)
@@ -302,11 +296,11 @@ class DiskTier:
 
     def _read_file(self, key: bytes) -> bytearray:
         """A page file's bytes, opened without following a link or blocking, and read only if it is a regular file of
-        at most twice a page's size (PageRejected otherwise; OSError as the system raises it)."""
-        hexed = key.hex()
+        at most twice a page's size (PageRejected otherwise; OSError as the system raises it). Its modification time
+        becomes now: when it was last used, for every engine's LRU order."""
         sub = self._sub_fd(key, create=False)
         try:
-            fd = os.open(f"{hexed}{SUFFIX}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sub)
+            fd = os.open(_file_name(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sub)
         finally:
             os.close(sub)
         with os.fdopen(fd, "rb", buffering=0) as f:
@@ -322,6 +316,8 @@ class DiskTier:
                 if not n:
                     raise PageRejected("truncated", f"{got} bytes of {len(data)}")
                 got += n
+            with contextlib.suppress(OSError):
+                os.utime(fd)
         return data
 
     def _sub_fd(self, key: bytes, create: bool) -> int:
@@ -361,7 +357,7 @@ class DiskTier:
         start = time.perf_counter()
         size = self.file_bytes
         self._evict(size)
-        final = f"{page.key.hex()}{SUFFIX}"
+        final = _file_name(page.key)
         tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
         head = page.head(self.payload)
         payload = data.contiguous().view(torch.uint8).numpy().data.cast("B")
@@ -481,6 +477,11 @@ class DiskTier:
         self._forget(name)
         with contextlib.suppress(OSError):
             self._path(name).unlink()
+
+
+def _file_name(key: bytes) -> str:
+    """A page's file name in its subdirectory (`<key[:2]>/`)."""
+    return f"{key.hex()}{SUFFIX}"
 
 
 def _check_own_dir(path: Path) -> None:

@@ -179,8 +179,8 @@ def _reader(path: Path) -> GGUFReader:
 
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, key-value count
-MIN_KV_BYTES = 8 + 8 + 4  # a key's length, a one-byte key at the least (padded here to 8), a value type
-MIN_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # a name's length and one byte, dims count, one dim, type, offset
+MIN_KV_BYTES = 8 + 1 + 4 + 1  # a key's length, a one-byte key, a value type, a one-byte value: the least a key takes
+MIN_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # a name's length and one byte, dims count, one dim, type, offset: the least
 
 
 def _check_header(path: Path) -> None:

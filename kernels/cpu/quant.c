@@ -717,6 +717,7 @@ static inline __attribute__((always_inline)) void float_columns_of(const void *w
     }
 }
 
+/* float_columns_of inlined twice, each with `bf16` a constant: no per-value branch on the format in the loops. */
 static void float_columns(const void *w, int bf16, int width, const float *x, int64_t x_stride, int nr, int64_t k,
                           float part[ROWS_PER_PASS][PANEL]) {
     if (bf16)

@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.service.addresses import is_loopback
-from engine.service.http.errors import ApiError, error_body, param_name
+from engine.service.http.errors import ApiError, param_name
 from engine.service.http.metrics import Metrics, endpoint_label
 from engine.service.options import ApiOptions
 
@@ -75,7 +75,7 @@ class GuardedH11Protocol(H11Protocol):
             if self.config.refused == 1 or self.config.refused % 1000 == 0:
                 log.warning("connection cap (%d) reached: refusing new connections (%d so far)",
                             self.config.max_connections, self.config.refused)
-            transport.write(_raw_response(503, ApiError(
+            transport.write(_raw_response(ApiError(
                 503, f"this server has {self.config.max_connections} connections open, its limit; retry later",
                 "server_error", code="too_many_connections")))
             transport.close()
@@ -98,7 +98,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse: answered in OpenAI's shape too, then closed (as uvicorn does)."""
-        self.transport.write(_raw_response(400, ApiError(400, f"{msg} (malformed HTTP)", code="invalid_http")))
+        self.transport.write(_raw_response(ApiError(400, f"{msg} (malformed HTTP)", code="invalid_http")))
         self.transport.close()
 
     def _follow(self) -> None:
@@ -123,12 +123,14 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def _raw_response(status: int, error: ApiError) -> bytes:
+def _raw_response(error: ApiError) -> bytes:
     """A whole HTTP/1.1 response carrying `error`, for answers given outside any request cycle."""
-    body = json.dumps(error_body(error.message, error.type, error.param, error.code)).encode()
+    body = json.dumps(error.body()).encode()
+    status = error.status
     reason = {400: b"Bad Request", 503: b"Service Unavailable"}[status]
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            % (status, reason, len(body)) + body)
+    extra = b"".join(f"{name}: {value}\r\n".encode() for name, value in error.headers.items())
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n%s\r\n"
+            % (status, reason, len(body), extra) + body)
 
 
 class _Disconnected(Exception):

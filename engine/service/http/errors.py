@@ -49,10 +49,14 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What the status asks for besides the body: the scheme to authenticate with, or when to come back."""
+        return {"WWW-Authenticate": "Bearer"} if self.status == 401 else \
+            {"Retry-After": RETRY_AFTER} if self.status == 503 else {}
+
     def response(self, path: str = "") -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else \
-            {"Retry-After": RETRY_AFTER} if self.status == 503 else None
-        return JSONResponse(self.body(path), self.status, headers=headers)
+        return JSONResponse(self.body(path), self.status, headers=self.headers)
 
     def body(self, path: str = "") -> dict[str, Any]:
         """The error's body as the API at `path` shapes errors."""
