@@ -44,7 +44,8 @@ QTYPES = {t.name: t for t in (
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROW_TYPES = ("F32", "BF16")
-"""Float formats a `Segment` holds as plain rows [rows, in] (no panels), multiplied as they are (quant.c)."""
+"""Float formats a `Segment` may hold, in panels of 8 rows too (the values as they are, interleaved; quant.c),
+multiplied by x unquantized."""
 BLOCK_TYPES = tuple(name for name in QTYPES if name not in FLOAT_TYPES)
 """The formats the kernels multiply by as they are."""
 
@@ -55,8 +56,7 @@ PANEL = 8
 
 @dataclass
 class Segment:
-    """`rows` consecutive rows of one format, repacked into panels of `PANEL` rows: uint8 [panels, panel_bytes]
-    (ROW_TYPES stay plain float32 or bfloat16 rows [rows, in], seen as bytes)."""
+    """`rows` consecutive rows of one format, repacked into panels of `PANEL` rows: uint8 [panels, panel_bytes]."""
 
     qtype: QType
     data: torch.Tensor
@@ -98,8 +98,7 @@ class BlockMatrix:
         merged: list[Segment] = []
         for part in parts:
             last = merged[-1] if merged else None
-            if last is not None and last.qtype == part.qtype and last.qtype.name not in ROW_TYPES and \
-                    last.rows % PANEL == 0:
+            if last is not None and last.qtype == part.qtype and last.rows % PANEL == 0:
                 merged[-1] = Segment(part.qtype, torch.cat((last.data, part.data)), last.rows + part.rows)
             else:
                 merged.append(part)
@@ -115,8 +114,7 @@ class BlockMatrix:
                 if (lo - first) % PANEL or ((hi - first) % PANEL and hi != first + s.rows):
                     raise ValueError(f"rows [{start}, {start + count}) of a quantized weight do not fall on its panels "
                                      f"of {PANEL} rows")
-                step = 1 if s.qtype.name in ROW_TYPES else PANEL
-                parts.append(Segment(s.qtype, s.data[(lo - first) // step : -(-(hi - first) // step)], hi - lo))
+                parts.append(Segment(s.qtype, s.data[(lo - first) // PANEL : -(-(hi - first) // PANEL)], hi - lo))
             first += s.rows
         return BlockMatrix(self.in_features, parts)
 

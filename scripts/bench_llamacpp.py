@@ -52,7 +52,10 @@ from tui.bench.fleet import free_port, launch, log_tail, minichat, replica, stop
 LLAMA_CPP_PYTHON = "0.3.36"
 LLAMA_DIR = cache_dir() / "llama.cpp" / LLAMA_CPP_PYTHON
 TARGETS = ("llama-server", "llama-bench", "llama-quantize")
-FILES = ("smollm2-q4_1", "smollm2-bf16", "smollm2-f32", "qwen0.5b-f32", "qwen0.5b-q8_0", "qwen0.5b-q4_k_m")
+FILES = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q4_k_m", "smollm2-q8_0", "smollm2-bf16", "smollm2-f32",
+         "qwen0.5b-f32", "qwen0.5b-q8_0", "qwen0.5b-q4_k_m")
+QUANTIZED = ("q4_0", "q4_k_m", "q8_0")
+"""What llama-quantize makes of each F32 file (SmolLM2's from the Q4_1 values, Qwen's from its random weights)."""
 
 
 def log(message: str) -> None:
@@ -145,28 +148,39 @@ def make_files(names: list[str], bin_dir: Path | None, work: Path) -> dict[str, 
 
     files = {"smollm2-q4_1": smollm2_gguf()}
     for kind in ("bf16", "f32"):
-        if f"smollm2-{kind}" in names:
+        if f"smollm2-{kind}" in names or any(n == f"smollm2-{q}" for q in QUANTIZED for n in names):
             files[f"smollm2-{kind}"] = float_copy(smollm2_gguf(), work / f"smollm2-{kind}.gguf", kind.upper())
     if any(n.startswith("qwen") for n in names):
-        f32 = files["qwen0.5b-f32"] = qwen_f32_gguf(work)
-        for kind in ("q8_0", "q4_k_m"):
-            out = work / f"qwen0.5b-{kind}.gguf"
-            if not out.is_file() and f"qwen0.5b-{kind}" in names:
+        files["qwen0.5b-f32"] = qwen_f32_gguf(work)
+    for model in ("smollm2", "qwen0.5b"):
+        for kind in QUANTIZED:
+            name, out = f"{model}-{kind}", work / f"{model}-{kind}.gguf"
+            if name not in names:
+                continue
+            if not out.is_file():
                 if bin_dir is None:
-                    raise SystemExit(f"qwen0.5b-{kind} is made by llama-quantize: run without --minichat-only")
-                log(f"llama-quantize -> {kind.upper()}")
-                subprocess.run([str(bin_dir / "llama-quantize"), str(f32), str(out), kind.upper()], check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            files[f"qwen0.5b-{kind}"] = out
+                    raise SystemExit(f"{name} is made by llama-quantize: run without --minichat-only")
+                log(f"llama-quantize {model}-f32 -> {kind.upper()}")
+                subprocess.run([str(bin_dir / "llama-quantize"), str(files[f"{model}-f32"]), str(out), kind.upper()],
+                               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            files[name] = out
     return {n: files[n] for n in names}
 
 
 def llama_bench(bin_dir: Path, path: Path, threads: int) -> dict[str, float]:
-    """llama-bench's tg128 and pp512 tok/s (its own averages over 3 repetitions)."""
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "512", "-n", "128",
-                          "-r", "3", "-o", "json"], check=True, capture_output=True, text=True).stdout
-    rows = json.loads(out)
-    return {("decode" if r["n_gen"] else "prefill"): r["avg_ts"] for r in rows}
+    """llama-bench's tg128 and pp512 tok/s (its own averages over 3 repetitions). Where its default (weights
+    repacked for its wide kernels) crashes, as its prefill does on some CPUs, the run is retried with `--repack 0`
+    and the figures say so (key "repack": 0)."""
+    base = [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "512", "-n", "128", "-r", "3",
+            "-o", "json"]
+    for repack in (None, 0):
+        done = subprocess.run(base + ([] if repack is None else ["--repack", "0"]), capture_output=True, text=True)
+        if done.returncode == 0:
+            figures = {("decode" if r["n_gen"] else "prefill"): r["avg_ts"] for r in json.loads(done.stdout)}
+            return figures if repack is None else {**figures, "repack": 0}
+        log(f"llama-bench exited {done.returncode} on {path.name}" + ("; again with --repack 0" if repack is None
+                                                                       else ""))
+    raise SystemExit(f"llama-bench failed on {path.name}: {done.stderr.strip()[-500:]}")
 
 
 IN_PROCESS = """
@@ -336,6 +350,8 @@ def main() -> None:
                 add(name, f"minichat {key}", ours[key])
             if bin_dir is not None:
                 theirs = llama_bench(bin_dir, path, args.threads)
+                if "repack" in theirs:
+                    report["files"][name]["llama.cpp repack"] = 0
                 for key in ("decode", "prefill"):
                     add(name, f"llama.cpp {key}", theirs[key])
             if args.skip_served:
@@ -344,7 +360,7 @@ def main() -> None:
                 if bin_dir is not None:
                     with llama_server(bin_dir, path, args.threads, 32) as url:
                         add(name, f"llama.cpp c={concurrency}", served(url, path, concurrency))
-                with replica("--model", str(path), "--threads", str(args.threads)) as rep:
+                with replica("--model", str(path), "--threads", str(args.threads), "--kv-disk-gib", "0") as rep:
                     add(name, f"minichat c={concurrency}", served(rep.url, path, concurrency))
     report["finished"] = time.strftime("%F %T %Z")
     out.write_text(json.dumps(report, indent=2))

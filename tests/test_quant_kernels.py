@@ -21,7 +21,7 @@ from gguf import dequantize
 
 from kernels.cpu import CpuKernels, load_cpu_kernels
 from kernels.cpu.build import ISA_ENV, NATIVE, chosen_isa, load_library
-from kernels.quant import BLOCK_TYPES, PANEL, QTYPES, BlockMatrix, DeviceBlockWeight, Segment
+from kernels.quant import BLOCK_TYPES, PANEL, QTYPES, BlockMatrix, DeviceBlockWeight
 from tests.gguf_files import quantize_rows
 
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -38,7 +38,11 @@ def test_the_instruction_sets_are_what_they_say() -> None:
         pytest.skip("the AVX2 builds are x86 only")
     assert CpuKernels(load_library(("-march=x86-64",))).isa == "C"
     assert CpuKernels(load_library(("-march=haswell",))).isa == "AVX2"
-    assert load_cpu_kernels().isa in ("AVX2", "AVX2+VNNI")  # every x86 machine this project runs on has AVX2
+    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    # -march=native takes what the CPU has and the OS enables (gcc reads CPUID, and XGETBV for the AVX-512 state)
+    expected = "AVX-512+VNNI" if {"avx512f", "avx512vl", "avx512_vnni"} <= flags else \
+        "AVX2+VNNI" if "avx_vnni" in flags else "AVX2"
+    assert load_cpu_kernels().isa == expected
 
 
 def test_an_environment_variable_forces_a_lower_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,7 +116,7 @@ def test_mixed_segments_bias_and_residual(kernels: CpuKernels) -> None:
         segments.append(kernels.repack(torch.from_numpy(raw), QTYPES[qtype], columns))
         dense.append(torch.from_numpy(dequantize(raw, G[qtype])))
     f32 = torch.randn(5, columns)
-    segments.append(Segment(QTYPES["F32"], f32.contiguous().view(torch.uint8), 5))
+    segments.append(kernels.repack(f32.contiguous().view(torch.uint8), QTYPES["F32"], columns))
     dense.append(f32)
     matrix = BlockMatrix.join(columns, segments)
     w = torch.cat(dense)
@@ -125,16 +129,17 @@ def test_mixed_segments_bias_and_residual(kernels: CpuKernels) -> None:
 
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_float_rows_multiply_exactly_in_float32_and_read_back(kernels: CpuKernels, m: int) -> None:
-    """Plain float32 and bfloat16 rows (a float model's kept rows, kernels/quant.py ROW_TYPES): x is not quantized
-    and a bfloat16 weight widens exactly, so the product is float32 arithmetic on the very values, off the exact one
-    by float32 summation alone (k additions of terms bounded by |w| . |x|: 1e-6 of that covers 100 columns). 100
-    columns leave a tail past the last 8; 13 rows a part-filled panel. Rows read back as they are, by id too."""
+    """Float32 and bfloat16 rows in panels (a float model's kept rows, kernels/quant.py ROW_TYPES): x is not
+    quantized and a bfloat16 weight widens exactly, so the product is float32 arithmetic on the very values, off the
+    exact one by float32 summation alone (k additions of terms bounded by |w| . |x|: 1e-6 of that covers 100
+    columns). 100 columns leave a part-chunk past the last 16; 13 rows a part-filled panel. Rows read back as they
+    are, by id too."""
     columns, rows = 100, 13
     w = torch.randn(rows, columns, generator=torch.Generator().manual_seed(m))
     x = torch.randn(m, columns, generator=torch.Generator().manual_seed(m + 1))
     for qtype, dtype in (("F32", torch.float32), ("BF16", torch.bfloat16)):
         values = w.to(dtype)
-        matrix = BlockMatrix.join(columns, [Segment(QTYPES[qtype], values.contiguous().view(torch.uint8), rows)])
+        matrix = BlockMatrix(columns, [kernels.repack(values.contiguous().view(torch.uint8), QTYPES[qtype], columns)])
         exact = x.double() @ values.double().T
         bound = 1e-6 * (x.abs().double() @ values.abs().double().T)
         assert ((kernels.q_linear(x, matrix).double() - exact).abs() <= bound).all(), qtype

@@ -35,7 +35,7 @@ from engine.model.quantized import finish_block_weights
 from kernels.attention.base import AttentionBackend
 from kernels.attention.cpu import PagedStep
 from kernels.cpu import DENSE_ROWS
-from kernels.quant import QTYPES, BlockMatrix, QType, Segment
+from kernels.quant import QTYPES, BlockMatrix, QType
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
     from transformers import PretrainedConfig
@@ -581,9 +581,9 @@ class CausalLM(nn.Module):
         return self.one_call and all(layer.in_one_call for layer in self.layers) and \
             (in_blocks or (self.float_rows is not None and self.kernels is not None))
 
-    def keep_float_rows(self) -> None:
+    def keep_float_rows(self, kernels: CpuKernels) -> None:
         """For a float32 model on one rank, its layers Llama-shaped, before its weights are prepacked: each
-        projection's rows copied as a block matrix of plain rows, which decode.c multiplies by (quant.c), so that a
+        projection's rows copied as a block matrix of float panels, which decode.c multiplies by (quant.c), so that a
         step of few rows runs every layer in one C call instead of some ten calls a layer, each paying the
         interpreter, a oneDNN dispatch and an OpenMP team's start and join (see ROWS_ONE_CALL); bigger steps keep
         oneDNN's GEMMs. Weights whose every value is a bfloat16 (a bf16 checkpoint, upcast) are kept as bfloat16
@@ -601,11 +601,11 @@ class CausalLM(nn.Module):
         if size > FLOAT_ROWS_MAX_BYTES:
             return
         self.float_rows_most = ROWS_ONE_CALL_CACHED if size <= CACHED_ROWS_BYTES else ROWS_ONE_CALL
-        self.float_rows = [[_plain_rows(w, qtype) for w in cast(list[torch.Tensor], ws)] for ws in weights]
+        self.float_rows = [[_float_panels(kernels, w, qtype) for w in cast(list[torch.Tensor], ws)] for ws in weights]
         head = self.lm_head.weight
         if qtype.name == "BF16" and isinstance(head, torch.Tensor) and head.dtype == torch.float32 and \
                 not head.is_mkldnn and _bf16_exact(head):
-            self.head_rows = _plain_rows(head, qtype)
+            self.head_rows = _float_panels(kernels, head, qtype)
 
     def head(self, h: torch.Tensor) -> torch.Tensor | None:
         """The output head's product: through its kept bfloat16 rows for a step of few rows (`keep_float_rows`),
@@ -649,7 +649,8 @@ def _bf16_exact(w: torch.Tensor) -> bool:
     return not bool((w.contiguous().view(torch.int32) & 0xFFFF).any())
 
 
-def _plain_rows(w: torch.Tensor, qtype: QType) -> BlockMatrix:
-    """A copy of the float32 weight [out, in] as one segment of plain rows of `qtype` (F32 or BF16, exact there)."""
-    rows = w.detach().to(torch.bfloat16 if qtype.name == "BF16" else torch.float32, copy=True).contiguous()
-    return BlockMatrix.join(w.shape[1], [Segment(qtype, rows.view(torch.uint8), w.shape[0])])
+def _float_panels(kernels: CpuKernels, w: torch.Tensor, qtype: QType) -> BlockMatrix:
+    """A copy of the float32 weight [out, in] as one segment of `qtype` (F32 or BF16, exact there) in the kernels'
+    panels of 8 rows."""
+    rows = w.detach().to(torch.bfloat16 if qtype.name == "BF16" else torch.float32).contiguous()
+    return BlockMatrix(w.shape[1], [kernels.repack(rows.view(torch.uint8), qtype, w.shape[1])])

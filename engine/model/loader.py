@@ -32,7 +32,7 @@ from engine.model.ops import resolve_linear_dtype
 from engine.model.parallel import QUANTIZABLE, Source, TensorSlice, prepack_linear_weights, set_linear_dtype
 from engine.model.quantized import QUANTIZATIONS, plan_block_weights
 from kernels.attention.base import AttentionShape
-from kernels.cpu import KernelBuildError, load_cpu_kernels, supported
+from kernels.cpu import KernelBuildError, cpu_kernels_available, load_cpu_kernels, supported
 from kernels.quant import QTYPES
 
 if TYPE_CHECKING:
@@ -225,8 +225,8 @@ def build_model(spec: ModelSpec, checkpoint: Checkpoint, options: LoadOptions,
     except ValueError as e:
         raise ValueError(f"{checkpoint.path}: {e}") from e
     set_linear_dtype(model, resolve_linear_dtype(options.linear_dtype, dtype, torch.device(options.device)))
-    if options.cpu_kernels and options.device == "cpu" and dtype == torch.float32:
-        model.keep_float_rows()  # a small model's decode steps in one C call (before prepacking replaces the rows)
+    if options.cpu_kernels and options.device == "cpu" and dtype == torch.float32 and cpu_kernels_available():
+        model.keep_float_rows(load_cpu_kernels())  # decode steps in one C call (before prepacking replaces the rows)
     if options.prepack_weights:
         prepack_linear_weights(model)
         for layer in model.layers:

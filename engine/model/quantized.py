@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS
-from kernels.quant import QTYPES, BlockMatrix, DeviceBlockWeight, QType, Segment, column_range
+from kernels.quant import QTYPES, BlockMatrix, DeviceBlockWeight, QType, column_range
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuKernels
@@ -95,7 +95,7 @@ class BlockWeightBuilder:
         if self.device.type == "cpu":
             return BlockMatrix.join(self.shape[1], [
                 self.kernels.repack(_rows(p), p.qtype, p.columns) if isinstance(p, BlockSource)
-                else Segment(QTYPES["F32"], p.view(torch.uint8), p.shape[0]) for p in parts])
+                else self.kernels.repack(p.view(torch.uint8), QTYPES["F32"], p.shape[1]) for p in parts])
         pieces = [DeviceBlockWeight(*self.kernels.expand(_rows(p), p.qtype, p.columns), [p.qtype.name])
                   if isinstance(p, BlockSource) else p for p in parts]
         if len(blocks) < len(parts):  # float parts too: the GPU kernels take one form, so the weight goes dense

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.cpu.build import KernelBuildError, chosen_isa, load_library
-from kernels.quant import PANEL, ROW_TYPES, BlockMatrix, QType, Segment
+from kernels.quant import PANEL, BlockMatrix, QType, Segment
 
 SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -89,7 +89,7 @@ class CpuKernels:
         lib.q_panel_bytes.argtypes, lib.q_panel_bytes.restype = [ctypes.c_int32, _I], _I
         self._panel_bytes = lib.q_panel_bytes
         self.act_block_bytes = int(lib.q_act_block_bytes())
-        self.isa = ("C", "AVX2", "AVX2+VNNI")[lib.q_isa()]
+        self.isa = ("C", "AVX2", "AVX2+VNNI", "AVX-512+VNNI")[lib.q_isa()]
         """The instructions the quantized products run on here."""
 
     def _fn(self, name: str, x: torch.Tensor) -> Callable[..., None]:
@@ -190,7 +190,8 @@ class CpuKernels:
         return w.handle  # type: ignore[return-value]
 
     def repack(self, rows: torch.Tensor, qtype: QType, columns: int) -> Segment:
-        """File rows of a block format (uint8 [rows, row_bytes]) in the kernels' panels of 8 rows (quant.c)."""
+        """File rows of a block format, or float32 / bfloat16 rows (ROW_TYPES), as uint8 [rows, row_bytes], in the
+        kernels' panels of 8 rows (quant.c)."""
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or \
                 rows.shape[1] != qtype.row_bytes(columns):
             raise ValueError(f"repack needs uint8 rows of {qtype.row_bytes(columns)} bytes ({columns} {qtype.name} "
@@ -291,10 +292,6 @@ class CpuKernels:
     def dequantize(self, seg: Segment, columns: int, ids: torch.Tensor | None = None) -> torch.Tensor:
         """A repacked segment's rows (`ids`: only those) as float32 [.., columns], equal bit for bit to gguf's
         dequantization of the file's rows."""
-        if seg.qtype.name in ROW_TYPES:
-            dtype = torch.float32 if seg.qtype.name == "F32" else torch.bfloat16
-            dense = seg.data.view(dtype).reshape(seg.rows, columns)
-            return (dense.clone() if ids is None else dense[ids]).float()
         if seg.data.shape[1] != self._panel_bytes(seg.qtype.ggml_id, columns):
             raise ValueError(f"dequantize: panels of {seg.data.shape[1]} bytes do not hold {columns} {seg.qtype.name} "
                              f"values")

@@ -31,6 +31,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define QUANT_VNNI 1 /* dpbusd: four u8 x s8 products into an int32, no 16-bit pair sum that could saturate */
+#endif
+#if defined(__AVX512F__)
+#define QUANT_AVX512 1 /* float rows 16 values a register */
+#endif
 #endif
 
 #include <omp.h>
@@ -42,8 +48,22 @@
 enum { T_F32 = 0, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13,
        T_Q6_K = 14, T_BF16 = 30 };
 
-/* Float rows (plain [rows, k], not panels): multiplied as they are, x unquantized. */
+/* Float rows (float32 or bfloat16 values as they are, x unquantized) are panels too: per FLOAT_CHUNK values, the 8
+ * rows' values side by side ([chunk][row][FLOAT_CHUNK]; the last chunk zero-padded). One sequential stream per
+ * panel: eight rows read in step as eight streams of their own kept the CPU's prefetcher behind (a bfloat16 head
+ * of 49,152 x 576 read at 8 GB/s on one core, where a stream reads 20). */
 static inline int is_float(int type) { return type == T_F32 || type == T_BF16; }
+
+#define FLOAT_CHUNK 16
+
+static inline int64_t float_bytes(int type) { return type == T_BF16 ? 2 : 4; }
+
+static inline int64_t float_chunks(int64_t k) { return (k + FLOAT_CHUNK - 1) / FLOAT_CHUNK; }
+
+/* Where value j of panel row `lane` lies, in values from the panel's start. */
+static inline int64_t float_offset(int64_t j, int lane) {
+    return (j / FLOAT_CHUNK * PANEL + lane) * FLOAT_CHUNK + j % FLOAT_CHUNK;
+}
 
 #define ROWS_PER_PASS 4          /* rows of x that share one unpacked tile */
 #define PARALLEL_MIN_WORK 32768
@@ -202,7 +222,10 @@ static inline int64_t header_bytes(int type) { /* per 256 values: f16 d[8] (and 
 static inline int64_t group_bytes(int type) { return header_bytes(type) + block_values(type) / 32 * tile_bytes(type); }
 
 /* Bytes of one panel of rows `k` values long. */
-int64_t q_panel_bytes(int32_t type, int64_t k) { return k / block_values(type) * group_bytes(type); }
+int64_t q_panel_bytes(int32_t type, int64_t k) {
+    if (is_float(type)) return float_chunks(k) * PANEL * FLOAT_CHUNK * float_bytes(type);
+    return k / block_values(type) * group_bytes(type);
+}
 
 /* The tile of the 32 values starting at c * 32, and the header of its group. */
 static inline const uint8_t *tile_at(int type, const uint8_t *panel, int64_t c, const uint8_t **header) {
@@ -257,17 +280,30 @@ static void tile_ints(int type, const uint8_t *tile, int lane, int32_t q[32]) {
     }
 }
 
-/* Rows [0, rows) of `w` (file blocks, `row_bytes` apart) into ceil(rows / 8) panels at `out`; rows past the
- * end of the last panel are zeros. */
+/* A panel of float rows: each row's chunks of FLOAT_CHUNK values to their places (the padding stays zero). */
+static void float_repack(uint8_t *panel, const uint8_t *row, int lane, int64_t k, int type) {
+    const int64_t width = float_bytes(type);
+    for (int64_t j = 0; j < k; j += FLOAT_CHUNK) {
+        const int64_t n = k - j < FLOAT_CHUNK ? k - j : FLOAT_CHUNK;
+        memcpy(panel + float_offset(j, lane) * width, row + j * width, (size_t)(n * width));
+    }
+}
+
+/* Rows [0, rows) of `w` (file blocks, or float rows, `row_bytes` apart) into ceil(rows / 8) panels at `out`; rows
+ * past the end of the last panel are zeros. */
 void q_repack(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t k, int32_t type) {
     const int64_t panels = (rows + PANEL - 1) / PANEL, pbytes = q_panel_bytes(type, k);
-    const int64_t subs = block_values(type) / 32;
+    const int64_t subs = is_float(type) ? 0 : block_values(type) / 32;
 #pragma omp parallel for schedule(static) if (rows * k >= 8 * PARALLEL_MIN_WORK)
     for (int64_t p = 0; p < panels; p++) {
         uint8_t *panel = out + p * pbytes;
         memset(panel, 0, (size_t)pbytes);
         for (int lane = 0; lane < PANEL && p * PANEL + lane < rows; lane++) {
             const uint8_t *row = w + (p * PANEL + lane) * row_bytes;
+            if (is_float(type)) {
+                float_repack(panel, row, lane, k, type);
+                continue;
+            }
             for (int64_t blk = 0; blk < k / block_values(type); blk++) {
                 const uint8_t *b = row + blk * block_bytes(type);
                 uint8_t *header = panel + blk * group_bytes(type);
@@ -325,8 +361,17 @@ static inline __attribute__((always_inline)) void dequantize_row(int type, const
     }
 }
 
+static inline float float_value(const uint8_t *panel, int64_t j, int lane, int bf16) {
+    const int64_t at = float_offset(j, lane);
+    return bf16 ? bf16_to_f32(((const uint16_t *)panel)[at]) : ((const float *)panel)[at];
+}
+
 /* One lane of a panel as float32, through the row loop specialised for its format (a constant type each). */
 static void dequantize_lane(int type, const uint8_t *panel, int lane, int64_t k, float *out) {
+    if (is_float(type)) {
+        for (int64_t j = 0; j < k; j++) out[j] = float_value(panel, j, lane, type == T_BF16);
+        return;
+    }
     switch (type) {
     case T_Q4_0: dequantize_row(T_Q4_0, panel, lane, k, out); break;
     case T_Q4_1: dequantize_row(T_Q4_1, panel, lane, k, out); break;
@@ -409,11 +454,17 @@ static void quantize_act_block(const float *x, act_block *a) {
 /* -- the product ------------------------------------------------------------------------------------ */
 
 #ifdef QUANT_AVX2
+#ifdef QUANT_VNNI
+#define Q8_OFFSET 1 /* Q8_0's signed weights enter dpbusd as w + 128 (one xor), not as |w| with x signed (three) */
+#else
+#define Q8_OFFSET 0
+#endif
+
 /* Eight int32 sums, each += four adjacent products u[i] * s[i] (u unsigned, s signed). */
 static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#elif defined(QUANT_VNNI)
     return _mm256_dpbusd_epi32(acc, u, s);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
@@ -500,6 +551,7 @@ static inline __attribute__((always_inline)) void panel_dots(int type, const uin
             S = f16x8(sc);
             if (has_min(type)) M = f16x8(sc + 16);
             else if (zero_point(type)) M = _mm256_mul_ps(S, _mm256_set1_ps(-(float)zero_point(type)));
+            else if (type == T_Q8_0 && Q8_OFFSET) M = _mm256_mul_ps(S, _mm256_set1_ps(-128.0f));
         }
         __m256i w[8];
         tile_vectors(type, tile, w);
@@ -522,7 +574,11 @@ static inline __attribute__((always_inline)) void panel_dots(int type, const uin
             __m256i iq = _mm256_setzero_si256(), ir = _mm256_setzero_si256();
             for (int g = 0; g < 8; g++) {
                 const __m256i xq = bcast4(ab->q + 4 * g), xr = bcast4(ab->r + 4 * g);
-                if (type == T_Q8_0) {
+                if (type == T_Q8_0 && Q8_OFFSET) { /* w + 128 as unsigned: the offset leaves with M = -128 S */
+                    const __m256i u = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+                    iq = dot_acc(iq, u, xq);
+                    ir = dot_acc(ir, u, xr);
+                } else if (type == T_Q8_0) { /* |w| against x with w's sign (maddubs' pair sums cannot overflow) */
                     const __m256i u = _mm256_sign_epi8(w[g], w[g]);
                     iq = dot_acc(iq, u, _mm256_sign_epi8(xq, w[g]));
                     ir = dot_acc(ir, u, _mm256_sign_epi8(xr, w[g]));
@@ -532,7 +588,7 @@ static inline __attribute__((always_inline)) void panel_dots(int type, const uin
                 }
             }
             acc[r] = _mm256_fmadd_ps(combine(iq, ir), _mm256_mul_ps(S, d), acc[r]);
-            if (type != T_Q8_0) acc[r] = _mm256_fmadd_ps(M, _mm256_set1_ps(ab->s), acc[r]);
+            if (type != T_Q8_0 || Q8_OFFSET) acc[r] = _mm256_fmadd_ps(M, _mm256_set1_ps(ab->s), acc[r]);
         }
     }
 }
@@ -644,86 +700,105 @@ static void panel_rows(int type, const uint8_t *panel, const act_block *a, int64
 #undef BY_ROWS
 }
 
-#ifdef QUANT_AVX2
-/* Eight weights from `w` (float32, or bfloat16 widened: exact, a bf16 is a float32's high half). */
-static inline __attribute__((always_inline)) __m256 row8(const void *w, int64_t i, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)w + i);
-    const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+#if defined(QUANT_AVX512)
+typedef __m512 fvec;
+#define FVEC_LANES 16
+#define fvec_zero _mm512_setzero_ps
+#define fvec_fma _mm512_fmadd_ps
+#define fvec_load _mm512_loadu_ps
+#define fvec_sum _mm512_reduce_add_ps
+/* Sixteen weights at `w` (float32, or bfloat16 widened: exact, a bf16 is a float32's high half). */
+static inline __attribute__((always_inline)) fvec fvec_weights(const uint8_t *w, int bf16) {
+    if (!bf16) return _mm512_loadu_ps(w);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
+}
+#elif defined(QUANT_AVX2)
+typedef __m256 fvec;
+#define FVEC_LANES 8
+#define fvec_zero _mm256_setzero_ps
+#define fvec_fma _mm256_fmadd_ps
+#define fvec_load _mm256_loadu_ps
+static inline float fvec_sum(__m256 v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+static inline __attribute__((always_inline)) fvec fvec_weights(const uint8_t *w, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)w);
+    const __m128i half = _mm_loadu_si128((const __m128i *)w);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 #endif
 
-static inline float row1(const void *w, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
-}
-
-/* part[r][lane0 + l] = float weight row lane0 + l . x row r, for the R rows of x and L rows of w from lane0 (R, L
- * constants, so the accumulators stay in registers): each (row, lane) sums eight products at a time in a vector of
- * its own, reduced once at the end. R * L accumulators of 16 registers; the weight rows stream through once per R
- * rows of x. Values past the last multiple of 8 are added one by one. The rows are float32 or (`bf16`) bfloat16,
+/* part[r][lane0 + l] = float panel row lane0 + l . x row r, for the R rows of x and L rows of the panel from lane0
+ * (R, L constants, so the accumulators stay in registers): each (row, lane) sums a vector of products at a time in
+ * a register of its own, reduced once at the end. The panel streams through once per R rows of x. Values of a last
+ * part-chunk (k not a multiple of FLOAT_CHUNK) are added one by one. The rows are float32 or (`bf16`) bfloat16,
  * widened as they are read: the same products as float32 rows of the same values, at half the bytes. */
-static inline __attribute__((always_inline)) void float_block(const void *w, int bf16, int64_t lane0, const float *x,
-                                                              int64_t x_stride, int64_t k, int r0, const int R,
-                                                              const int L, float part[ROWS_PER_PASS][PANEL]) {
-    x += r0 * x_stride;
-    const int64_t width = bf16 ? 2 : 4; /* bytes a weight */
-    const uint8_t *rows = (const uint8_t *)w + lane0 * k * width;
+static inline __attribute__((always_inline)) void float_block(const uint8_t *panel, int bf16, int lane0,
+                                                              const float *x, int64_t x_stride, int64_t k,
+                                                              const int R, const int L,
+                                                              float part[ROWS_PER_PASS][PANEL]) {
+    const int64_t width = bf16 ? 2 : 4, full = k / FLOAT_CHUNK * FLOAT_CHUNK;
     float sums[ROWS_PER_PASS][PANEL] = {{0}};
-    int64_t i = 0;
 #ifdef QUANT_AVX2
-    __m256 acc[ROWS_PER_PASS][PANEL];
+    fvec acc[ROWS_PER_PASS][PANEL];
     for (int r = 0; r < R; r++)
-        for (int l = 0; l < L; l++) acc[r][l] = _mm256_setzero_ps();
-    for (; i + 8 <= k; i += 8) {
-        __m256 v[PANEL];
-        for (int l = 0; l < L; l++) v[l] = row8(rows + l * k * width, i, bf16);
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(x + r * x_stride + i);
-            for (int l = 0; l < L; l++) acc[r][l] = _mm256_fmadd_ps(xv, v[l], acc[r][l]);
+        for (int l = 0; l < L; l++) acc[r][l] = fvec_zero();
+    for (int64_t j = 0; j < full; j += FLOAT_CHUNK) {
+        const uint8_t *chunk = panel + float_offset(j, lane0) * width;
+        for (int h = 0; h < FLOAT_CHUNK; h += FVEC_LANES) {
+            fvec v[PANEL];
+            for (int l = 0; l < L; l++) v[l] = fvec_weights(chunk + (l * FLOAT_CHUNK + h) * width, bf16);
+            for (int r = 0; r < R; r++) {
+                const fvec xv = fvec_load(x + r * x_stride + j + h);
+                for (int l = 0; l < L; l++) acc[r][l] = fvec_fma(xv, v[l], acc[r][l]);
+            }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int l = 0; l < L; l++) {
-            const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][l]), _mm256_extractf128_ps(acc[r][l], 1));
-            const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-            sums[r][l] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-        }
+        for (int l = 0; l < L; l++) sums[r][l] = fvec_sum(acc[r][l]);
+#else
+    for (int64_t j = 0; j < full; j++)
+        for (int r = 0; r < R; r++)
+            for (int l = 0; l < L; l++) sums[r][l] += float_value(panel, j, lane0 + l, bf16) * x[r * x_stride + j];
 #endif
     for (int r = 0; r < R; r++)
         for (int l = 0; l < L; l++) {
-            const uint8_t *wr = rows + l * k * width;
-            const float *xr = x + r * x_stride;
             float sum = sums[r][l];
-            for (int64_t j = i; j < k; j++) sum += row1(wr, j, bf16) * xr[j];
-            part[r0 + r][lane0 + l] = sum;
+            for (int64_t j = full; j < k; j++) sum += float_value(panel, j, lane0 + l, bf16) * x[r * x_stride + j];
+            part[r][lane0 + l] = sum;
         }
 }
 
-/* part[r][lane] = float weight row `lane` . x row r, for nr rows of x and `width` rows of w ([width, k], float32 or
- * bfloat16): a row of x against all 8 weight rows (8 independent sums keep the multiply-adds flowing; a single one
- * would wait on its own latency), two rows against 4, three or four against 2. */
-static inline __attribute__((always_inline)) void float_columns_of(const void *w, int bf16, int width, const float *x,
+/* part[r][lane] = float panel row `lane` . x row r, for nr rows of x (the panel's zero rows past a segment's end
+ * too): a row of x against all 8 rows (8 independent sums keep the multiply-adds flowing; a single one would wait
+ * on its own latency), more rows of x against fewer at a time, as many accumulators as the registers hold (AVX2's
+ * 16, AVX-512's 32). */
+static inline __attribute__((always_inline)) void float_columns_of(const uint8_t *panel, int bf16, const float *x,
                                                                    int64_t x_stride, int nr, int64_t k,
                                                                    float part[ROWS_PER_PASS][PANEL]) {
+#ifdef QUANT_AVX512
+    const int lanes = nr <= 2 ? 8 : 4;
+#else
     const int lanes = nr == 1 ? 8 : nr == 2 ? 4 : 2;
-    for (int lane = 0; lane < width; lane += lanes) {
-        const int L = width - lane < lanes ? width - lane : lanes;
+#endif
+    for (int lane = 0; lane < PANEL; lane += lanes) {
 #define FLOAT_CASE(R_, L_) \
-    if (nr == (R_) && L == (L_)) { float_block(w, bf16, lane, x, x_stride, k, 0, R_, L_, part); continue; }
-        FLOAT_CASE(1, 8) FLOAT_CASE(2, 4) FLOAT_CASE(3, 2) FLOAT_CASE(4, 2)
+    if (nr == (R_) && lanes == (L_)) { float_block(panel, bf16, lane, x, x_stride, k, R_, L_, part); continue; }
+        FLOAT_CASE(1, 8) FLOAT_CASE(2, 8) FLOAT_CASE(2, 4) FLOAT_CASE(3, 4) FLOAT_CASE(3, 2) FLOAT_CASE(4, 4)
+        FLOAT_CASE(4, 2)
 #undef FLOAT_CASE
-        for (int l = 0; l < L; l++) /* a segment's last panel, partly filled: its rows one by one */
-            for (int r = 0; r < nr; r++) float_block(w, bf16, lane + l, x, x_stride, k, r, 1, 1, part);
     }
 }
 
 /* float_columns_of inlined twice, each with `bf16` a constant: no per-value branch on the format in the loops. */
-static void float_columns(const void *w, int bf16, int width, const float *x, int64_t x_stride, int nr, int64_t k,
+static void float_columns(const uint8_t *panel, int bf16, const float *x, int64_t x_stride, int nr, int64_t k,
                           float part[ROWS_PER_PASS][PANEL]) {
     if (bf16)
-        float_columns_of(w, 1, width, x, x_stride, nr, k, part);
+        float_columns_of(panel, 1, x, x_stride, nr, k, part);
     else
-        float_columns_of(w, 0, width, x, x_stride, nr, k, part);
+        float_columns_of(panel, 0, x, x_stride, nr, k, part);
 }
 
 /* Output columns [col, col + count) of one segment: a panel, or (T_F32, T_BF16) up to 8 float rows. */
@@ -736,9 +811,8 @@ static void panel_columns(const segment *s, int64_t panel, const act_block *a, c
     for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
         const int nr = (int)(m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS);
         if (is_float(s->type)) {
-            const int bf16 = s->type == T_BF16;
-            float_columns(s->data + panel * PANEL * k * (bf16 ? 2 : 4), bf16, width, x + r0 * x_stride, x_stride, nr,
-                          k, part);
+            float_columns(s->data + panel * q_panel_bytes(s->type, k), s->type == T_BF16, x + r0 * x_stride, x_stride,
+                          nr, k, part);
         } else {
             panel_rows(s->type, s->data + panel * q_panel_bytes(s->type, k), a + r0 * blocks, blocks, nr, part);
         }
@@ -847,16 +921,11 @@ void q_dequantize_dense(float *out, const segment *segs, int64_t nseg, int64_t k
         if (seg->col + row < r0 || seg->col + row >= r1) continue;
         const int width = (int)(seg->rows - row < PANEL ? seg->rows - row : PANEL);
         float *o = out + (seg->col + row - r0) * k;
-        if (seg->type == T_F32) {
-            memcpy(o, (const float *)seg->data + row * k, (size_t)(width * k) * sizeof(float));
-            continue;
-        }
-        if (seg->type == T_BF16) {
-            const uint16_t *w = (const uint16_t *)seg->data + row * k;
-            for (int64_t i = 0; i < width * k; i++) o[i] = bf16_to_f32(w[i]);
-            continue;
-        }
         const uint8_t *panel = seg->data + (p - first) * q_panel_bytes(seg->type, k);
+        if (is_float(seg->type)) {
+            for (int lane = 0; lane < width; lane++) dequantize_lane(seg->type, panel, lane, k, o + lane * k);
+            continue;
+        }
 #ifdef QUANT_AVX2
         switch (seg->type) {
         case T_Q4_0: panel_dense(T_Q4_0, panel, k, width, o); break;
@@ -881,8 +950,10 @@ void q_quantize_act(act_block *out, const float *x, int64_t rows, int64_t k) {
 
 int32_t q_act_block_bytes(void) { return (int32_t)sizeof(act_block); }
 
-int32_t q_isa(void) { /* 0 plain C, 1 AVX2, 2 AVX2 with VNNI dot products */
-#if defined(QUANT_AVX2) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+int32_t q_isa(void) { /* 0 plain C, 1 AVX2, 2 AVX2 with VNNI dot products, 3 that and AVX-512's float rows */
+#if defined(QUANT_AVX512) && defined(QUANT_VNNI)
+    return 3;
+#elif defined(QUANT_VNNI)
     return 2;
 #elif defined(QUANT_AVX2)
     return 1;
