@@ -12,6 +12,7 @@ by |w| . |x|, each rounding by 2^-24 relative, so 1e-5 |w| . |x| covers it for t
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,7 +39,8 @@ def test_the_instruction_sets_are_what_they_say() -> None:
         pytest.skip("the AVX2 builds are x86 only")
     assert CpuKernels(load_library(("-march=x86-64",))).isa == "C"
     assert CpuKernels(load_library(("-march=haswell",))).isa == "AVX2"
-    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = set(next(line for line in cpuinfo if line.startswith("flags")).split())
     # -march=native takes what the CPU has and the OS enables (gcc reads CPUID, and XGETBV for the AVX-512 state)
     expected = "AVX-512+VNNI" if {"avx512f", "avx512vl", "avx512_vnni"} <= flags else \
         "AVX2+VNNI" if "avx_vnni" in flags else "AVX2"

@@ -9,6 +9,7 @@ concatenated) and reads/writes K/V through an attention backend over the paged p
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, cast
@@ -34,7 +35,6 @@ from engine.model.parallel import (
 from engine.model.quantized import finish_block_weights
 from kernels.attention.base import AttentionBackend
 from kernels.attention.cpu import PagedStep
-from kernels.cpu import DENSE_ROWS
 from kernels.quant import QTYPES, BlockMatrix, QType
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
@@ -540,7 +540,7 @@ class CausalLM(nn.Module):
         if not self.cos_sin:
             raise RuntimeError("CausalLM.load_weights() must run before the first step")
         residual: torch.Tensor | None = None
-        most = self.float_rows_most if self.float_rows is not None else DENSE_ROWS - 1  # more: per layer, torch's GEMM
+        most = self.float_rows_most if self.float_rows is not None else self._block_rows_most()
         few_rows = isinstance(meta, PagedStep) and x.shape[0] <= most
         fused = self._fused_layers(kv) if few_rows and self.triton is None else None
         if fused is not None and isinstance(meta, PagedStep):  # every layer in one C call (decode.c), x in place
@@ -555,6 +555,12 @@ class CausalLM(nn.Module):
             residual = None if residual is None else residual[logits_index]
         h, _ = (self.triton or EAGER_OPS).norm(x, residual, self.norm)
         return self.logits(h)
+
+    def _block_rows_most(self) -> int:
+        """The most rows a block-format model's step runs in one C call: below the kernels' `dense_rows` (from there
+        each layer expands its weights for torch's GEMM), or any number where the integer kernel always wins."""
+        kernels = self.layers[0].block_kernels
+        return sys.maxsize if kernels is None or kernels.dense_rows is None else kernels.dense_rows - 1
 
     def execution(self) -> dict[str, str]:
         """How this model's layers run here, beyond the engine's options (LLM.execution): `layers`, and what a
