@@ -594,8 +594,10 @@ class CausalLM(nn.Module):
         interpreter, a oneDNN dispatch and an OpenMP team's start and join (see ROWS_ONE_CALL); bigger steps keep
         oneDNN's GEMMs. Weights whose every value is a bfloat16 (a bf16 checkpoint, upcast) are kept as bfloat16
         rows, widened as the kernel reads them: the same float32 products at half the bytes a step reads, which is
-        what bounds a decode step; the output head too then. Up to FLOAT_ROWS_MAX_BYTES of rows; the same float32
-        numbers, summed in another order."""
+        what bounds a decode step. The output head's rows too, where they fit the budget: its product for few rows
+        reads panels at about 37 GB/s where oneDNN read its weight at 28 (SmolLM2-135M's 113 MB float32 head, AMD
+        EPYC Zen 4, 2 threads). Up to FLOAT_ROWS_MAX_BYTES of rows; the same float32 numbers, summed in another
+        order."""
         weights = [[p.weight for p in layer.projections()] for layer in self.layers]
         flat = [w for ws in weights for w in ws]
         if not all(layer.in_one_call and layer.tp.size == 1 for layer in self.layers) or not all(
@@ -609,12 +611,13 @@ class CausalLM(nn.Module):
         self.float_rows_most = ROWS_ONE_CALL_CACHED if size <= CACHED_ROWS_BYTES else ROWS_ONE_CALL
         self.float_rows = [[_float_panels(kernels, w, qtype) for w in cast(list[torch.Tensor], ws)] for ws in weights]
         head = self.lm_head.weight
-        if qtype.name == "BF16" and isinstance(head, torch.Tensor) and head.dtype == torch.float32 and \
-                not head.is_mkldnn and _bf16_exact(head):
+        if isinstance(head, torch.Tensor) and head.dtype == torch.float32 and not head.is_mkldnn and \
+                (qtype.name == "F32" or _bf16_exact(head)) and size + head.numel() * qtype.block_bytes <= \
+                FLOAT_ROWS_MAX_BYTES:
             self.head_rows = _float_panels(kernels, head, qtype)
 
     def head(self, h: torch.Tensor) -> torch.Tensor | None:
-        """The output head's product: through its kept bfloat16 rows for a step of few rows (`keep_float_rows`),
+        """The output head's product: through its kept rows for a step of few rows (`keep_float_rows`),
         else the head's own GEMM (None on tensor-parallel ranks other than 0)."""
         if self.head_rows is not None and h.shape[0] <= self.float_rows_most:
             return linear(h, self.head_rows)
