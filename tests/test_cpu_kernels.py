@@ -3,6 +3,7 @@ and their build: cached once per CPU and compiler, a clear error and the torch p
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -138,6 +139,23 @@ def test_layout_errors_are_clear(kernels):
         kernels.rms_norm(x.t(), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="expected a CPU float32 or bfloat16 tensor"):
         kernels.rms_norm(x.half(), torch.ones(32, dtype=torch.float16), 1e-6)
+
+
+def test_struct_mirrors_are_checked_against_the_c_side(kernels):
+    """The ctypes mirrors of the C structs (attention_call, segment, the fused layers' plans) match their C sizes,
+    and a mirror that lost a field is refused naming the struct (a wrong layout would pass wrong pointers)."""
+    from kernels.cpu import _Attention
+    from kernels.cpu.decode import _Layer, _Model, _Product
+
+    for name, mirror in (("attention_call", _Attention), ("product", _Product), ("layer_plan", _Layer),
+                         ("model_plan", _Model)):
+        kernels.check_struct(name, mirror)
+
+    class Short(ctypes.Structure):
+        _fields_ = _Attention._fields_[:-1]
+
+    with pytest.raises(KernelBuildError, match=r"attention_call is \d+ bytes, its ctypes mirror Short \d+: the two"):
+        kernels.check_struct("attention_call", Short)
 
 
 def test_library_is_built_once_and_cached(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _F, _P, _I, _P, _I, _P],
+    "paged_attention": [ctypes.c_void_p],  # a pointer to an _Attention
     "rms_norm": [_P, _P, _I, _P, _I, _I, _F],
     "rope": [_P, _I, _I, _I, _P, _P, _P, _I],
     "silu_mul": [_P, _P, _I, _I],  # by the model dtype whose roundings it keeps; always float32 data
@@ -47,10 +47,19 @@ rows (AMD EPYC Zen 4, 2 threads, Q4_0/Q4_1/Q8_0/Q4_K; Q6_K 0.92-1.19x), so it ne
 
 
 class _Segment(ctypes.Structure):
-    """quant.c's `segment`: rows of one format and the first output column they fill."""
+    """quant.h's `segment`: rows of one format and the first output column they fill."""
 
     _fields_ = [("type", ctypes.c_int32), ("data", ctypes.c_void_p), ("rows", ctypes.c_int64),
                 ("col", ctypes.c_int64)]
+
+
+class _Attention(ctypes.Structure):
+    """attention.h's `attention_call` (its comments say what each field is)."""
+
+    _fields_ = [("out", _P), ("q", _P), ("q_stride", _I), ("k_pool", _P), ("v_pool", _P), ("table", _P),
+                ("table_stride", _I), ("rows", _P), ("kv_lens", _P), ("batch", _I), ("num_heads", _I),
+                ("num_kv_heads", _I), ("head_dim", _I), ("scale", _F), ("window", _I), ("softcap", _F),
+                ("k_new", _P), ("v_new", _P), ("k_stride", _I), ("v_stride", _I), ("out_locs", _P)]
 
 
 def supported(device: str, dtype: torch.dtype) -> bool:
@@ -87,14 +96,25 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int32 if name == "q_linear" else None
             self._quant[name] = fn
         self._q_linear = self._quant["q_linear"]
-        lib.q_act_block_bytes.restype = lib.q_isa.restype = ctypes.c_int32
+        lib.q_isa.restype = ctypes.c_int32
         lib.q_panel_bytes.argtypes, lib.q_panel_bytes.restype = [ctypes.c_int32, _I], _I
         self._panel_bytes = lib.q_panel_bytes
-        self.act_block_bytes = int(lib.q_act_block_bytes())
+        lib.struct_bytes.argtypes, lib.struct_bytes.restype = [ctypes.c_char_p], _I
+        self.check_struct("segment", _Segment)
+        self.check_struct("attention_call", _Attention)
+        self.act_block_bytes = int(lib.struct_bytes(b"act_block"))
         self.isa = ("C", "AVX2", "AVX2+VNNI", "AVX-512+VNNI")[lib.q_isa()]
         """The instructions the quantized products run on here."""
         self.dense_rows = None if "VNNI" in self.isa else DENSE_ROWS
         """From how many rows a block-format product expands its weight for torch's GEMM (None: never)."""
+
+    def check_struct(self, name: str, mirror: type[ctypes.Structure]) -> None:
+        """KernelBuildError unless the ctypes `mirror` of C struct `name` has the C side's size (a field added on one
+        side only)."""
+        size = int(self.lib.struct_bytes(name.encode()))
+        if size != ctypes.sizeof(mirror):
+            raise KernelBuildError(f"the C struct {name} is {size} bytes, its ctypes mirror {mirror.__name__} "
+                                   f"{ctypes.sizeof(mirror)}: the two sides disagree")
 
     def _fn(self, name: str, x: torch.Tensor) -> Callable[..., None]:
         """The entry point for x's dtype, after checking that x is a CPU tensor of a supported dtype."""
@@ -161,8 +181,10 @@ class CpuKernels:
             _check(t, q.dtype, what)
         for t, what in ((table, "request table"), (rows, "rows"), (kv_lens, "kv_lens")):
             _check(t, torch.int64, what)
-        k_new = v_new = slots = None
-        k_stride = v_stride = 0
+        call = _Attention(q=q.data_ptr(), q_stride=q.stride(0), k_pool=k_cache.data_ptr(), v_pool=v_cache.data_ptr(),
+                          table=table.data_ptr(), table_stride=table.stride(0), rows=rows.data_ptr(),
+                          kv_lens=kv_lens.data_ptr(), batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=dim, scale=scale, window=window or 0, softcap=softcap or 0.0)
         if new is not None:
             k, v, out_locs = new
             if k.shape != (batch, num_kv_heads, dim) or v.shape != k.shape or k.stride()[1:] != (dim, 1) or \
@@ -172,13 +194,12 @@ class CpuKernels:
             _check(k, q.dtype, "new keys")
             _check(v, q.dtype, "new values")
             _check(out_locs, torch.int64, "out slots")
-            k_new, v_new, slots = k.data_ptr(), v.data_ptr(), out_locs.contiguous().data_ptr()
-            k_stride, v_stride = k.stride(0), v.stride(0)
+            out_locs = out_locs.contiguous()
+            call.k_new, call.v_new, call.out_locs = k.data_ptr(), v.data_ptr(), out_locs.data_ptr()
+            call.k_stride, call.v_stride = k.stride(0), v.stride(0)
         out = torch.empty((batch, num_heads, dim), dtype=q.dtype)
-        self._fn("paged_attention", q)(
-            out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
-            table.stride(0), rows.data_ptr(), kv_lens.data_ptr(), batch, num_heads, num_kv_heads, dim, scale,
-            window or 0, softcap or 0.0, k_new, k_stride, v_new, v_stride, slots)
+        call.out = out.data_ptr()
+        self._fn("paged_attention", q)(ctypes.byref(call))
         return out
 
     def segments(self, w: BlockMatrix) -> ctypes.Array[_Segment]:

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "attention.h"
 #include "dtype.h"
 
 #define KEY_BLOCK 128
@@ -148,22 +149,21 @@ static inline const float *row_bf16(const uint16_t *src, float *buf, int64_t hea
 /* One item: query token b's heads of KV head h's group, over keys 0..kv_lens[b]-1 of its request (the last
  * `window` of them where window > 0), scores capped where softcap > 0. */
 #define DEFINE_ATTEND_ITEM(NAME, T, LOAD, STORE, ROW)                                                     \
-void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool, const int64_t *table,  \
-          int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t b, int64_t h,        \
-          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,         \
-          float softcap) {                                                                               \
+void NAME(const attention_call *a, int64_t b, int64_t h) {                                               \
+    const int64_t num_heads = a->num_heads, num_kv_heads = a->num_kv_heads, head_dim = a->head_dim;      \
     const int64_t group = num_heads / num_kv_heads;                                                      \
-    const int64_t *locs = table + rows[b] * table_stride;                                               \
-    const int64_t len = kv_lens[b];                                                                      \
+    const T *q = a->q, *k_pool = a->k_pool, *v_pool = a->v_pool;                                         \
+    const int64_t *locs = a->table + a->rows[b] * a->table_stride;                                      \
+    const int64_t len = a->kv_lens[b], window = a->window;                                               \
     const int64_t begin = window > 0 && len > window ? len - window : 0;                                 \
     float qf[group * head_dim], acc[group * head_dim], max[group], sum[group], s[group * KEY_BLOCK];      \
     float kbuf[KEY_BLOCK * head_dim], vbuf[KEY_BLOCK * head_dim], zeros[head_dim];                         \
     const float *k[KEY_BLOCK], *v[KEY_BLOCK];                                                            \
     for (int64_t d = 0; d < head_dim; d++) zeros[d] = 0.0f;                                              \
     for (int64_t g = 0; g < group; g++) {                                                                \
-        const T *qrow = q + b * q_stride + (h * group + g) * head_dim;                                   \
+        const T *qrow = q + b * a->q_stride + (h * group + g) * head_dim;                                \
         for (int64_t d = 0; d < head_dim; d++) {                                                         \
-            qf[g * head_dim + d] = LOAD(qrow[d]) * scale;                                                \
+            qf[g * head_dim + d] = LOAD(qrow[d]) * a->scale;                                             \
             acc[g * head_dim + d] = 0.0f;                                                                \
         }                                                                                                \
         max[g] = sum[g] = 0.0f;                                                                          \
@@ -180,9 +180,10 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
         for (int64_t g = 0; g < group; g++) {                                                            \
             float *sg = s + g * KEY_BLOCK;                                                               \
             attend_block(sg, qf + g * head_dim, acc + g * head_dim, k, v, n, n_pad, head_dim, &max[g],   \
-                         &sum[g], j0 == begin, softcap);                                                 \
+                         &sum[g], j0 == begin, a->softcap);                                              \
         }                                                                                                \
     }                                                                                                    \
+    T *out = a->out;                                                                                     \
     for (int64_t g = 0; g < group; g++) {                                                                \
         T *orow = out + (b * num_heads + h * group + g) * head_dim;                                      \
         const float inv = 1.0f / sum[g];                                                                 \
@@ -196,25 +197,22 @@ void NAME(T *out, const T *q, int64_t q_stride, const T *k_pool, const T *v_pool
  * contiguous) are first written to pool slots out_locs[t], in the same parallel region (no torch scatter per
  * layer). */
 #define DEFINE_PAGED_ATTENTION(NAME, ITEM, T)                                                                   \
-void NAME(T *out, const T *q, int64_t q_stride, T *k_pool, T *v_pool, const int64_t *table,             \
-          int64_t table_stride, const int64_t *rows, const int64_t *kv_lens, int64_t batch,                \
-          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,          \
-          float softcap, const T *k_new, int64_t k_stride, const T *v_new, int64_t v_stride,               \
-          const int64_t *out_locs) {                                                                      \
-    const int64_t width = num_kv_heads * head_dim;                                                        \
+void NAME(const attention_call *a) {                                                                      \
+    const int64_t width = a->num_kv_heads * a->head_dim;                                                  \
+    T *k_pool = a->k_pool, *v_pool = a->v_pool;                                                           \
+    const T *k_new = a->k_new, *v_new = a->v_new;                                                         \
     _Pragma("omp parallel")                                                                               \
     {                                                                                                     \
         if (k_new) {                                                                                      \
             _Pragma("omp for schedule(static)")                                                           \
-            for (int64_t t = 0; t < batch; t++) {                                                         \
-                memcpy(k_pool + out_locs[t] * width, k_new + t * k_stride, (size_t)width * sizeof(T));  \
-                memcpy(v_pool + out_locs[t] * width, v_new + t * v_stride, (size_t)width * sizeof(T));  \
+            for (int64_t t = 0; t < a->batch; t++) {                                                      \
+                memcpy(k_pool + a->out_locs[t] * width, k_new + t * a->k_stride, (size_t)width * sizeof(T)); \
+                memcpy(v_pool + a->out_locs[t] * width, v_new + t * a->v_stride, (size_t)width * sizeof(T)); \
             }                                                                                             \
         }                                                                                                 \
         _Pragma("omp for schedule(static, 1)")                                                            \
-        for (int64_t item = 0; item < batch * num_kv_heads; item++)                                       \
-            ITEM(out, q, q_stride, k_pool, v_pool, table, table_stride, rows, kv_lens, item / num_kv_heads, \
-                 item % num_kv_heads, num_heads, num_kv_heads, head_dim, scale, window, softcap);         \
+        for (int64_t item = 0; item < a->batch * a->num_kv_heads; item++)                                 \
+            ITEM(a, item / a->num_kv_heads, item % a->num_kv_heads);                                      \
     }                                                                                                     \
 }
 

@@ -18,15 +18,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "quant.h"
 
 void rms_norm_row_f32(float *out, const float *x, const float *weight, int64_t dim, float eps);
 void rope_token_f32(float *x, int64_t heads, int64_t position, const float *cos, const float *signed_sin,
                     int64_t head_dim);
-void attention_item_f32(float *out, const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
-                        const int64_t *table, int64_t table_stride, const int64_t *rows, const int64_t *kv_lens,
-                        int64_t b, int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                        int64_t window, float softcap);
 
 typedef struct { /* one product: its segments and its bias (NULL: none) */
     const segment *segs;
@@ -97,11 +94,14 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
             memcpy(L->v_cache + out_locs[t] * kv_size, qkv + t * qkv_width + q_size + kv_size,
                    (size_t)kv_size * sizeof(float));
         }
+        const attention_call call = {.out = attn, .q = qkv, .q_stride = qkv_width, .k_pool = L->k_cache,
+                                     .v_pool = L->v_cache, .table = table, .table_stride = table_stride,
+                                     .rows = rows, .kv_lens = kv_lens, .batch = tokens, .num_heads = plan->heads,
+                                     .num_kv_heads = plan->kv_heads, .head_dim = head_dim, .scale = plan->scale,
+                                     .window = L->window};
 #pragma omp for schedule(static, 1)
         for (int64_t item = 0; item < tokens * plan->kv_heads; item++)
-            attention_item_f32(attn, qkv, qkv_width, L->k_cache, L->v_cache, table, table_stride, rows, kv_lens,
-                               item / plan->kv_heads, item % plan->kv_heads, plan->heads, plan->kv_heads, head_dim,
-                               plan->scale, L->window, 0.0f);
+            attention_item_f32(&call, item / plan->kv_heads, item % plan->kv_heads);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < tokens; r++)
             q_prepare_rows(INPUT_AS_IS, attn, q_size, r, r + 1, q_size, NULL, 0.0f, NULL, scratch);
@@ -122,4 +122,16 @@ done:
     free(prepared);
     free(scratch);
     return status;
+}
+
+/* The size of each struct the ctypes side mirrors (kernels/cpu/__init__.py and decode.py check theirs against it at
+ * load: a field added on one side only fails there, not as a wrong pointer in a step); -1 for an unknown name. */
+int64_t struct_bytes(const char *name) {
+    if (strcmp(name, "attention_call") == 0) return (int64_t)sizeof(attention_call);
+    if (strcmp(name, "segment") == 0) return (int64_t)sizeof(segment);
+    if (strcmp(name, "act_block") == 0) return (int64_t)sizeof(act_block);
+    if (strcmp(name, "product") == 0) return (int64_t)sizeof(product);
+    if (strcmp(name, "layer_plan") == 0) return (int64_t)sizeof(layer_plan);
+    if (strcmp(name, "model_plan") == 0) return (int64_t)sizeof(model_plan);
+    return -1;
 }

@@ -71,6 +71,8 @@ class FusedLayers:
         self._model = _Model(len(views), hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5,
                              cos.data_ptr(), signed_sin.data_ptr(), ctypes.addressof(self._layers))
         self.hidden = hidden
+        for name, mirror in (("product", _Product), ("layer_plan", _Layer), ("model_plan", _Model)):
+            kernels.check_struct(name, mirror)
         self._fn = kernels.lib.q_decode_layers
         self._fn.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _P]
         self._fn.restype = ctypes.c_int32

@@ -66,9 +66,9 @@ static inline int64_t float_offset(int64_t j, int lane) {
 }
 
 #define ROWS_PER_PASS 4          /* rows of x that share one unpacked tile */
-#define PARALLEL_MIN_WORK 32768
+#define PARALLEL_MIN_WORK 32768 /* below this many multiply-adds one thread does the whole product */
 #define SERIAL_INPUT_VALUES 8192 /* up to this many input values are prepared before the team starts */
-#define PREFETCH_TILES 8         /* how far ahead of the product a panel's tiles are fetched */  /* below this many multiply-adds one thread does the whole product */
+#define PREFETCH_TILES 8         /* how far ahead of the product a panel's tiles are fetched */
 
 #define RESIDUAL 254.0f /* |x / d - q| <= 1/2, so r = round(254 (x / d - q)) fits in [-127, 127] */
 
@@ -948,7 +948,6 @@ void q_quantize_act(act_block *out, const float *x, int64_t rows, int64_t k) {
     for (int64_t i = 0; i < rows * (k / 32); i++) quantize_act_block(x + i * 32, out + i);
 }
 
-int32_t q_act_block_bytes(void) { return (int32_t)sizeof(act_block); }
 
 int32_t q_isa(void) { /* 0 plain C, 1 AVX2, 2 AVX2 with VNNI dot products, 3 that and AVX-512's float rows */
 #if defined(QUANT_AVX512) && defined(QUANT_VNNI)

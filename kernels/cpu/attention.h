@@ -1,0 +1,24 @@
+/* The paged attention kernel's call (attention.c): one struct of named fields, so that the ctypes side
+ * (kernels/cpu/__init__.py, `_Attention`) and the fused layers (decode.c) name what they pass. */
+#pragma once
+#include <stdint.h>
+
+typedef struct {
+    void *out;                      /* [batch, num_heads, head_dim], the activation dtype */
+    const void *q;                  /* [batch, num_heads, head_dim], heads contiguous, tokens q_stride apart */
+    int64_t q_stride;
+    void *k_pool, *v_pool;          /* [locations, num_kv_heads, head_dim] */
+    const int64_t *table;           /* request table: row rows[b] holds item b's KV locations, in order */
+    int64_t table_stride;
+    const int64_t *rows, *kv_lens;  /* per item: its table row and its key count */
+    int64_t batch, num_heads, num_kv_heads, head_dim;
+    float scale;                    /* applied to q . k */
+    int64_t window;                 /* > 0: only the last `window` keys */
+    float softcap;                  /* > 0: each score capped as softcap * tanh(s / softcap) */
+    const void *k_new, *v_new;      /* NULL, or this step's keys and values, written to out_locs first */
+    int64_t k_stride, v_stride;     /* token strides of k_new and v_new (heads contiguous) */
+    const int64_t *out_locs;
+} attention_call;
+
+/* One item: query token b's heads of KV head h's group (float32 activations; the fused layers' stage 5). */
+void attention_item_f32(const attention_call *a, int64_t b, int64_t h);
