@@ -436,7 +436,7 @@ class LLM:
         main = [name for name, count in sorted(formats.items(), key=lambda f: -f[1]) if count >= 0.01 * total]
         execution = {"request_slots": str(self.config.request_slots), "attention_backend": self.runner.backend.name,
                      "weights": f"{'+'.join(main)}, {size / 2**20:.1f} MiB{self._kept_rows()}", "gemm": gemm,
-                     "cpu_kernels": "on" if self.model.kernels is not None else "off",
+                     "cpu_kernels": f"on ({self.model.kernels.isa})" if self.model.kernels is not None else "off",
                      **self.model.execution(), "overlap": "on" if self.config.use_overlap else "off"}
         cfg = self.config
         if cfg.speculative is not None:

@@ -31,6 +31,7 @@ from engine.service.addresses import (
 )
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.launcher import EngineStartError, find, find_or_start, start
+from kernels.cpu import load_cpu_kernels
 from tui.cli import app
 
 ENGINE = dict(num_pages=64, max_running_requests=4)
@@ -81,6 +82,7 @@ def test_launcher_starts_attaches_and_stops(runtime: Path, llama_ckpt: Path) -> 
     assert not (runtime / "minichat" / "engine.sock").exists()
     log = handle.log_path.read_text()
     assert "engine ready" in log and "aborted 1 in-flight request(s)" in log
+    assert f"cpu kernels on ({load_cpu_kernels().isa})" in log  # the kernel path, named at start
 
 
 def test_async_client_streams_aborts_and_reads_stats(runtime: Path, llama_ckpt: Path) -> None:
@@ -195,8 +197,8 @@ def test_cli_status_stop_and_serve_refusing_a_taken_address(runtime: Path, llama
         assert "request slots 0/4 busy" in status.output and "KV pages (16 tokens each): 64 free" in status.output
         # what `auto` resolved to here: the C kernels build on this machine (tests/test_cpu_kernels.py)
         assert "running: request slots 4, attention backend cpu, weights float32, " in status.output
-        assert ("MiB of F32 rows kept), gemm float32 prepacked, cpu kernels on, layers one C call a step of up to 32 "
-                "rows (float32 rows kept), oneDNN layer by layer above, overlap off") in status.output
+        assert f"gemm float32 prepacked, cpu kernels on ({load_cpu_kernels().isa}), layers one C call a step of up " \
+               "to 32 rows (float32 rows kept), oneDNN layer by layer above, overlap off" in status.output
         stop = runner.invoke(app, ["stop", "--address", address])
         assert stop.exit_code == 0 and f"pid {handle.pid}" in stop.output
         assert handle.process.wait(timeout=30) == 0

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from engine.pages import paint
 from engine.service.client import EngineClient, probe
 from engine.service.launcher import start
+from kernels.cpu import load_cpu_kernels
 from tui.bench.fleet import START_TIMEOUT, free_port, minichat, stop, wait_up
 
 KEY = "test-key-123"
@@ -86,6 +87,8 @@ def test_models_and_health(server, engine):
     assert [m.id for m in models] == ["tiny"]
     # the weights' formats and their size in memory, as the engine reports them (float32 for this checkpoint)
     assert models[0].weights == engine.info().execution["weights"] and models[0].weights.startswith("float32, ")
+    # which kernels run it: minichat's C kernels for this CPU's instruction set (tests/test_quant_kernels.py)
+    assert models[0].cpu_kernels == f"on ({load_cpu_kernels().isa})"
     # what the model is: family and window (and experts, for a mixture of experts: tests/test_model_families.py)
     assert (models[0].family, models[0].architecture, models[0].window) == ("Llama", "LlamaForCausalLM", "none")
     assert server.get("/health").json()["status"] == "ok"

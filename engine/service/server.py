@@ -133,10 +133,11 @@ class EngineServer:
 
     def run(self) -> None:
         """Pass after pass (`run_once`) until stopped; then abort what is in flight (`_shutdown`)."""
-        log.info("engine ready: model %s, %d KV pages x %d tokens, %d request slots; listening on %s, "
-                 "stats on %s (pid %d)", self.llm.checkpoint.path, self.llm.num_pages, self.llm.config.page_size,
-                 self.llm.config.request_slots, self.sockets.address, self.sockets.stats_address,
-                 os.getpid())
+        execution = self.llm.execution
+        log.info("engine ready: model %s, %d KV pages x %d tokens, %d request slots; weights %s, %s, cpu kernels %s; "
+                 "listening on %s, stats on %s (pid %d)", self.llm.checkpoint.path, self.llm.num_pages,
+                 self.llm.config.page_size, self.llm.config.request_slots, execution["weights"], execution["gemm"],
+                 execution["cpu_kernels"], self.sockets.address, self.sockets.stats_address, os.getpid())
         try:
             while not self._stop:
                 self.run_once()

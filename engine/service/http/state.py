@@ -93,6 +93,7 @@ class ApiState:
         info = await self.info()
         return {"id": await self.model_name(), "object": "model", "created": self.created, "owned_by": "minichat",
                 "root": info.model, "max_model_len": info.max_seq_len, "weights": info.execution.get("weights"),
+                "cpu_kernels": info.execution.get("cpu_kernels"),
                 **{k: v for k, v in info.model_info.items() if k in MODEL_CARD}}
 
 
