@@ -454,12 +454,6 @@ static void quantize_act_block(const float *x, act_block *a) {
 /* -- the product ------------------------------------------------------------------------------------ */
 
 #ifdef QUANT_AVX2
-#ifdef QUANT_VNNI
-#define Q8_OFFSET 1 /* Q8_0's signed weights enter dpbusd as w + 128 (one xor), not as |w| with x signed (three) */
-#else
-#define Q8_OFFSET 0
-#endif
-
 /* Eight int32 sums, each += four adjacent products u[i] * s[i] (u unsigned, s signed). */
 static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
@@ -551,7 +545,6 @@ static inline __attribute__((always_inline)) void panel_dots(int type, const uin
             S = f16x8(sc);
             if (has_min(type)) M = f16x8(sc + 16);
             else if (zero_point(type)) M = _mm256_mul_ps(S, _mm256_set1_ps(-(float)zero_point(type)));
-            else if (type == T_Q8_0 && Q8_OFFSET) M = _mm256_mul_ps(S, _mm256_set1_ps(-128.0f));
         }
         __m256i w[8];
         tile_vectors(type, tile, w);
@@ -574,11 +567,7 @@ static inline __attribute__((always_inline)) void panel_dots(int type, const uin
             __m256i iq = _mm256_setzero_si256(), ir = _mm256_setzero_si256();
             for (int g = 0; g < 8; g++) {
                 const __m256i xq = bcast4(ab->q + 4 * g), xr = bcast4(ab->r + 4 * g);
-                if (type == T_Q8_0 && Q8_OFFSET) { /* w + 128 as unsigned: the offset leaves with M = -128 S */
-                    const __m256i u = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
-                    iq = dot_acc(iq, u, xq);
-                    ir = dot_acc(ir, u, xr);
-                } else if (type == T_Q8_0) { /* |w| against x with w's sign (maddubs' pair sums cannot overflow) */
+                if (type == T_Q8_0) {
                     const __m256i u = _mm256_sign_epi8(w[g], w[g]);
                     iq = dot_acc(iq, u, _mm256_sign_epi8(xq, w[g]));
                     ir = dot_acc(ir, u, _mm256_sign_epi8(xr, w[g]));
@@ -588,7 +577,7 @@ static inline __attribute__((always_inline)) void panel_dots(int type, const uin
                 }
             }
             acc[r] = _mm256_fmadd_ps(combine(iq, ir), _mm256_mul_ps(S, d), acc[r]);
-            if (type != T_Q8_0 || Q8_OFFSET) acc[r] = _mm256_fmadd_ps(M, _mm256_set1_ps(ab->s), acc[r]);
+            if (type != T_Q8_0) acc[r] = _mm256_fmadd_ps(M, _mm256_set1_ps(ab->s), acc[r]);
         }
     }
 }
