@@ -45,7 +45,11 @@ def test_short_bench_reports_every_metric_and_valid_json(engine_address, tmp_pat
     assert run.returncode == 0, run.stderr
     for label in ("completed / aborted / failed", "request throughput", "output throughput", "total throughput",
                   "peak concurrency", "TTFT", "TPOT", "ITL", "E2E"):
-        assert label in run.stderr
+        assert label in run.stdout and label not in run.stderr  # results on stdout: `bench > out` keeps them
+    # progress on stderr, a bar each: the warm-up's one request, then the six measured
+    assert "warmup: 100%" in run.stderr and "1/1" in run.stderr and "bench: 100%" in run.stderr \
+        and "6/6" in run.stderr and "/7" not in run.stderr
+    assert "cache: warm: attached to a running engine" in run.stderr
     report = json.loads(out.read_text())
     assert report["config"]["engine_execution"]["attention_backend"] == "cpu"  # what the run really used
     engine = report["engine"]
@@ -75,12 +79,12 @@ def test_hf_baseline_runs_the_same_workload(engine_address, tmp_path):
     assert report["baseline"]["output_throughput"] == pytest.approx(16 / report["baseline"]["duration"])
     assert report["ratio_output_throughput"] == pytest.approx(
         report["engine"]["output_throughput"] / report["baseline"]["output_throughput"])
-    assert "engine / baseline" in run.stderr
+    assert "engine / baseline" in run.stdout
     # how busy the machine was as it began, and, when it was, a word on what that does to this ratio
     machine = report["machine"]
     assert machine["cpus"] == len(os.sched_getaffinity(0)) and machine["load_average_1m"] >= 0
     assert machine["busy"] == (machine["load_average_1m"] > machine["cpus"])
-    assert ("this machine is busy" in run.stderr) == ("measured on a busy machine" in run.stderr) \
+    assert ("this machine is busy" in run.stderr) == ("measured on a busy machine" in run.stdout) \
         == machine["busy"], run.stderr
 
 
@@ -91,6 +95,32 @@ def test_a_busy_machine_is_said_before_the_numbers() -> None:
     assert warning is not None and "load average (5.3) exceeds its 2 CPUs" in warning
     assert "a ratio between runs (or against --baseline) measures the load as much as the engines" in warning
     assert load_warning(Machine(load_average_1m=1.9, cpus=2, busy=False)) is None
+
+
+def test_a_bench_that_starts_its_engine_measures_from_a_cold_cache(llama_ckpt, tmp_path):
+    """Its prompts are the same every run (one seed), and the disk KV tier outlives an engine: a bench that starts
+    its engine gives it an empty tier of its own, so a run after a warm one reads nothing from cache, and says so;
+    --warm-cache keeps the user's tier, from which the same workload then comes back (the control)."""
+    env = {**os.environ, "MINICHAT_KV_CACHE_DIR": str(tmp_path / "user-kv")}
+
+    def run(name: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run([sys.executable, "-m", "tui.cli", "bench", "--model", str(llama_ckpt), "--address",
+                               f"ipc://{tmp_path}/{name}.sock", "--num-requests", "4", "--concurrency", "2",
+                               "--input-len", "40", "--output-len", "2", "--warmup", "0", "--json", str(out), *extra],
+                              capture_output=True, text=True, timeout=180, env=env)
+        assert done.returncode == 0, done.stderr
+        return done, json.loads(out.read_text())
+
+    first, _ = run("first", "--warm-cache")
+    assert "cache: warm on purpose (--warm-cache)" in first.stderr
+    cold, report = run("cold")
+    assert "cache: cold: an empty disk tier of this run's own" in cold.stderr
+    assert report["config"]["cache"].startswith("cold") and report["engine"]["cached_prompt_tokens"] == 0
+    own = Path(report["config"]["cache"].split("own (", 1)[1].split(", removed after)")[0])
+    assert own.name.startswith("minichat-bench-kv-") and not own.exists()  # gone with its engine
+    _, again = run("again", "--warm-cache")
+    assert again["engine"]["cached_prompt_tokens"] > 0  # the user's tier had the pages the cold run did not read
 
 
 def test_no_engine_fails_fast_with_a_clear_message():
@@ -118,7 +148,7 @@ def test_shared_prefix_workload_is_token_exact_and_the_cache_serves_the_prefixes
     assert report["config"]["prefix_len"] == 32 and [r["prompt_len"] for r in report["records"]] == [40] * 6
     assert report["engine"]["input_tokens"] == 240
     assert report["engine"]["cached_prompt_tokens"] == 4 * 32  # whole pages of 16: the prefixes, not a suffix
-    assert "prompt tokens from the prefix cache" in run.stderr and "128 of 240 (53%)" in run.stderr
+    assert "prompt tokens from the prefix cache" in run.stdout and "128 of 240 (53%)" in run.stdout
 
 
 def test_bad_options_are_refused(engine_address):
@@ -135,17 +165,18 @@ def test_a_request_an_operator_aborts_is_counted_aborted(long_ckpt: Path, tmp_pa
     with start(address, model=str(long_ckpt), timeout=120), EngineClient(address) as operator:
         bench = subprocess.Popen([sys.executable, "-m", "tui.cli", "bench", "--address", address, "--num-requests",
                                   "2", "--concurrency", "2", "--input-len", "16", "--output-len", "1500",
-                                  "--warmup", "0", "--json", str(out)], stderr=subprocess.PIPE, text=True)
+                                  "--warmup", "0", "--json", str(out)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
         try:
             both = operator.wait_stats(lambda s: len(s.running) == 2 and all(r.generated for r in s.running), 120)
             victim = both.running[0].rid
             operator.abort(victim)
-            _, stderr = bench.communicate(timeout=300)
+            stdout, stderr = bench.communicate(timeout=300)
         finally:
             bench.kill()
     assert bench.returncode == 3, stderr
-    assert "completed / aborted / failed" in stderr and "1 / 1 / 0" in stderr
-    assert "1 request was aborted by someone else" in stderr
+    assert "completed / aborted / failed" in stdout and "1 / 1 / 0" in stdout
+    assert "1 request was aborted by someone else" in stdout
     report = json.loads(out.read_text())
     assert (report["engine"]["completed"], report["engine"]["aborted"], report["engine"]["failed"]) == (1, 1, 0)
     records = report["records"]

@@ -326,7 +326,7 @@ def test_bench_openai_backend_reports_every_metric(server, tmp_path):
     assert run.returncode == 0, run.stderr
     for label in ("completed / aborted / failed", "request throughput", "output throughput", "TTFT", "TPOT", "ITL",
                   "E2E"):
-        assert label in run.stderr
+        assert label in run.stdout
     report = json.loads(out.read_text())
     assert report["config"]["backend"] == "openai" and report["engine"]["completed"] == 4
     assert [(r["prompt_len"], r["output_len"], r["error"]) for r in report["records"]] == [(12, 4, None)] * 4

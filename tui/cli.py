@@ -163,7 +163,7 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
           request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
           timeout: float, baseline: str | None, json_path: Path | None, backend: str, base_url: str | None,
           tokenizer: str | None, api_key: str | None, json_schema: Path | None, prefix_len: int, num_prefixes: int,
-          endpoint: str, **engine_options: typing.Any) -> None:
+          endpoint: str, warm_cache: bool, **engine_options: typing.Any) -> None:
     """Serving benchmark: throughput and TTFT / TPOT / ITL / E2E latency.
 
     --backend minichat (default) speaks the engine's protocol: it attaches to the engine at --address;
@@ -172,6 +172,10 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
     OpenAI-compatible server at --base-url (minichat's HTTP API, vLLM, SGLang, llama.cpp), where --model
     names the served model, streamed from /v1/completions or the --endpoint named (chat, Anthropic's
     messages, the responses API).
+
+    An engine bench starts has an empty disk KV tier of its own (removed after), so that each run measures
+    the same thing; --warm-cache keeps the usual one. An attached engine is as warm as its past requests
+    left it. The results go to stdout; notes, warnings and progress to stderr.
 
     Exit status: 0 when every request completed, 1 when some failed, 3 when none failed but some were
     aborted by someone else (an operator, a shutdown); the figures cover the completed ones only.
@@ -185,7 +189,7 @@ def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, 
                            timeout=timeout, baseline=baseline, json_path=json_path,
                            engine_options=engine_options_given(engine_options), backend=backend, base_url=base_url,
                            tokenizer=tokenizer, api_key=api_key, json_schema=json_schema, prefix_len=prefix_len,
-                           num_prefixes=num_prefixes, endpoint=endpoint)
+                           num_prefixes=num_prefixes, endpoint=endpoint, warm_cache=warm_cache)
     except (BenchError, ValueError) as e:
         typer.echo(f"minichat bench: error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -209,6 +213,8 @@ set_signature(bench, [
     option("request_rate", float, float("inf"), "Requests/s with Poisson arrivals; inf sends all at once."),
     option("seed", int, 0, "Seed for the workload and for sampling."),
     option("warmup", int, 2, "Unmeasured requests sent first."),
+    option("warm_cache", bool, False, "An engine bench starts keeps the user's disk KV tier (pages earlier runs "
+           "left) instead of an empty one of its own.", "--warm-cache/--cold-cache"),
     option("ignore_eos", bool, True, "Generate exactly --output-len.", "--ignore-eos/--no-ignore-eos"),
     option("temperature", float, 0.0, "Sampling temperature (0 = greedy)."),
     option("address", str | None, None, ADDRESS_HELP, "--address"),

@@ -7,6 +7,8 @@ import asyncio
 import json
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Coroutine
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from rich.table import Table
 
 from engine.service.addresses import default_address
 from engine.service.client import EngineClient, EngineRefused, probe
-from engine.service.launcher import EngineHandle, find_or_start
+from engine.service.launcher import EngineHandle, find, start
 from tui.bench.endpoints import ENDPOINTS
 from tui.bench.engine_run import run_engine_bench
 from tui.bench.metrics import RequestRecord, Summary, summarize
@@ -26,6 +28,9 @@ from tui.bench.openai_run import error_message, run_openai_bench
 from tui.bench.workload import BenchRequest, Spell, make_workload
 
 console = Console(stderr=True)
+"""Notes, warnings and progress: stderr, so that `minichat bench > out` keeps only the results."""
+results = Console()
+"""The result tables and ratios: stdout."""
 
 
 class BenchError(RuntimeError):
@@ -100,8 +105,25 @@ def announce_load(machine: Machine) -> str:
     return "\n[yellow](measured on a busy machine: see the warning above)[/yellow]"
 
 
-def connect(address: str | None, engine_options: dict[str, Any]) -> EngineHandle:
-    """Attach to the engine at `address`; start one only when given engine options (or no address)."""
+@dataclass
+class Connection:
+    """The engine a run measures, and the state of its cache as the run begins."""
+
+    handle: EngineHandle
+    cache: str  # said beside the results: cold (an empty tier of the run's own), or warm and why
+    own_tier: Path | None = None  # the temporary disk tier this run's engine had, removed after it
+
+    def close(self) -> None:
+        """Stop the engine if this run started it (an attached one is left alone), and remove its own tier."""
+        self.handle.stop()
+        if self.own_tier is not None:
+            shutil.rmtree(self.own_tier, ignore_errors=True)
+
+
+def connect(address: str | None, engine_options: dict[str, Any], warm_cache: bool) -> Connection:
+    """Attach to the engine at `address`; start one only when given engine options (or no address). An engine
+    started here gets an empty disk tier of its own unless `warm_cache` (the prompts are the same every run with
+    the same seed: the user's tier would serve a second run from the first one's pages)."""
     if address is not None and not engine_options:
         try:
             pong = probe(address, timeout=2.0)
@@ -110,8 +132,26 @@ def connect(address: str | None, engine_options: dict[str, Any]) -> EngineHandle
         if pong is None:
             raise BenchError(f"no engine answers at {address}; start one with `minichat serve --address {address}` "
                              f"or pass --model to let bench start it")
-        return EngineHandle(address, pong.pid)
-    return find_or_start(address or default_address(), **engine_options)
+        return Connection(EngineHandle(address, pong.pid), ATTACHED)
+    address = address or default_address()
+    running = find(address)
+    if running is not None:
+        return Connection(running, ATTACHED)
+    if warm_cache or "kv_cache_dir" in engine_options or engine_options.get("kv_disk_gib") == 0:
+        cache = "warm on purpose (--warm-cache): the disk tier holds what earlier runs left" if warm_cache else \
+            "as the engine options set the disk tier"
+        return Connection(start(address, **engine_options), cache)
+    own = Path(tempfile.mkdtemp(prefix="minichat-bench-kv-"))
+    try:
+        handle = start(address, **engine_options, kv_cache_dir=str(own))
+    except BaseException:
+        shutil.rmtree(own, ignore_errors=True)
+        raise
+    return Connection(handle, f"cold: an empty disk tier of this run's own ({own}, removed after)", own)
+
+
+ATTACHED = ("warm: attached to a running engine, whose prefix cache and tiers hold what earlier requests left "
+            "(stop it, or start one elsewhere, to measure from cold)")
 
 
 def render(title: str, s: Summary) -> Table:
@@ -192,18 +232,28 @@ def openai_target(base_url: str, model: str | None, tokenizer: str | None, api_k
     return Target(f"{base_url} ({card['id']})", tokenizer, card.get("max_model_len"), config), card["id"]
 
 
+def engine_target(connection: Connection) -> tuple[Target, Any]:
+    """What the engine says it runs (its EngineInfo too, for --baseline hf), with its cache's state said first."""
+    console.print(f"cache: {connection.cache}")
+    with EngineClient(connection.handle.address, timeout=10.0) as client:
+        info = client.info()
+    return Target(f"minichat engine ({Path(info.model).name})", info.model, info.max_seq_len,
+                  {"backend": "minichat", "engine_config": info.config, "engine_execution": info.execution,
+                   "cache": connection.cache}), info
+
+
 def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,
               request_rate: float, seed: int, warmup: int, ignore_eos: bool, temperature: float, address: str | None,
               timeout: float, baseline: str | None, json_path: Path | None, engine_options: dict[str, Any],
               backend: str = "minichat", base_url: str | None = None, tokenizer: str | None = None,
               api_key: str | None = None, json_schema: Path | None = None, prefix_len: int = 0,
-              num_prefixes: int = 1, endpoint: str = "completions") -> dict:
+              num_prefixes: int = 1, endpoint: str = "completions", warm_cache: bool = False) -> dict:
     schema = _checked_options(concurrency, baseline, json_schema, backend, endpoint)
     machine = machine_load()
     busy = announce_load(machine)
     shape = Shape(concurrency=concurrency, request_rate=request_rate, seed=seed, ignore_eos=ignore_eos,
                   temperature=temperature, timeout=timeout, json_schema=schema)
-    handle: EngineHandle | None = None
+    connection: Connection | None = None
     try:
         if backend == "openai":
             model = engine_options.pop("model", None)
@@ -216,13 +266,9 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
             def launch(workload: list[BenchRequest], warm: int, shape: Shape) -> Coroutine[Any, Any, Measured]:
                 return run_openai_bench(base_url, served, api_key, workload, warmup=warm, endpoint=endpoint, **shape)
         else:
-            handle = connect(address, engine_options)
-            with EngineClient(handle.address, timeout=10.0) as client:
-                info = client.info()
-            target = Target(f"minichat engine ({Path(info.model).name})", info.model, info.max_seq_len,
-                            {"backend": "minichat", "engine_config": info.config,
-                             "engine_execution": info.execution})
-            engine_address = handle.address
+            connection = connect(address, engine_options, warm_cache)
+            target, info = engine_target(connection)
+            engine_address = connection.handle.address
 
             def launch(workload: list[BenchRequest], warm: int, shape: Shape) -> Coroutine[Any, Any, Measured]:
                 return run_engine_bench(engine_address, workload, warmup=warm, **shape)
@@ -257,21 +303,21 @@ def run_bench(*, concurrency: int, num_requests: int, input_len: int, output_len
             "records": [asdict(r) | {"tpot": r.tpot} for r in records],
             "machine": machine,
         }
-        console.print(render(target.title + (" · JSON schema" if schema else ""), summary))
+        results.print(render(target.title + (" · JSON schema" if schema else ""), summary))
         if baseline == "unconstrained":  # the same workload again, free: what structure costs the batch
             # drawn anew (same lengths, other tokens): the first run's prompts are in the prefix cache now
             again = draw(seed + 1)
             records, duration, peak = asyncio.run(launch(again, len(warm), shape | {"json_schema": None}))
             free = summarize(records[len(warm):], duration, peak)
-            console.print(render(target.title + " · unconstrained (baseline)", free))
+            results.print(render(target.title + " · unconstrained (baseline)", free))
             ratio = summary.output_throughput / free.output_throughput if free.output_throughput else math.inf
-            console.print(f"output throughput JSON schema / unconstrained: [bold]{ratio:.2f}x[/bold]{busy}")
+            results.print(f"output throughput JSON schema / unconstrained: [bold]{ratio:.2f}x[/bold]{busy}")
             result |= {"baseline": free.to_dict(), "ratio_output_throughput": ratio}
         if baseline == "hf":
             result |= _baseline(info, measured, concurrency, ignore_eos, temperature, seed, result["engine"], busy)
     finally:
-        if handle is not None:
-            handle.stop()
+        if connection is not None:
+            connection.close()
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2, allow_nan=True))
         console.print(f"wrote {json_path}")
@@ -307,7 +353,7 @@ def _baseline(info, workload: list[BenchRequest], concurrency: int, ignore_eos: 
     records, duration = run_hf_baseline(info.model, workload, concurrency, str(info.config.get("dtype", "float32")),
                                         str(info.config.get("device", "cpu")), ignore_eos, temperature, seed)
     summary = summarize(records, duration, min(concurrency, len(workload)))
-    console.print(render("transformers generate, static batches (baseline)", summary))
+    results.print(render("transformers generate, static batches (baseline)", summary))
     ratio = engine_summary["output_throughput"] / summary.output_throughput if summary.output_throughput else math.inf
-    console.print(f"output throughput engine / baseline: [bold]{ratio:.2f}x[/bold]{busy}")
+    results.print(f"output throughput engine / baseline: [bold]{ratio:.2f}x[/bold]{busy}")
     return {"baseline": summary.to_dict(), "ratio_output_throughput": ratio}

@@ -39,9 +39,8 @@ async def run_workload(send: Send, workload: list[BenchRequest], concurrency: in
     The first `warmup` requests run (unmeasured) before the clock starts; their records come first."""
     sem = asyncio.Semaphore(concurrency)
     gauge = _Gauge()
-    bar = tqdm(total=len(workload), desc="bench", unit="req")
 
-    async def guarded(req: BenchRequest, delay: float, i: int) -> RequestRecord:
+    async def guarded(req: BenchRequest, delay: float, i: int, bar: tqdm) -> RequestRecord:
         await asyncio.sleep(delay)  # Poisson arrival schedule, not synchronisation
         async with sem:
             with gauge:
@@ -55,20 +54,18 @@ async def run_workload(send: Send, workload: list[BenchRequest], concurrency: in
                     bar.update(1)
 
     warm: list[RequestRecord] = []
-    if warmup:
-        bar.set_description("warmup")
-        warm = await asyncio.gather(*(guarded(r, 0.0, i) for i, r in enumerate(workload[:warmup])))
-        bar.reset(total=len(workload) - warmup)
-        bar.set_description("bench")
+    if warmup:  # a bar of its own each, on stderr: "warmup 2/2", then "bench 0/64"
+        with tqdm(total=warmup, desc="warmup", unit="req") as bar:
+            warm = await asyncio.gather(*(guarded(r, 0.0, i, bar) for i, r in enumerate(workload[:warmup])))
         gauge.peak = 0
     measured = workload[warmup:]
     offsets, t = [], 0.0
     for gap in arrival_gaps(len(measured), request_rate, seed):
         t += gap
         offsets.append(t)
-    start = time.perf_counter()
-    records = await asyncio.gather(*(guarded(r, d, warmup + i)
-                                     for i, (r, d) in enumerate(zip(measured, offsets, strict=True))))
-    duration = time.perf_counter() - start
-    bar.close()
+    with tqdm(total=len(measured), desc="bench", unit="req") as bar:
+        start = time.perf_counter()
+        records = await asyncio.gather(*(guarded(r, d, warmup + i, bar)
+                                         for i, (r, d) in enumerate(zip(measured, offsets, strict=True))))
+        duration = time.perf_counter() - start
     return [*warm, *records], duration, gauge.peak
