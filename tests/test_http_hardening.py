@@ -256,6 +256,25 @@ def metric(api: Api, endpoint: str, outcome: str) -> float:
 
 
 # -- 1: one oversized request must not cut everyone's streams ----------------------------------------
+def test_a_port_another_process_holds_is_refused_before_the_engine_loads(llama_ckpt: Path, tmp_path: Path,
+                                                                         api: Api) -> None:
+    """`serve --http` and `api` on a port that is taken: one clear line and exit status 1, before any engine
+    starts (the engine takes seconds to load; uvicorn's own bind error came after that, as status 3)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        address = f"ipc://{tmp_path}/engine.sock"
+        for args in (["serve", "--http", f"127.0.0.1:{port}", "--model", str(llama_ckpt), "--address", address],
+                     ["api", "--address", api.address, "--port", str(port)]):
+            done = subprocess.run(minichat(*args), capture_output=True, text=True, timeout=60)
+            assert done.returncode == 1, done.stderr
+            assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use (another process listens " \
+                   "there; choose another port)" in done.stderr
+            assert "starting the engine" not in done.stderr and "Traceback" not in done.stderr
+        assert probe(address) is None  # no engine was left behind
+
+
 def test_1_oversized_requests_are_refused_and_other_streams_go_on(api: Api, engine: EngineClient) -> None:
     victim = Stream(api, 600)
     assert victim.next() is not None  # it is streaming when the oversized requests come

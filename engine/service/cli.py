@@ -250,7 +250,7 @@ def _serve_http(http: str, address: str | None, server_options: dict[str, typing
     (another console, other options, another model) and is refused; `minichat api` attaches to one."""
     from engine.service.addresses import AddressError, default_address
     from engine.service.client import EngineRefused, probe
-    from engine.service.http import check_host, run_api
+    from engine.service.http import check_host, listen, run_api
     from engine.service.launcher import EngineStartError, start
 
     host, port = split_host_port(http)
@@ -263,9 +263,15 @@ def _serve_http(http: str, address: str | None, server_options: dict[str, typing
         check_host(host, server_options["allow_remote"])
         if probe(address, timeout=1.0) is not None:
             raise EngineStartError(taken)
+        sock = listen(host, port)
+    except (AddressError, EngineStartError, EngineRefused) as e:
+        typer.echo(f"minichat serve: error: {e}", err=True)
+        raise typer.Exit(1) from e
+    try:
         typer.echo(f"minichat serve: starting the engine at {address} ...", err=True)
         handle = start(address, model=model, **server_options, **engine_options_given(engine_options))
     except (AddressError, EngineStartError, EngineRefused) as e:
+        sock.close()
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
     stopping = threading.Event()  # set before we stop the engine ourselves
@@ -276,7 +282,7 @@ def _serve_http(http: str, address: str | None, server_options: dict[str, typing
         typer.echo(f"minichat serve: engine ready at {address} (pid {handle.pid}, log {handle.log_path})", err=True)
         threading.Thread(target=_watch_engine, args=(handle, stopping, died), name="minichat-engine-watch",
                          daemon=True).start()
-        run_api(options, server_options["log_level"])
+        run_api(options, server_options["log_level"], sock)
     except EngineStartError as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
@@ -304,7 +310,7 @@ def api(address: str | None, host: str, port: int, allow_remote: bool, log_level
     """Serve the OpenAI-compatible HTTP API for the engine running at --address."""
     from engine.service.addresses import AddressError, default_address
     from engine.service.client import EngineRefused, probe
-    from engine.service.http import check_host, run_api
+    from engine.service.http import check_host, listen, run_api
 
     address = address or default_address()
     options = api_options(address, host, port, http_options)
@@ -322,7 +328,12 @@ def api(address: str | None, host: str, port: int, allow_remote: bool, log_level
         typer.echo(f"minichat api: error: no engine answers at {address}; start one with "
                    f"`minichat serve --address {address}`", err=True)
         raise typer.Exit(1)
-    run_api(options, log_level)
+    try:
+        sock = listen(host, port)
+    except AddressError as e:
+        typer.echo(f"minichat api: error: {e}", err=True)
+        raise typer.Exit(1) from e
+    run_api(options, log_level, sock)
 
 
 set_signature(api, [
