@@ -741,6 +741,8 @@ def test_a_failed_start_shows_its_cause(tmp_path: Path) -> None:
             await wait_for(pilot, lambda: link.state.kind == "failed", "the failed start")
             assert status(app).startswith(" failed  the engine did not start: cannot load the model")
             assert "no-such-model" in status(app) and status(app).endswith("then /reconnect")
+            await pilot.press("ctrl+q")
+        assert app.return_code == 1  # the console's exit status says the engine never started (tui/cli.py)
 
     run(scenario)
 

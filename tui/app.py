@@ -454,11 +454,12 @@ class MinichatApp(App[None]):
         self.push_screen(ConfirmScreen(f"Quit minichat? {' and '.join(why).capitalize()}."), quit_if)
 
     async def quit_now(self) -> None:
-        """Wind down the replies still streaming (the engine aborts them) and save, then exit."""
+        """Wind down the replies still streaming (the engine aborts them) and save, then exit: with status 1
+        while the engine link is failed (an engine that did not start: a script or a shell sees it failed)."""
         for pane in self.query(ChatPane):
             await pane.stop_streaming()
             self.conversations.save(pane.session)
-        self.exit()
+        self.exit(return_code=1 if self.link.state.kind == "failed" else 0)
 
     async def action_new_session(self, name: str = "") -> None:
         """ctrl+n, or `/new name`."""

@@ -60,12 +60,16 @@ def root(ctx: typer.Context, version: bool, address: str | None, engines: str | 
     home = fleet.engine(address) if fleet and address else fleet.engines[0] if fleet and fleet.engines else None
     link = home.link if home is not None else EngineLink(address=address or default_address(), model=model,
                                                          engine_options=options, autostart=fleet is None)
+    app = MinichatApp(link, fleet=fleet)
     try:
-        MinichatApp(link, fleet=fleet).run()
+        app.run()
     finally:
         if link.handle is not None:
             typer.echo(f"minichat: stopping the engine it started (pid {link.handle.pid})")
         link.stop_engine()
+    if app.return_code:  # quit while the engine link had failed: say why once more, where a shell sees it
+        typer.echo(f"minichat: error: {link.state.detail}", err=True)
+        raise typer.Exit(app.return_code)
 
 
 set_signature(root, [
