@@ -57,6 +57,10 @@ def test_status_is_short_unless_asked_for_more(engine: str) -> None:
             assert short[-1].startswith("totals: ")
             assert "model: family Llama; architecture LlamaForCausalLM; layers 2; " in short[1], short  # what it is
             assert short[1].endswith("; window none"), short
+            running = next(line for line in short if line.startswith("running: "))
+            assert "weights " in running and "cpu kernels " in running and "omp wait" not in running, running
+            verbose = status("--address", engine, "--verbose")
+            assert any("omp wait " in line and "onednn caches " in line for line in verbose), verbose
 
             mapped = status("--address", engine, "--pages")
             per_char = pages.total // (MAP_WIDTH * MAP_LINES)  # 4 slots of a 64k context: 16,384 pages

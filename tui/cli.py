@@ -97,6 +97,8 @@ def status(
                                   "last steps."),
     watch: bool = typer.Option(False, "--watch", help="Print again every --interval seconds until Ctrl-C."),
     interval: float = typer.Option(1.0, "--interval", help="Seconds between two prints with --watch."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also say the engine's threads, OpenMP wait and "
+                                 "oneDNN caches."),
 ) -> None:
     """Print the engine's current stats: request slots, queues, KV pages, admission, rates, totals.
 
@@ -115,7 +117,8 @@ def status(
             info = client.info()  # first: a refused token says so here, where stats would only time out
             while True:
                 try:
-                    text = render(client.stats(timeout), info, show_requests=requests, show_pages=pages)
+                    text = render(client.stats(timeout), info, show_requests=requests, show_pages=pages,
+                                  verbose=verbose)
                 except EngineUnavailable:  # no stats go out during a step: a long one still answers pings
                     pong = client.ping(timeout)
                     if pong.busy_for is None:

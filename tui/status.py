@@ -14,9 +14,12 @@ from engine.service.protocol import Info, Pages, Stats
 
 MAP_WIDTH = 64  # characters per line of the map
 MAP_LINES = 64  # lines at most: a larger pool gets a character per several pages
+RUNNING = ("request_slots", "attention_backend", "weights", "gemm", "cpu_kernels", "layers", "overlap", "speculative",
+           "kv_tiers", "cuda_graph")
+"""What `status` says of how the engine runs; --verbose adds the rest (threads, OpenMP's wait, oneDNN's caches)."""
 
 
-def summary(stats: Stats, info: Info | None = None) -> list[str]:
+def summary(stats: Stats, info: Info | None = None, verbose: bool = False) -> list[str]:
     """Who and where the engine is, its slots and queues, KV pages, admission, rates and totals."""
     c, p = stats.counters, stats.pages
     busy = sum(h is not None for h in stats.slots)
@@ -26,8 +29,9 @@ def summary(stats: Stats, info: Info | None = None) -> list[str]:
         lines = [f"minichat {info.version} at {info.address} (pid {info.pid}): {head}, max {info.max_seq_len} tokens"]
         if info.model_info:
             lines.append("model: " + "; ".join(f"{k} {v}" for k, v in info.model_info.items()))
-        if info.execution:
-            lines.append("running: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in info.execution.items()))
+        running = {k: v for k, v in info.execution.items() if verbose or k in RUNNING}
+        if running:
+            lines.append("running: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in running.items()))
         if info.generation_defaults:
             lines.append("the model's sampling defaults: " + ", ".join(f"{k} {v:g}"
                                                                          for k, v in info.generation_defaults.items()))
@@ -123,8 +127,9 @@ def page_map(pages: Pages) -> list[str]:
             *[f"  {line[i:i + MAP_WIDTH]}" for i in range(0, len(line), MAP_WIDTH)]]
 
 
-def render(stats: Stats, info: Info | None, show_requests: bool = False, show_pages: bool = False) -> str:
-    lines = summary(stats, info)
+def render(stats: Stats, info: Info | None, show_requests: bool = False, show_pages: bool = False,
+           verbose: bool = False) -> str:
+    lines = summary(stats, info, verbose)
     if show_requests:
         lines += requests(stats)
     if show_pages:
