@@ -141,3 +141,14 @@ def test_help_texts_keep_their_brackets() -> None:
             assert Text.from_markup(text).plain == text.replace("\\[", "["), (command.name, param.name, text)
     run = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
     assert "Draw lengths uniformly in [len*(1-r), len*(1+r)]." in run.output
+
+
+def test_help_reads_at_80_columns() -> None:
+    """At 80 columns a docstring's paragraph wraps as prose (typer kept its line breaks: a sentence broke after
+    "--address;"), the commands are named before the ~40 engine options, which sit in a panel of their own."""
+    bench = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "80"}).output
+    lines = [line.strip() for line in bench.splitlines()]
+    assert "engine at --address;" not in lines  # the docstring's own line end, no longer one here
+    top = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"}).output
+    assert top.index("serve") < top.index("Engine options (docs/engine-options.md)") < top.index("--model")
+    assert top.index("--engines") < top.index("Engine options")  # the console's own options come first

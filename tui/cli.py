@@ -12,9 +12,23 @@ import typer
 from rich.markup import escape
 
 import engine
-from engine.service.cli import ADDRESS_HELP, api, engine_options_given, engine_parameters, option, serve, set_signature
+from engine.service.cli import (
+    ADDRESS_HELP,
+    api,
+    engine_options_given,
+    engine_parameters,
+    option,
+    prose,
+    serve,
+    set_signature,
+)
 
-app = typer.Typer(add_completion=False, no_args_is_help=False, help="minichat: a small LLM serving engine and console.")
+HELP = """minichat: a small LLM serving engine and console.
+
+Commands (each with its own --help; listed again at the end): serve (the engine, or with --http the OpenAI API in
+front of its own engine), api (the HTTP API for a running engine), status, stop, bench. Without a command: the
+console, on the engine at --address or on one it starts with the engine options below."""
+app = typer.Typer(add_completion=False, no_args_is_help=False, help=prose(HELP))
 
 
 def _version(value: bool) -> None:
@@ -245,6 +259,11 @@ set_signature(bench, [
     *[p for p in engine_parameters() if p.name != "seed"],
 ])
 app.command("bench")(bench)
+
+
+for _command in app.registered_commands:  # every command's docstring wrapped as prose in --help
+    if _command.help is None and _command.callback is not None:
+        _command.help = prose(_command.callback.__doc__ or "")
 
 
 def main() -> None:

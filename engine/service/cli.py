@@ -80,10 +80,23 @@ ENGINE_HELP = {
 ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
 
-def option(name: str, annotation: object, default: object, help_text: str, *flags: str) -> inspect.Parameter:
-    """A keyword-only typer option, for commands whose signatures are assembled from parts."""
+def prose(text: str) -> str:
+    """A docstring as --help should wrap it: each paragraph one line (typer keeps a docstring's line breaks, so at 80
+    columns a sentence broke mid-way); a paragraph with indented lines (an example) is kept as it is."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if any(line.startswith(" ") for line in p.splitlines()) else " ".join(p.split())
+                       for p in paragraphs)
+
+
+ENGINE_PANEL = "Engine options (docs/engine-options.md)"
+"""Where --help groups the engine's options, after the command's own."""
+
+
+def option(name: str, annotation: object, default: object, help_text: str, *flags: str,
+           panel: str | None = None) -> inspect.Parameter:
+    """A keyword-only typer option, for commands whose signatures are assembled from parts (in --help's `panel`)."""
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                             default=typer.Option(default, *flags, help=help_text))
+                             default=typer.Option(default, *flags, help=help_text, rich_help_panel=panel))
 
 
 def set_signature(command: Callable[..., None], parameters: list[inspect.Parameter]) -> None:
@@ -101,7 +114,7 @@ def engine_parameters() -> list[inspect.Parameter]:
         if hints[f.name] in (bool, bool | None):
             flag += "/--no-" + f.name.replace("_", "-")
         params.append(option(f.name, hints[f.name], f.default, ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}"),
-                             flag, *ENGINE_ALIASES.get(f.name, ())))
+                             flag, *ENGINE_ALIASES.get(f.name, ()), panel=ENGINE_PANEL))
     return params
 
 
@@ -349,5 +362,5 @@ set_signature(api, [
 def main() -> None:
     """`python -m engine.service`: the serve command on its own."""
     app = typer.Typer(add_completion=False)
-    app.command()(serve)
+    app.command(help=prose(serve.__doc__ or ""))(serve)
     app()
