@@ -14,6 +14,7 @@ import dataclasses
 import os
 import re
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -96,6 +97,17 @@ def restart_options(info: Info) -> tuple[str, dict[str, Any]]:
     names = {f.name for f in dataclasses.fields(EngineConfig)} | {"max_waiting_requests", "max_message_bytes",
                                                                  "allow_remote"}
     return info.model, {k: v for k, v in info.config.items() if k in names and k != "model"}
+
+
+def stopped_on_request(handle: EngineHandle, wait: float = 10.0) -> bool:
+    """Whether the engine `handle` started ended as asked (a protocol shutdown or SIGTERM: exit status 0), not by a
+    crash or a kill; waits up to `wait` seconds for the process to finish its shutdown."""
+    if handle.process is None:
+        return False
+    try:
+        return handle.process.wait(wait) == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 @dataclass
@@ -190,7 +202,14 @@ class EngineLink:
                 if handle is not None:
                     why = await self._attach(handle)
                     await self.close()
-                    if self.autostart and not handle.started and self.info is not None:
+                    if handle.started and await asyncio.to_thread(stopped_on_request, handle):
+                        # `minichat stop` (or a signal) ended the engine this console started: a stop that was
+                        # asked for is a stop; starting another in its place would undo it
+                        self.start_failed, self.handle = True, None
+                        model = model_id(self.model) if self.model else "the demo model"
+                        self._set("lost", f"the engine was stopped (by `minichat stop` or a signal); /reconnect "
+                                          f"starts {model} again", cause=why)
+                    elif self.autostart and not handle.started and self.info is not None:
                         # someone else's engine: starting ours in its place, with other settings, would
                         # surprise; wait for it, and let the person start it again with its own options
                         self.start_failed, self.lost_options = True, restart_options(self.info)
