@@ -239,6 +239,18 @@ def test_unreachable_engine_is_a_state_not_a_crash(tmp_path: Path) -> None:
     run(scenario)
 
 
+def test_f4_without_a_fleet_says_how_to_get_one(tmp_path: Path) -> None:
+    """f4 did nothing and said nothing without --engines."""
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=f"ipc://{tmp_path}/nobody.sock", autostart=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("f4")
+            await wait_for(pilot, lambda: any("start the console with --engines" in m for m in notes(app)),
+                           "the note on f4")
+
+    run(scenario)
+
+
 def test_engine_death_keeps_the_conversation_and_reconnects(long_ckpt: Path, tmp_path: Path) -> None:
     address = f"ipc://{tmp_path}/dies.sock"
     handle = start_engine(long_ckpt, address)

@@ -429,7 +429,9 @@ class MinichatApp(App[None]):
                 self.conversations.delete(uid)
             self.action_list_sessions()
 
-        self.push_screen(ConfirmScreen(f"Delete {session.name!r} and its {len(session.turns)} turns for good?"),
+        turns = len(session.turns)
+        self.push_screen(ConfirmScreen(f"Delete {session.name!r} and its {turns} turn{'' if turns == 1 else 's'} for "
+                                       f"good?"),
                          delete)
 
     # -- actions ----------------------------------------------------------------------------------
@@ -623,13 +625,13 @@ class MinichatApp(App[None]):
     def on_ops_panels_typed(self, event: OpsPanels.Typed) -> None:
         self.type_in_prompt(event.text)
 
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """f4 is offered only where there is a fleet to show."""
-        return self.fleet is not None if action == "fleet" else super().check_action(action, parameters)
-
     # -- the fleet --------------------------------------------------------------------------------
     def action_fleet(self) -> None:
-        if self.fleet is not None and not isinstance(self.screen, FleetScreen):
+        """f4: the fleet view; without --engines there is none, and f4 says how to get one."""
+        if self.fleet is None:
+            self.notify("no fleet to show: start the console with --engines ADDR1,ADDR2,... (engines' ZeroMQ "
+                        "addresses, HTTP replicas' URLs) to watch several replicas here", title="f4 · fleet")
+        elif not isinstance(self.screen, FleetScreen):
             self.push_screen(FleetScreen(self.fleet, self.link), self.on_fleet_choice)
 
     async def on_fleet_choice(self, choice: FleetChoice | None) -> None:
