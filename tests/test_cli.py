@@ -19,13 +19,13 @@ from rich.text import Text
 from typer.testing import CliRunner
 
 from engine.outputs import Output
-from engine.pages import PageRun
+from engine.pages import PageRun, TierUse
 from engine.service.client import EngineClient
 from engine.service.launcher import start
 from engine.service.protocol import Pages
 from tests.checkpoints import UNTIL_ABORTED
 from tui.cli import app
-from tui.status import MAP_LINES, MAP_WIDTH, page_map
+from tui.status import MAP_LINES, MAP_WIDTH, page_map, size, tier_text
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +152,17 @@ def test_help_reads_at_80_columns() -> None:
     top = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"}).output
     assert top.index("serve") < top.index("Engine options (docs/engine-options.md)") < top.index("--model")
     assert top.index("--engines") < top.index("Engine options")  # the console's own options come first
+
+
+def test_a_disk_tier_shared_with_other_models_is_said_apart() -> None:
+    """The disk tier is per user: its directory's bytes count other models' and checkouts' pages, its pages only
+    this model's. `338/11,647 pages (664 MiB of 8.0 GiB)` read as 2.9% by pages and 8.1% by size."""
+    page = 8 * 2**20 // 1024  # 8 KiB files: 8.0 GiB holds 1,048,576
+    shared = TierUse(name="disk", pages=338, capacity=2**20, bytes=664 * 2**20, capacity_bytes=8 * 2**30)
+    assert tier_text(shared, 0, brief=False).startswith(
+        f"disk 338/1,048,576 pages of this model ({size(338 * page)}; 664 MiB of 8.0 GiB with other models' and "
+        "checkouts' pages in this user's tier)")
+    assert "664 MiB (661 MiB other models')" in tier_text(shared, 0, brief=True)
+    alone = TierUse(name="disk", pages=338, capacity=2**20, bytes=338 * page, capacity_bytes=8 * 2**30)
+    assert tier_text(alone, 0, brief=False).startswith(f"disk 338/1,048,576 pages of this model ({size(338 * page)} of "
+                                                   "8.0 GiB)")

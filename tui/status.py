@@ -70,18 +70,25 @@ def kv_tiers(stats: Stats, brief: bool = False) -> list[str]:
     hits = {"host": c.hit_tokens_host, "disk": c.hit_tokens_disk}
     parts = [f"pool {c.hit_tokens_pool:,} tok hit" if brief else f"pool {c.hit_tokens_pool:,} tokens hit"]
     for tier in stats.pages.tiers:
-        parts.append(_tier(tier, hits.get(tier.name, 0), brief))
+        parts.append(tier_text(tier, hits.get(tier.name, 0), brief))
     if not stats.pages.tiers and not brief:
         parts.append("no tier below the pool")
     return parts
 
 
-def _tier(t: TierUse, hit: int, brief: bool) -> str:
+def tier_text(t: TierUse, hit: int, brief: bool) -> str:
+    """One tier. Its pages are this model's; the disk tier's bytes are its directory's, which is the user's and
+    holds other models' and other checkouts' pages too: said apart, so the two figures do not seem to disagree."""
+    own = t.pages * (t.capacity_bytes // t.capacity) if t.capacity else t.bytes
+    others = t.bytes - own if t.bytes > own else 0
     if brief:
-        text = f"{t.name} {t.pages:,}/{t.capacity:,} p · {size(t.bytes)} · {hit:,} tok hit"
+        held = f"{size(t.bytes)} ({size(others)} other models')" if others else size(t.bytes)
+        text = f"{t.name} {t.pages:,}/{t.capacity:,} p · {held} · {hit:,} tok hit"
     else:
-        text = f"{t.name} {t.pages:,}/{t.capacity:,} pages ({size(t.bytes)} of {size(t.capacity_bytes)}), " \
-               f"{hit:,} tokens hit, {t.stored:,} pages in, {t.loaded:,} out"
+        held = f"{size(own)}; {size(t.bytes)} of {size(t.capacity_bytes)} with other models' and checkouts' pages " \
+               f"in this user's tier" if others else f"{size(t.bytes)} of {size(t.capacity_bytes)}"
+        text = f"{t.name} {t.pages:,}/{t.capacity:,} pages of this model ({held}), {hit:,} tokens hit, " \
+               f"{t.stored:,} pages in, {t.loaded:,} out"
     if t.loading:
         text += f" · {t.loading} loading" if brief else f", {t.loading} loading"
     if t.writing:
