@@ -84,6 +84,7 @@ def test_the_models_generation_config_is_the_default_sent_and_reset_to(instruct:
             assert sent is not None and sent.params is not None
             assert (sent.params.temperature, sent.params.top_p, sent.params.top_k, sent.params.repetition_penalty,
                     sent.params.max_tokens) == (0.3, 0.85, 40, 1.1, UNTIL_ABORTED)
+            assert sent.params.min_p == 0.0  # nothing of the console's cuts a model's own distribution
             assert "<|user|>user: Answer in verse.\n\nHello\n" in sent.prompt_head  # no system message was sent
             await pilot.press("escape")
             await wait_for(pilot, lambda: reply.state == "aborted", "the abort")
@@ -95,6 +96,31 @@ def test_the_models_generation_config_is_the_default_sent_and_reset_to(instruct:
             assert MODEL_DEFAULT in header(app).phrases and app.current.session.params.temperature == 0.3  # type: ignore[union-attr]
             assert app.current.session.params.max_tokens == 256  # type: ignore[union-attr]  # the console's, again
             assert any("back to the model's defaults" in n for n in notes(app))
+
+    run(scenario)
+
+
+def test_a_model_that_recommends_nothing_gets_llama_cpps_defaults_and_says_so(engine: str) -> None:
+    """No generation_config.json (as SmolLM2's GGUF file): a chat starts from llama.cpp's server defaults, which
+    suit small local models (docs/console.md), says where they come from, and sends them."""
+
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=engine, autostart=False))
+        async with app.run_test(size=(160, 50)) as pilot:
+            await connected_app(pilot)
+            said = "llama.cpp defaults: temp 0.8, top-p 0.95, top-k 40, min-p 0.05"
+            await wait_for(pilot, lambda: said in header(app).phrases, "the console's defaults, named")
+            await type_and_send(pilot, "/ignore_eos on")
+            await type_and_send(pilot, f"/max_tokens {UNTIL_ABORTED}")
+            await type_and_send(pilot, "Hello")
+            reply = last_reply(app)
+            await wait_for(pilot, lambda: reply.text, "a streaming reply")
+            sent = await app.link.describe(reply.rid)
+            assert sent is not None and sent.params is not None
+            assert (sent.params.temperature, sent.params.top_k, sent.params.top_p, sent.params.min_p) == \
+                (0.8, 40, 0.95, 0.05)
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: reply.state == "aborted", "the abort")
 
     run(scenario)
 

@@ -540,7 +540,7 @@ class ChatPane(Vertical):
         """/reset: the sampling settings back to the model's recommendations (the console's where it has none)."""
         self.session.reset()
         defaults = self.session.model_defaults
-        where = "the model's defaults" if defaults else "the console's defaults (the model recommends none)"
+        where = "the model's defaults" if defaults else "llama.cpp's defaults (the model recommends none)"
         self.notify(f"{self.session.name}: sampling settings back to {where}: {self.session.describe()}")
 
     def copy_reply(self, number: str = "") -> None:
