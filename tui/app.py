@@ -99,6 +99,7 @@ class MinichatApp(App[None]):
         self.last_stats: Stats | None = None
         self.stats_at = 0.0  # monotonic time of the last snapshot
         self._ops_restore = 50
+        self._restoring = False  # reopening the last run's tabs (on_mount)
         self._fan_outs = 0  # fan-outs so far: each names its group of tabs
         self._collapsed = False  # a split that a narrow terminal turned into one side
         self._followed: dict[int, object] = {}  # id(link) -> the engine (pid, model, context) its chat tabs follow
@@ -121,8 +122,12 @@ class MinichatApp(App[None]):
         if self.fleet is not None:
             self.run_worker(self.fleet.run(), name="fleet")
         reopened = self.conversations.open()  # the tabs that were open when the console last ran
+        self._restoring = True  # each tab is in front for a moment as it is added: none says its notices then
         for session in reopened:
             await self.open_session(session, activate=session is reopened[-1])
+        self._restoring = False
+        if (front := self.current) is not None:
+            front.say_other_model()
         if not reopened:
             await self.new_session()
         self.show_status()
@@ -212,6 +217,8 @@ class MinichatApp(App[None]):
             self._followed[id(link)] = engine
             for pane in panes:
                 pane.follow_engine()
+            if (front := self.current) in panes and not self._restoring:
+                front.say_other_model()  # the chat in front says so now; the others when they are opened
         if state.kind == "lost":
             for pane in panes:
                 pane.interrupt("interrupted", state.cause)
@@ -268,6 +275,8 @@ class MinichatApp(App[None]):
         if (pane := self.current) is not None and self.tabs.display:
             pane.focus_input()
             pane.wake()
+            if not self._restoring:
+                pane.say_other_model()
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         pane = event.prompt_input.query_ancestor(ChatPane)

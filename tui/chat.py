@@ -305,6 +305,7 @@ class ChatPane(Vertical):
         self.editing: int | None = None  # the turn whose message is back in the prompt box
         self.closing = False
         self.warmed: int | None = None  # the engine (pid) that has this conversation's KV, as far as the pane knows
+        self.other_said: str | None = None  # the "another model" notice this pane last gave
         self.thinking_unfolded = False  # f3: replies' thinking shown whole
 
     def compose(self) -> ComposeResult:
@@ -334,11 +335,17 @@ class ChatPane(Vertical):
         if info is None:
             self.show_settings()
             return
-        before = self.session.other_model() if self.session.engine is not None else None
         self.session.follow(EngineModel.of(info))
         self.show_settings()
         self.keep_warm()
-        if (other := self.session.other_model()) is not None and other != before and self.is_attached:
+
+    def say_other_model(self) -> None:
+        """Notify once that the conversation was had with another model (the app asks the chat in front: a restart
+        with five chats open gave five notices over half the screen; the others say theirs when opened, and the
+        note in each header stays)."""
+        other = self.session.other_model()
+        if other is not None and other != self.other_said and self.is_attached:
+            self.other_said = other
             self.notify(f"{self.session.name}: {other}", title="another model", severity="warning", timeout=10)
 
     @property
