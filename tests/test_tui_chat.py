@@ -212,6 +212,16 @@ def test_an_80_column_terminal_keeps_the_live_counts_and_whole_phrases(engine: s
             await type_and_send(pilot, "/system You are a terse assistant who answers every question in verse.")
             await type_and_send(pilot, "/fanout 6 Once more unto the breach")
             await wait_for(pilot, lambda: "running 4 · waiting 2 · slots 4/4" in status(app), "six requests")
+            # a streaming reply fills its tab's context gauge as it goes (it read 0/8192 till the reply ended)
+            front = app.current
+            assert front is not None
+            gauge = front.query_one(".chat-gauge", Static)
+
+            def streamed() -> int:
+                text = shown(gauge)
+                return int(text.split("≥")[1].split("/")[0]) if "≥" in text else 0
+
+            await wait_for(pilot, lambda: streamed() >= 16, "the gauge to count the streaming reply")
             await pilot.resize_terminal(80, 24)
             await wait_for(pilot, lambda: app.tabs.size.width == 80, "the chat to take the whole width")
             await wait_for(pilot, lambda: app.query_one("#status").size.width == 80, "the 80-column status line")

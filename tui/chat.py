@@ -50,6 +50,7 @@ goes back to the model's; `/clear` starts afresh.
 ops panels to watch them batch. **f1** lists every key, **ctrl+p** every command.
 """
 GAUGE = 8  # cells of the context gauge
+GAUGE_EVERY = 0.25  # seconds between two redraws of the gauge while a reply streams
 
 
 class PromptInput(InOrderKeys, TextArea):
@@ -306,6 +307,7 @@ class ChatPane(Vertical):
         self.closing = False
         self.warmed: int | None = None  # the engine (pid) that has this conversation's KV, as far as the pane knows
         self.other_said: str | None = None  # the "another model" notice this pane last gave
+        self._gauge_at = 0.0  # when the context gauge was last drawn
         self.thinking_unfolded = False  # f3: replies' thinking shown whole
 
     def compose(self) -> ComposeResult:
@@ -371,13 +373,20 @@ class ChatPane(Vertical):
         other = session.other_model()
         note.display = other is not None
         note.show([printable(other)] if other is not None else [])
+        self.show_gauge()
+
+    def show_gauge(self) -> None:
+        """The context gauge: tokens used of the model's context (while a reply streams, at least that many)."""
+        if not self.is_attached or self.closing:
+            return
+        self._gauge_at = time.monotonic()
         used, context = self.session.context_used or 0, self.context
         gauge = Text("context ")
         if context:
             filled = min(GAUGE, round(GAUGE * used / context))
             style = "red" if used > 0.9 * context else "yellow" if used > 0.75 * context else "green"
             gauge.append("▰" * filled, style).append("▱" * (GAUGE - filled), "grey39")
-        gauge.append(f" {used}/{context or '?'}")
+        gauge.append(f" {'' if self.session.context_settled else '≥'}{used}/{context or '?'}")
         update_text(self.query_one(".chat-gauge", Static), gauge)
 
     def show_pending(self) -> None:
@@ -605,6 +614,8 @@ class ChatPane(Vertical):
                                                            template_kwargs=self.session.template_kwargs())) as stream:
                 async for out in stream:
                     reply.add(out)
+                    if time.monotonic() - self._gauge_at > GAUGE_EVERY:
+                        self.show_gauge()  # the context fills as the reply streams (fan-out tabs read 0 till the end)
         except EngineError as e:
             reply.fail("error", e.message)
         except EngineUnavailable as e:

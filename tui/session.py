@@ -378,11 +378,23 @@ class Session:
 
     @property
     def context_used(self) -> int | None:
-        """Tokens of the context the last reply filled (its prompt and its own tokens)."""
+        """Tokens of the context the last reply filled (its prompt and its own tokens). While a reply streams its
+        prompt's count is not known yet (the engine says it at the end): the last known figure plus the tokens
+        streamed so far, a lower bound (`context_settled` False)."""
+        known = None
         for turn in reversed(self.turns[self.context_start:]):
             if turn.reply.prompt_tokens is not None:
-                return turn.reply.prompt_tokens + turn.reply.completion_tokens
-        return None
+                known = turn.reply.prompt_tokens + turn.reply.completion_tokens
+                break
+        live = self.live
+        if live is None or live.prompt_tokens is not None:
+            return known
+        return (known or 0) + live.completion_tokens
+
+    @property
+    def context_settled(self) -> bool:
+        """Whether `context_used` is the engine's count (no reply streaming), not a lower bound."""
+        return self.live is None
 
     def clear(self) -> None:
         """Start afresh: nothing said so far is sent again (it stays on screen and in the store)."""
