@@ -22,12 +22,13 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Static
 from textual.widgets._footer import FooterKey
 
+from engine.service.protocol import Description
 from tests.checkpoints import LONG_CONTEXT, NO_SYSTEM_TEMPLATE, UNTIL_ABORTED, instruct_view
 from tests.test_tui import connected_app, last_reply, notes, run, start_engine, status, type_and_send, wait_for
 from tui.app import MinichatApp
 from tui.chat import PhraseLine, ReplyView
 from tui.link import EngineLink
-from tui.session import MIN_RATE_TOKENS
+from tui.session import MIN_RATE_TOKENS, Reply
 from tui.sessions import SessionsScreen
 
 pytestmark = pytest.mark.usefixtures("data_dir")  # conversations in a private directory (conftest.py)
@@ -60,6 +61,19 @@ def drawn(widget: Widget) -> str:
     return " ".join(" ".join("".join(segment.text for segment in strip) for strip in strips).split())
 
 
+async def streaming_and_sent(pilot: Pilot, app: MinichatApp) -> tuple[Reply, Description]:
+    """Send "Hello" for a reply that runs until aborted; once it streams, the reply and what the engine says it
+    was sent (asked again where the engine did not answer within describe's 5 s, as on a loaded machine)."""
+    await type_and_send(pilot, "/ignore_eos on")
+    await type_and_send(pilot, f"/max_tokens {UNTIL_ABORTED}")
+    await type_and_send(pilot, "Hello")
+    reply = last_reply(app)
+    await wait_for(pilot, lambda: reply.text, "a streaming reply")
+    while (sent := await app.link.describe(reply.rid)) is None or sent.params is None:
+        await pilot.pause(0.1)
+    return reply, sent
+
+
 @pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x50"])
 def test_the_models_generation_config_is_the_default_sent_and_reset_to(instruct: str, size: tuple[int, int]) -> None:
     """A new chat starts from what the checkpoint recommends, says so (`model default`, the model named first),
@@ -75,13 +89,7 @@ def test_the_models_generation_config_is_the_default_sent_and_reset_to(instruct:
             await type_and_send(pilot, "/system Answer in verse.")
             await wait_for(pilot, lambda: "(the model's chat template has no system role)" in drawn(header(app)),
                            "the system prompt's notice")
-            await type_and_send(pilot, "/ignore_eos on")
-            await type_and_send(pilot, f"/max_tokens {UNTIL_ABORTED}")
-            await type_and_send(pilot, "Hello")
-            reply = last_reply(app)
-            await wait_for(pilot, lambda: reply.text, "a streaming reply")
-            sent = await app.link.describe(reply.rid)
-            assert sent is not None and sent.params is not None
+            reply, sent = await streaming_and_sent(pilot, app)
             assert (sent.params.temperature, sent.params.top_p, sent.params.top_k, sent.params.repetition_penalty,
                     sent.params.max_tokens) == (0.3, 0.85, 40, 1.1, UNTIL_ABORTED)
             assert sent.params.min_p == 0.0  # nothing of the console's cuts a model's own distribution
@@ -110,16 +118,7 @@ def test_a_model_that_recommends_nothing_gets_llama_cpps_defaults_and_says_so(en
             await connected_app(pilot)
             said = "llama.cpp defaults: temp 0.8, top-p 0.95, top-k 40, min-p 0.05"
             await wait_for(pilot, lambda: said in header(app).phrases, "the console's defaults, named")
-            await type_and_send(pilot, "/ignore_eos on")
-            await type_and_send(pilot, f"/max_tokens {UNTIL_ABORTED}")
-            await type_and_send(pilot, "Hello")
-            reply = last_reply(app)
-            await wait_for(pilot, lambda: reply.text, "a streaming reply")
-            sent = await app.link.describe(reply.rid)
-            while sent is None:  # the engine did not answer within describe's 5 s (a loaded machine): ask again
-                await pilot.pause(0.1)
-                sent = await app.link.describe(reply.rid)
-            assert sent.params is not None
+            reply, sent = await streaming_and_sent(pilot, app)
             assert (sent.params.temperature, sent.params.top_k, sent.params.top_p, sent.params.min_p) == \
                 (0.8, 40, 0.95, 0.05)
             await pilot.press("escape")
