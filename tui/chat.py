@@ -53,6 +53,11 @@ GAUGE = 8  # cells of the context gauge
 GAUGE_EVERY = 0.25  # seconds between two redraws of the gauge while a reply streams
 
 
+def displayed(widget: Widget) -> bool:
+    """Displayed, as are all its ancestors (not in a hidden tab): a hidden widget does no drawing work."""
+    return all(node.display for node in widget.ancestors_with_self if isinstance(node, Widget))
+
+
 class PromptInput(InOrderKeys, TextArea):
     """Multi-line prompt box: Enter sends, ctrl+j starts a new line (the one new-line key every
     terminal and multiplexer passes through), page keys scroll the conversation above. Pasted text
@@ -204,8 +209,7 @@ class ReplyView(Vertical):
 
     @property
     def on_screen(self) -> bool:
-        """Displayed, as are all its ancestors (not in a hidden tab)."""
-        return all(node.display for node in self.ancestors_with_self if isinstance(node, Widget))
+        return displayed(self)
 
     def wake(self) -> None:
         """The view may be on screen again: restart its clock if it streams (a no-op otherwise)."""
@@ -424,6 +428,7 @@ class ChatPane(Vertical):
         conversation its engine has not seen yet is sent ahead (`keep_warm`)."""
         if (reply := self.session.live) is not None and (view := self._view_of(reply)) is not None:
             view.wake()
+        self.show_gauge()  # a reply that streamed while hidden filled the context meanwhile
         self.keep_warm()
 
     def keep_warm(self) -> None:
@@ -614,7 +619,7 @@ class ChatPane(Vertical):
                                                            template_kwargs=self.session.template_kwargs())) as stream:
                 async for out in stream:
                     reply.add(out)
-                    if time.monotonic() - self._gauge_at > GAUGE_EVERY:
+                    if time.monotonic() - self._gauge_at > GAUGE_EVERY and displayed(self):
                         self.show_gauge()  # the context fills as the reply streams (fan-out tabs read 0 till the end)
         except EngineError as e:
             reply.fail("error", e.message)
