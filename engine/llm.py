@@ -62,6 +62,7 @@ from engine.threads import ThreadGovernor, usable_cores, wait_policy
 from engine.tokenizer import (
     IncrementalDetokenizer,
     apply_chat_template,
+    default_system,
     eos_token_ids,
     load_tokenizer,
     takes_system_role,
@@ -281,6 +282,11 @@ class LLM:
     def system_role(self) -> bool:
         """Whether the chat template renders a system message (some refuse one, some drop it)."""
         return takes_system_role(self.tokenizer)
+
+    @property
+    def default_system(self) -> str:
+        """The system message the chat template adds to a chat that has none ("" if none)."""
+        return default_system(self.tokenizer)
 
     def encode_prompt(self, prompt: Prompt, tools: Tools | None = None,
                       template_kwargs: dict[str, Any] | None = None) -> list[int]:

@@ -75,6 +75,7 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: lis
 
 
 SYSTEM_PROBE = "minichat-system-probe"
+USER_PROBE = "minichat-user-probe"
 
 
 def takes_system_role(tokenizer: PreTrainedTokenizerBase | None) -> bool:
@@ -88,6 +89,31 @@ def takes_system_role(tokenizer: PreTrainedTokenizerBase | None) -> bool:
     except Exception:  # a template may raise anything for a role it refuses (jinja's TemplateError, KeyError)
         return False
     return isinstance(text, str) and SYSTEM_PROBE in text
+
+
+def default_system(tokenizer: PreTrainedTokenizerBase | None) -> str:
+    """The system message the chat template adds when a chat has none (SmolLM2's "You are a helpful AI assistant
+    named SmolLM, ..."), so that a console can say what the model actually sees; "" where it adds none. Read by
+    rendering a chat with a probe system message and one without: where the second has text in the probe's
+    place, between the same markers, that text is the default."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return ""
+    user = [{"role": "user", "content": USER_PROBE}]
+    try:
+        probed = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROBE}, *user],
+                                               add_generation_prompt=True, tokenize=False)
+        plain = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    except Exception:  # a template may raise anything for a role it refuses (jinja's TemplateError, KeyError)
+        return ""
+    if not isinstance(probed, str) or not isinstance(plain, str) or SYSTEM_PROBE not in probed:
+        return ""
+    before, after = probed.split(SYSTEM_PROBE, 1)
+    tail = after[: after.find(USER_PROBE)] if USER_PROBE in after else after  # the system block's end, to the user's
+    end = tail.rstrip()[:16] if tail.strip() else ""
+    if not before or not plain.startswith(before) or not end:
+        return ""
+    text = plain[len(before):]
+    return text[: text.find(end)].strip() if end in text else ""
 
 
 def max_prompt_chars(tokenizer: PreTrainedTokenizerBase | None, max_tokens: int) -> int:

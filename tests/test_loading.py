@@ -90,3 +90,5 @@ def test_generation_config_defaults_and_the_templates_system_role(tmp_path, llam
     assert drops.generation_defaults == {} and not drops.system_role
     plain = LLM(str(llama_ckpt))
     assert plain.generation_defaults == {} and plain.system_role
+    # a template that adds no system message of its own, whether it takes one or not
+    assert plain.default_system == refuses.default_system == drops.default_system == ""

@@ -40,6 +40,8 @@ def test_it_answers_the_question(llm: LLM) -> None:
                        SamplingParams(max_tokens=24, temperature=0))[0]
     assert "Paris" in out.text, out.text
     assert out.finish_reason == "stop"  # <|im_end|>, the file's EOS
+    # the system message its template adds to a chat without one: what the console says the model sees
+    assert llm.default_system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 def test_top1_and_perplexity_against_transformers_dequantized(llm: LLM, hf, gguf_file: Path) -> None:

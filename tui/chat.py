@@ -370,6 +370,8 @@ class ChatPane(Vertical):
             system = f"system, sent in the first message (the model's chat template has no system role): {system}"
         elif system:
             system = f"system: {system}"
+        elif session.engine is not None and session.engine.default_system:  # what the model sees: its template's
+            system = f"system (the chat template's own): {printable(session.engine.default_system)}"
         model = [printable(session.engine.name)] if session.engine is not None else []
         self.query_one(".chat-settings", PhraseLine).show([*model, system or "no system prompt",
                                                            *session.settings()])

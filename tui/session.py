@@ -73,17 +73,19 @@ def parse_setting(name: str, text: str) -> Any:
 @dataclass(frozen=True)
 class EngineModel:
     """The model a session's engine runs, as its `info` says: its name and context, the sampling settings it
-    recommends (generation_config.json; engine/generation_defaults.py) and whether its chat template takes a
-    system message."""
+    recommends (generation_config.json; engine/generation_defaults.py), whether its chat template takes a
+    system message, and the one it adds to a chat without one ("": none)."""
 
     name: str
     context: int
     defaults: dict[str, Any] = field(default_factory=dict)
     system_role: bool = True
+    default_system: str = ""
 
     @classmethod
     def of(cls, info: Info) -> EngineModel:
-        return cls(model_id(info.model), info.max_seq_len, dict(info.generation_defaults), info.system_role)
+        return cls(model_id(info.model), info.max_seq_len, dict(info.generation_defaults), info.system_role,
+                   info.default_system)
 
 
 @dataclass

@@ -181,6 +181,7 @@ class Info(_EngineMsg, tag="info"):
     # which clients may start from; empty when it names none
     generation_defaults: dict[str, float | int] = msgspec.field(default_factory=dict)
     system_role: bool = True  # whether the chat template renders a system message (some refuse or drop one)
+    default_system: str = ""  # the system message the chat template adds to a chat without one ("": none)
 
 
 class ShuttingDown(_EngineMsg, tag="shutting_down"):

@@ -519,7 +519,8 @@ class EngineServer:
                              num_pages=self.llm.num_pages, config=config, execution=self.llm.execution,
                              model_info=self.llm.model_info, tool_format=self.llm.tool_format,
                              think_markers=_markers(self.llm.think_markers),
-                             generation_defaults=self.llm.generation_defaults, system_role=self.llm.system_role)
+                             generation_defaults=self.llm.generation_defaults, system_role=self.llm.system_role,
+                             default_system=self.llm.default_system)
 
     # -- sending ----------------------------------------------------------------------------------
     def _send(self, identity: bytes, msg: msgspec.Struct) -> bool:
