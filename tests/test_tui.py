@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 import traceback
 from collections.abc import Callable, Coroutine, Iterator
@@ -27,8 +26,8 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Input, Label, Markdown, Static
 
 from engine.outputs import Delta, Final, Timings, Usage
-from engine.service.client import AsyncEngineClient, probe
-from engine.service.launcher import EngineHandle, start, stop_engine
+from engine.service.client import AsyncEngineClient
+from engine.service.launcher import EngineHandle, start
 from engine.service.protocol import Stats
 from tests.checkpoints import UNTIL_ABORTED
 from tui.app import MinichatApp
@@ -278,34 +277,6 @@ def test_engine_death_keeps_the_conversation_and_reconnects(long_ckpt: Path, tmp
         run(scenario)
     finally:
         handle.stop()
-
-
-def test_minichat_stop_is_not_undone_by_the_console(llama_ckpt: Path, tmp_path: Path) -> None:
-    """The console started its engine; `minichat stop` (the real CLI) stops it: the console says so and starts
-    none in its place (it used to show "reconnecting…" and start another); /reconnect starts one again."""
-    address = f"ipc://{tmp_path}/mine.sock"
-
-    async def scenario() -> None:
-        link = EngineLink(address=address, model=str(llama_ckpt))
-        app = MinichatApp(link)
-        async with app.run_test(size=SIZE) as pilot:
-            await connected_app(pilot)
-            first = app.link.info.pid  # type: ignore[union-attr]
-            stop = await asyncio.create_subprocess_exec(sys.executable, "-m", "tui.cli", "stop", "--address", address,
-                                                        stdout=asyncio.subprocess.PIPE)
-            said, _ = await stop.communicate()
-            assert stop.returncode == 0 and f"pid {first}" in said.decode()
-            await wait_for(pilot, lambda: "the engine was stopped" in status(app), "the stopped state")
-            assert link.start_failed and link.handle is None and probe(address) is None  # none started in its place
-            assert status(app).endswith(f"/reconnect starts {llama_ckpt.name} again")
-            await type_and_send(pilot, "/reconnect")
-            await wait_for(pilot, lambda: link.state.kind == "connected" and link.info is not None
-                           and link.info.pid != first, "a new engine, asked for")
-
-    try:
-        run(scenario)
-    finally:
-        stop_engine(address)
 
 
 def test_a_fast_stream_renders_a_frame_at_a_time(tmp_path: Path) -> None:

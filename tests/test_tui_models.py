@@ -12,6 +12,8 @@ generation_config.json recommending sampling settings and a chat template that r
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +24,21 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Static
 from textual.widgets._footer import FooterKey
 
+from engine.service.client import probe
+from engine.service.launcher import stop_engine
 from engine.service.protocol import Description
 from tests.checkpoints import LONG_CONTEXT, NO_SYSTEM_TEMPLATE, UNTIL_ABORTED, instruct_view
-from tests.test_tui import connected_app, last_reply, notes, run, start_engine, status, type_and_send, wait_for
+from tests.test_tui import (
+    SIZE,
+    connected_app,
+    last_reply,
+    notes,
+    run,
+    start_engine,
+    status,
+    type_and_send,
+    wait_for,
+)
 from tui.app import MinichatApp
 from tui.chat import PhraseLine, ReplyView
 from tui.link import EngineLink
@@ -240,3 +254,31 @@ def test_the_footer_times_the_decode_phase_and_says_what_the_cache_served(engine
             assert all(phrase in drawn(footer) for phrase in footer.phrases)  # each drawn whole
 
     run(scenario)
+
+
+def test_minichat_stop_is_not_undone_by_the_console(llama_ckpt: Path, tmp_path: Path) -> None:
+    """The console started its engine; `minichat stop` (the real CLI) stops it: the console says so and starts
+    none in its place (it used to show "reconnecting…" and start another); /reconnect starts one again."""
+    address = f"ipc://{tmp_path}/mine.sock"
+
+    async def scenario() -> None:
+        link = EngineLink(address=address, model=str(llama_ckpt))
+        app = MinichatApp(link)
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            first = app.link.info.pid  # type: ignore[union-attr]
+            stop = await asyncio.create_subprocess_exec(sys.executable, "-m", "tui.cli", "stop", "--address", address,
+                                                        stdout=asyncio.subprocess.PIPE)
+            said, _ = await stop.communicate()
+            assert stop.returncode == 0 and f"pid {first}" in said.decode()
+            await wait_for(pilot, lambda: "the engine was stopped" in status(app), "the stopped state")
+            assert link.start_failed and link.handle is None and probe(address) is None  # none started in its place
+            assert status(app).endswith(f"/reconnect starts {llama_ckpt.name} again")
+            await type_and_send(pilot, "/reconnect")
+            await wait_for(pilot, lambda: link.state.kind == "connected" and link.info is not None
+                           and link.info.pid != first, "a new engine, asked for")
+
+    try:
+        run(scenario)
+    finally:
+        stop_engine(address)

@@ -78,12 +78,13 @@ def kv_tiers(stats: Stats, brief: bool = False) -> list[str]:
 
 def tier_text(t: TierUse, hit: int, brief: bool) -> str:
     """One tier. Its pages are this model's; the disk tier's bytes are its directory's, which is the user's and
-    holds other models' and other checkouts' pages too: said apart, so the two figures do not seem to disagree."""
+    holds other models' and other checkouts' pages too: `minichat status` says them apart, so the two figures do not
+    seem to disagree."""
     own = t.pages * (t.capacity_bytes // t.capacity) if t.capacity else t.bytes
     others = t.bytes - own if t.bytes > own else 0
-    if brief:
-        held = f"{size(t.bytes)} ({size(others)} other models')" if others else size(t.bytes)
-        text = f"{t.name} {t.pages:,}/{t.capacity:,} p · {held} · {hit:,} tok hit"
+    if brief:  # the KV pages panel: its pages and bytes only (the two move at different moments; an idle panel
+        # whose text followed their difference redrew for nothing)
+        text = f"{t.name} {t.pages:,}/{t.capacity:,} p · {size(t.bytes)} · {hit:,} tok hit"
     else:
         held = f"{size(own)}; {size(t.bytes)} of {size(t.capacity_bytes)} with other models' and checkouts' pages " \
                f"in this user's tier" if others else f"{size(t.bytes)} of {size(t.capacity_bytes)}"
