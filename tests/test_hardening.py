@@ -35,7 +35,8 @@ from engine.tokenizer import apply_chat_template, max_prompt_chars
 from tests.wire import pack, reply, unpack
 
 ENGINE = dict(num_pages=512, max_running_requests=4, max_prefill_tokens=64)
-BUFFER = 64  # --client-buffer-messages: replies queued for a client that does not read
+BUFFER = 64  # --client-buffer-messages: replies ZeroMQ queues for a client that does not read
+STALL = 2.0  # --client-stall-seconds: how long the engine holds replies for a client that reads none of them
 PROBE = [5, 6, 7, 8]
 
 
@@ -57,7 +58,7 @@ def served(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_RUNTIME_DIR", str(runtime))
         handle = start(f"ipc://{runtime}/engine.sock", model=str(long_ckpt), client_buffer_messages=BUFFER,
-                       **ENGINE)
+                       client_stall_seconds=STALL, **ENGINE)
         yield handle
         handle.stop()
         assert handle.process is not None and handle.process.returncode == 0
@@ -207,12 +208,44 @@ def test_8_a_client_that_never_reads_is_cut_off(served: EngineHandle, baseline: 
                             "params": {"max_tokens": 8000, "ignore_eos": True}}))
         snap = ops.wait_stats(lambda s: s.counters.aborted >= aborted + 4 and idle(s), timeout=60)
         assert snap.counters.aborted == aborted + 4
-        # Whichever comes first: its queue fills (64 replies beyond a 128 KiB socket buffer), or it stops
-        # answering the transport heartbeat because its receive side is full.
+        # Whichever comes first: STALL seconds with its queue full (64 replies beyond a 128 KiB socket buffer),
+        # or it stops answering the transport heartbeat because its receive side is full.
         log = served.log_path.read_text()
-        assert "fell 64 messages behind" in log or "stopped reading and missed its heartbeats" in log
+        assert "it read none of its replies for 2 s" in log or "stopped reading and missed its heartbeats" in log
     finally:
         slow.close()
+    healthy(served, baseline)
+
+
+def test_8_a_client_that_reads_late_loses_nothing(served: EngineHandle, baseline: list[int],
+                                                  ops: EngineClient) -> None:
+    """A client busy for a while (hundreds of steps, far beyond its 64-reply queue, within STALL) keeps its
+    request: the engine holds what the queue does not take, and the stream arrives whole and in order."""
+    late = zmq.Context.instance().socket(zmq.DEALER)
+    late.setsockopt(zmq.LINGER, 0)
+    late.setsockopt(zmq.RCVHWM, 1)
+    late.setsockopt(zmq.RCVBUF, 4096)
+    late.connect(served.address)
+    try:
+        aborted = ops.stats().counters.aborted
+        late.send(pack({"type": "submit", "rid": "late", "token_ids": PROBE,
+                        "params": {"max_tokens": 2000, "ignore_eos": True}}))
+        # not reading while the engine runs 400 steps: six times what its queue holds
+        snap = ops.wait_stats(lambda s: any(r.rid == "late" and r.generated >= 400 for r in s.running)
+                              or s.counters.aborted > aborted, timeout=60)
+        assert snap.counters.aborted == aborted, "the engine dropped a client that was only busy"
+        tokens: list[int] = []
+        while True:
+            msg = reply(late, timeout=30)
+            assert msg["type"] == "outputs", msg
+            for item in msg["items"]:
+                tokens += item["token_ids"]
+            if msg["items"][-1]["type"] == "final":
+                break
+        assert msg["items"][-1]["finish_reason"] == "length" and len(tokens) == 2000
+        assert tokens[:8] == baseline  # greedy: the same start as any other client's, in order
+    finally:
+        late.close()
     healthy(served, baseline)
 
 

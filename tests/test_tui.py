@@ -988,15 +988,17 @@ def test_priority_is_a_session_setting_sent_with_its_requests(engine: str) -> No
     run(second_run)
 
 
-# A pool of 48 pages of 4 tokens, the queue in priority order, and no starvation bound to speak of.
-TIGHT = {"page_size": 4, "num_pages": 200, "schedule_policy": "priority", "max_wait_steps": 1_000_000,
+# A pool of 2,000 pages of 4 tokens, the queue in priority order, and no starvation bound to speak of.
+TIGHT = {"page_size": 4, "num_pages": 2000, "schedule_policy": "priority", "max_wait_steps": 1_000_000,
          "max_running_requests": 2}
 """Two request slots: the crowd waits for a slot while the two long requests run, and runs two at a time after
-the retraction, so the retracted request waits behind it for some 1,500 steps (seconds on any machine)."""
-RETRACTED_BUDGET = 560
-"""Each long request's max_tokens: 70% of two budgets (394 tokens each with the prompt) fit the 800 tokens of the
-TIGHT pool, and the tokens written (over 1,100) do not, so the pool runs dry after some 400 steps: time enough, on a
-loaded machine too, for the crowd to be queued before the retraction (which must find it there to wait behind)."""
+the retraction, so the retracted request waits behind it for some 3,000 steps."""
+RETRACTED_BUDGET = 5600
+"""Each long request's max_tokens: 70% of two budgets (2,868 tokens each, the expectation's 4,096-token clip) fit
+the 8,000 tokens of the TIGHT pool, and the tokens written (over 11,000) do not, so the pool runs dry after some
+4,000 steps. The margins are in steps, because a loaded test process can fall hundreds of steps behind its engine:
+the two may start up to 3,200 steps apart and still meet the dry pool together, and the crowd has some 4,000 steps
+to be queued before the retraction (which must find it there to wait behind)."""
 
 
 def test_a_retracted_request_is_shown_as_retracted(long_ckpt: Path, tmp_path: Path) -> None:
@@ -1014,8 +1016,8 @@ def test_a_retracted_request_is_shown_as_retracted(long_ckpt: Path, tmp_path: Pa
             assert "admission optimistic (expects 70%" in str(pages.render())
             low = other.generate([1], max_tokens=RETRACTED_BUDGET, ignore_eos=True, priority=5, rid="low")
             lead = other.generate([2, 3], max_tokens=RETRACTED_BUDGET, ignore_eos=True, rid="lead")
-            await asyncio.gather(anext(low), anext(lead))  # both running: the pool runs dry in ~400 steps
-            crowd = [asyncio.ensure_future(other.complete([10 + i, 200 - i], max_tokens=48, ignore_eos=True,
+            await asyncio.gather(anext(low), anext(lead))  # both running: the pool runs dry in ~4,000 steps
+            crowd = [asyncio.ensure_future(other.complete([10 + i, 200 - i], max_tokens=96, ignore_eos=True,
                                                           rid=f"crowd-{i}")) for i in range(64)]
             waiting = app.query_one("#waiting", RequestTable)
             seen: set[str] = set()  # every way the low request was shown waiting, for a failure to say

@@ -177,7 +177,7 @@ def split_host_port(value: str) -> tuple[str, int]:
 
 def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_waiting_requests: int,
           max_message_bytes: int, max_connections: int, client_buffer_messages: int, grammar_time_limit: float,
-          log_level: str, http: str | None, **engine_options: typing.Any) -> None:
+          client_stall_seconds: float, log_level: str, http: str | None, **engine_options: typing.Any) -> None:
     """Run the engine in the foreground (logs to stderr) until Ctrl-C, SIGTERM or `minichat stop`.
 
     With --http HOST:PORT, run the engine as a child process instead and the OpenAI-compatible HTTP
@@ -192,7 +192,7 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
         server_options = {"allow_remote": allow_remote, "max_waiting_requests": max_waiting_requests,
                           "max_message_bytes": max_message_bytes, "max_connections": max_connections,
                           "client_buffer_messages": client_buffer_messages, "grammar_time_limit": grammar_time_limit,
-                          "log_level": log_level}
+                          "client_stall_seconds": client_stall_seconds, "log_level": log_level}
         if auth_token:  # the engine child and the API's clients both read it from the environment
             os.environ[AUTH_ENV] = auth_token
         _serve_http(http, address, server_options, engine_options)
@@ -206,7 +206,7 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         options = ServerOptions(address, allow_remote, max_waiting_requests, max_message_bytes, auth_token or None,
-                                max_connections, client_buffer_messages, grammar_time_limit)
+                                max_connections, client_buffer_messages, grammar_time_limit, client_stall_seconds)
         run_server(EngineConfig(**engine_options), options)
     except (StartupError, WorkerFailed, ValueError) as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
@@ -241,8 +241,10 @@ set_signature(serve, [
            "beyond 4 times this ZeroMQ drops the connection."),
     option("max_connections", int, 4096, "Engine connections beyond this (or the open-file limit) are closed at "
            "once."),
-    option("client_buffer_messages", int, 1000, "Replies queued for a client that does not read them before "
-                                                "its requests are aborted."),
+    option("client_buffer_messages", int, 1000, "Replies ZeroMQ queues for a client that reads slowly; beyond "
+                                                "them the engine holds its replies itself."),
+    option("client_stall_seconds", float, 10.0, "Seconds a client may read none of its replies before its "
+                                                "requests are aborted."),
     option("grammar_time_limit", float, 2.0, "Seconds a request's grammar (JSON schema, regex, EBNF) may compile, "
            "off the engine's loop, before the request is refused (invalid_grammar)."),
     option("log_level", str, "info", "debug, info, warning or error."),

@@ -16,12 +16,13 @@ class ServerOptions:
     max_message_bytes: int = 1 << 20
     auth_token: str | None = None
     max_connections: int = 4096
-    client_buffer_messages: int = 1000
+    client_buffer_messages: int = 1000  # replies ZeroMQ queues for a client; beyond, the engine holds them
     grammar_time_limit: float = 2.0  # seconds a request's grammar may compile before it is refused
+    client_stall_seconds: float = 10.0  # a client that reads none of its replies this long loses its requests
 
     def __post_init__(self) -> None:
-        if not self.grammar_time_limit > 0:
-            raise ValueError("grammar_time_limit must be > 0 seconds")
+        if not self.grammar_time_limit > 0 or not self.client_stall_seconds > 0:
+            raise ValueError("grammar_time_limit and client_stall_seconds must be > 0 seconds")
         if self.max_waiting_requests < 1 or self.max_message_bytes < 1024:
             raise ValueError("max_waiting_requests must be >= 1 and max_message_bytes >= 1024")
         if self.max_connections < 1 or self.client_buffer_messages < 1:

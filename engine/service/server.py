@@ -47,6 +47,7 @@ from engine.service import protocol
 from engine.service.addresses import AddressError, default_address
 from engine.service.liveness import StepCover
 from engine.service.options import ServerOptions
+from engine.service.outbox import ClientGone, Outbox
 from engine.service.parent import PARENT_ENV, parent_pidfd
 from engine.service.publisher import StatsPublisher
 from engine.service.registry import GrammarJob, Preparation, Record, Registry
@@ -108,6 +109,7 @@ class EngineServer:
         self._grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar", initializer=_yield_cores)
         self._max_prompt_chars = max_prompt_chars(llm.tokenizer, llm.max_seq_len)
         self._last_sent: dict[bytes, float] = {}
+        self._outbox = Outbox(self.router, options.client_stall_seconds)
         self._client_numbers: dict[bytes, int] = {}  # connection -> its number, least recently used first
         self._clients_seen = 0
         self._stop = False
@@ -159,6 +161,7 @@ class EngineServer:
         model worker, so detokenising, sending and receiving all happen off the model's critical path."""
         self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
         busy = self.llm.has_unfinished()
+        self._flush()
         self._receive(0 if busy else self._idle_wait_ms())
         self._admit_prepared()
         self._answer()
@@ -175,7 +178,7 @@ class EngineServer:
     def _idle_wait_ms(self) -> int:
         """How long an idle loop may block on the sockets: until the next stats snapshot is due while
         someone subscribes, else a heartbeat interval (the health check still runs that often)."""
-        if self.requests.preparing() or self.answering or self._writing:
+        if self.requests.preparing() or self.answering or self._writing or self._outbox.holding:
             return 5
         if self.publisher.listening:
             return self.publisher.wait_ms()
@@ -524,20 +527,20 @@ class EngineServer:
 
     # -- sending ----------------------------------------------------------------------------------
     def _send(self, identity: bytes, msg: msgspec.Struct) -> bool:
-        """Send to one client; if it is gone (or hopelessly behind), abort its requests."""
+        """Send to one client (or hold it while its queue is full, engine/service/outbox.py); if it is gone,
+        abort its requests."""
         try:
-            self.router.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
-        except zmq.Again:  # its queue is full: it has not read its last client_buffer_messages replies
-            self._drop_client(identity, f"it fell {self.options.client_buffer_messages} messages behind "
-                                        f"(it does not read its replies)")
-            return False
-        except zmq.ZMQError as e:
-            unreachable = e.errno == zmq.EHOSTUNREACH
-            why = "it disconnected, or stopped reading and missed its heartbeats" if unreachable else e.strerror
-            self._drop_client(identity, why)
+            self._outbox.send(identity, protocol.encode(msg))
+        except ClientGone as e:
+            self._drop_client(identity, e.why)
             return False
         self._last_sent[identity] = time.monotonic()
         return True
+
+    def _flush(self) -> None:
+        """What clients' full queues held back goes out as they read; one that reads nothing too long is dropped."""
+        for identity, why in self._outbox.flush():
+            self._drop_client(identity, why)
 
     def _error(self, identity: bytes, code: str, message: str, rid: str | None = None, count: bool = True) -> None:
         """Reply with an Error; `count` it among the stats' errors unless it is no client's fault."""
@@ -563,6 +566,7 @@ class EngineServer:
         if records:
             self.publisher.changed()
         self._last_sent.pop(identity, None)
+        self._outbox.forget(identity)
         log.warning("client %s is gone (%s); aborted its %d request(s)", identity.hex(), why, len(records))
 
     def _deliver(self, result: StepResult) -> None:
@@ -604,6 +608,7 @@ class EngineServer:
         self._grammars.shutdown(wait=False, cancel_futures=True)
         while self.llm.has_unfinished():
             self._deliver(self._step())
+        self._flush()  # the Finals of clients that are behind: what their queues take now
         self.publisher.publish(idle=True, force=True)
         log.info("engine stopping: aborted %d in-flight request(s)", len(rids))
 
