@@ -184,3 +184,44 @@ def test_at_80x24_the_ops_panels_the_list_and_the_detail_are_whole(engine: str) 
                 x += width
 
     run(scenario)
+
+
+def _luminance(color) -> float:  # type: ignore[no-untyped-def]
+    def channel(v: int) -> float:
+        c = v / 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+    return 0.2126 * channel(color.r) + 0.7152 * channel(color.g) + 0.0722 * channel(color.b)
+
+
+def _contrast(a, b) -> float:  # type: ignore[no-untyped-def]
+    """WCAG's contrast ratio of two colours (1 to 21)."""
+    high, low = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def test_at_80x20_the_chat_scrollbar_reads_as_a_scrollbar_in_every_theme(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 50's "glyphs left after a resize" were the chat's scrollbar at 80x20: Textual's default dark thumb
+    on a black track showed only the thumb's partial-cell ends ("▁▁", "▆▆"). Now the scrollbar is one column, its
+    track stands off the pane and its thumb off the track, in every theme with colours of its own (the ANSI
+    themes take the terminal's palette, whose colours Textual does not know)."""
+
+    async def scenario() -> None:
+        app = MinichatApp(EngineLink(address=f"ipc://{tmp_path}/nobody.sock", autostart=False))
+        async with app.run_test(size=(160, 48)) as pilot:
+            await pilot.pause()
+            await pilot.resize_terminal(80, 20)
+            log = app.query_one(".chat-log", VerticalScroll)
+            await wait_for(pilot, lambda: log.show_vertical_scrollbar, "the help text to overflow the 80x20 chat")
+            assert log.scrollbar_size_vertical == 1
+            themes = sorted(t for t in app.available_themes if not t.startswith("ansi"))
+            assert "textual-dark" in themes and len(themes) > 10
+            for theme in themes:
+                app.theme = theme
+                await pilot.pause()
+                pane = log.background_colors[1]
+                track = pane + log.styles.scrollbar_background
+                thumb = track + log.styles.scrollbar_color
+                assert _contrast(track, pane) >= 1.05 and _contrast(thumb, track) >= 2.0, (
+                    theme, _contrast(track, pane), _contrast(thumb, track))
+
+    run(scenario)
