@@ -521,6 +521,8 @@ def test_the_console_resumes_a_conversation_from_disk_after_a_restart(long_ckpt,
             panel = app.query_one(PageGrid)
             await wait_for(pilot, lambda: any(p.startswith("disk ") and f"{disk(app)[1]:,} tok hit" in p
                                               for p in panel.header), "the KV pages panel's disk tier")
+            # its bytes are the user's tier (other models' and checkouts' pages too), and it says so
+            assert any(p.startswith("disk ") and " user-wide · " in p for p in panel.header), panel.header
             await type_and_send(pilot, "Goodnight.")
             await wait_for(pilot, lambda: last_reply(app).state == "done", "the next reply")
             assert (last_reply(app).cached_tokens or 0) >= (history[0] - 2 * PAGE) // PAGE * PAGE

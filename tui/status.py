@@ -83,8 +83,9 @@ def tier_text(t: TierUse, hit: int, brief: bool) -> str:
     own = t.pages * (t.capacity_bytes // t.capacity) if t.capacity else t.bytes
     others = t.bytes - own if t.bytes > own else 0
     if brief:  # the KV pages panel: its pages and bytes only (the two move at different moments; an idle panel
-        # whose text followed their difference redrew for nothing)
-        text = f"{t.name} {t.pages:,}/{t.capacity:,} p · {size(t.bytes)} · {hit:,} tok hit"
+        # whose text followed their difference redrew for nothing); the bytes said to be the whole user's, which a
+        # fresh start already shows
+        text = f"{t.name} {t.pages:,}/{t.capacity:,} p · {size(t.bytes)} user-wide · {hit:,} tok hit"
     else:
         held = f"{size(own)}; {size(t.bytes)} of {size(t.capacity_bytes)} with other models' and checkouts' pages " \
                f"in this user's tier" if others else f"{size(t.bytes)} of {size(t.capacity_bytes)}"
