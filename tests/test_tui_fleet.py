@@ -193,6 +193,11 @@ def test_the_fleet_view_with_two_replicas_and_one_stopped(engine: str, long_ckpt
             await asyncio.to_thread(stack.close)
             await wait_for(pilot, lambda: cell(view, 3, "state") == "down", "the stopped replica down")
             assert cell(view, 3, "running") == MISSING and "unreachable" in cell(view, 3, "note")
+            # highlighted, its whole note is shown below the table, however wide the table is
+            view.query_one(DataTable).move_cursor(row=2)
+            note = fleet.readings()[2].note
+            await wait_for(pilot, lambda: shown(view.query_one("#fleet-note", Static)) == f"#3 {note}", "its note")
+            assert note.startswith("unreachable: ") and len(note) > len("unreachable: ")
             await zmq.abort("fleet-load")
 
     try:

@@ -83,6 +83,7 @@ class FleetScreen(Screen[FleetChoice | None]):
         yield Static(id="fleet-title")
         yield DataTable(cursor_type="row", zebra_stripes=True, id="fleet-table")
         yield Static(id="fleet-imbalance")
+        yield Static(id="fleet-note")
         yield Label(HINT, id="fleet-hint")
         yield Footer()
 
@@ -111,6 +112,19 @@ class FleetScreen(Screen[FleetChoice | None]):
                     Text.assemble((" fleet ", "bold reverse"), f" {len(readings)} replicas · ",
                                   (f"{up} up", "green" if up == len(readings) else "yellow")))
         update_text(self.query_one("#fleet-imbalance", Static), Text(imbalance(readings)))
+        self._show_note(readings)
+
+    def _show_note(self, readings: list[Reading] | None = None) -> None:
+        """The highlighted replica's note in full, wrapped: in the table it is the last column, which a wide
+        table cuts (an unreachable replica's reason read "unreachable: All connection atte")."""
+        row = self.query_one(DataTable).cursor_row
+        readings = readings if readings is not None else self.fleet.readings()
+        note = readings[row].note if 0 <= row < len(readings) else ""
+        update_text(self.query_one("#fleet-note", Static), Text(f"#{row + 1} {note}" if note else ""))
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        event.stop()
+        self._show_note()
 
     @property
     def selected(self) -> Replica:
