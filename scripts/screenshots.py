@@ -100,19 +100,19 @@ async def ops_under_load(address: str, out: Path) -> None:
 
 
 async def small_terminal(address: str, out: Path) -> None:
-    """The chat at 80x24, where the ops panels start hidden (f5 shows them)."""
+    """The chat at 80x20, where the ops panels start hidden (f5 shows them)."""
     app = MinichatApp(EngineLink(address=address, autostart=False))
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=(80, 20)) as pilot:
         await connect(pilot)
         await send(pilot, "/max_tokens 60")
         for prompt in ("What say you, good sir?", "Speak of the king."):
             await send(pilot, prompt)
             await until(pilot, lambda: app.current.session.live is None)  # type: ignore[union-attr]
-        app.save_screenshot("chat-80x24.svg", str(out))
+        app.save_screenshot("chat-80x20.svg", str(out))
         await pilot.press("f5")
         await until(pilot, lambda: app.ops.display)
         await pilot.pause(0.5)
-        app.save_screenshot("ops-80x24.svg", str(out))
+        app.save_screenshot("ops-80x20.svg", str(out))
 
 
 async def context_gauge(address: str, out: Path) -> None:

@@ -21,8 +21,12 @@ from gguf import GGMLQuantizationType as G
 from safetensors.torch import load_file
 
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
-             "qwen3": gguf.MODEL_ARCH.QWEN3, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}
-EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+\.weight)")
+             "qwen3": gguf.MODEL_ARCH.QWEN3, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "gemma2": gguf.MODEL_ARCH.GEMMA2,
+             "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+             "mixtral": gguf.MODEL_ARCH.LLAMA}
+SHIFTED_NORMS = ("gemma2", "gemma3")
+"""Families whose norm weights llama.cpp's converter writes as 1 + w."""
+EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)")
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
@@ -177,10 +181,18 @@ def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, 
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(cap):
+            getattr(writer, f"add_{cap}")(config[cap])
     if "num_experts_per_tok" in config:  # a mixture of experts, as llama.cpp's converter describes one
         writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("moe_intermediate_size"):  # Mixtral's experts are its feed-forward length
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer_from is not None:
         _borrowed_tokenizer_fields(writer, tokenizer_from, config["vocab_size"])
@@ -202,6 +214,8 @@ def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, 
             config["num_key_value_heads"] if ".k_proj." in hf_name else 0)
         if permuted and heads:
             x = _permute(x, heads)
+        if family in SHIFTED_NORMS and hf_name.endswith("norm.weight"):
+            x = x + 1
         kind = qtype if isinstance(qtype, str) else next(v for k, v in qtype.items() if k in hf_name)
         if x.ndim >= 2 and x.shape[-1] % gguf.GGML_QUANT_SIZES[G[kind]][0]:
             kind = "Q8_0"  # rows too short for the format's block: as llama.cpp's quantizer falls back

@@ -25,12 +25,18 @@ from engine.model.quantized import weight_footprint
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 # hidden 256 and intermediate 512: rows long enough for the K formats' 256-value blocks
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 FAMILY_SHAPE = {"llama": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
                 "mistral": dict(num_key_value_heads=1), "qwen2": {},
-                "qwen3": dict(head_dim=128)}  # transformers' GGUF config for Qwen3 keeps Qwen3Config's default head_dim
+                "qwen3": dict(head_dim=128),  # transformers' GGUF config for Qwen3 keeps Qwen3Config's default head_dim
+                # Gemma: what transformers' GGUF config keeps of its own defaults (query scale, soft caps, layer
+                # pattern: Gemma 3's five local layers to one global) is what the file cannot say
+                "gemma2": dict(head_dim=64, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                               final_logit_softcapping=30.0),
+                "gemma3": dict(head_dim=64, query_pre_attn_scalar=256, final_logit_softcapping=None,
+                               num_hidden_layers=6, layer_types=None)}
 EVERY_TYPE = {
     "layers.0.self_attn.q_proj": "Q8_0", "layers.0.self_attn.k_proj": "Q4_K", "layers.0.self_attn.v_proj": "Q6_K",
     "layers.0.self_attn.o_proj": "Q5_0", "layers.0.mlp.gate_proj": "Q4_1", "layers.0.mlp.up_proj": "Q5_1",
@@ -69,6 +75,20 @@ def test_dequantized_gguf_is_token_exact_vs_transformers_on_the_same_file(mixed_
     assert "float32" in llm.execution["weights"] and "Q" not in llm.execution["gemm"]
     for prompt, out in zip(ps := prompts(6, seed=1), llm.generate(ps, SamplingParams(max_tokens=12)), strict=True):
         hf.check_greedy(out.token_ids, path, prompt, 12, eos=sorted(llm.eos_ids))
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("family", ["phi3", "qwen2_moe", "mixtral"])
+def test_phi3_and_moe_files_are_token_exact_vs_the_checkpoint_they_were_written_from(tmp_path, hf, family):
+    """Phi-3's fused qkv and gate_up rows, Qwen2-MoE's stacked experts with a shared expert and its gate, Mixtral
+    as llama.cpp writes it (a llama file with experts), as llama.cpp writes them. transformers' GGUF loader keeps
+    no expert sizes and reads Mixtral's file as a plain llama (minichat reads both from the file), so the oracle
+    is the original checkpoint."""
+    src = make_checkpoint(family, tmp_path / family, seed=5)
+    path = write_gguf(src, tmp_path / f"tiny-{family}.F32.gguf", family, "F32")
+    llm = LLM(str(path))
+    for prompt, out in zip(ps := prompts(4, seed=3), llm.generate(ps, SamplingParams(max_tokens=12)), strict=True):
+        hf.check_greedy(out.token_ids, src, prompt, 12, eos=sorted(llm.eos_ids))
     llm.check_integrity()
 
 
@@ -252,7 +272,12 @@ def test_perplexity_of_quantized_equals_dequantized(mixed_files):
     assert abs(math.exp(nll[0]) / math.exp(nll[1]) - 1) < 0.005
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+ONE_CALL = ["llama", "qwen2", "qwen3", "mistral"]
+"""The families whose layers kernels/cpu/decode.c runs in one call (Llama-shaped: Gemma's GELU, extra norms and
+soft caps run layer by layer)."""
+
+
+@pytest.mark.parametrize("family", ONE_CALL)
 def test_layers_in_one_call_compute_what_the_layer_by_layer_path_does(mixed_files, family):
     """kernels/cpu/decode.c runs every layer of a block-format model in one C call, from the same functions as
     the per-call path: the same log-probabilities bit for bit, prompt and decode alike (Qwen3's q/k norms

@@ -228,9 +228,10 @@ alone does to a timer."""
 def test_a_hostile_replica_cannot_bloat_or_freeze_the_console(tmp_path: Path) -> None:
     """A fake replica on loopback (tests/hostile_replica.py) serving an endless, a 50 MB (declared and not), a
     trickling and a garbage /metrics, beside a fine one: each row goes down saying why, the console's memory
-    stays within 64 MiB of where it began, and its event loop is never late by more than 100 ms beyond what the
+    stays within 64 MiB of where it began, and its event loop is never late by more than 500 ms beyond what the
     machine makes a sleeping process late meanwhile (a second process ticking alone: on a loaded machine the
-    scheduler wakes everyone late); the objects earlier tests left in this process are frozen out of the cyclic
+    scheduler wakes everyone late; 100 ms failed once in CI's 2 cores at 153 ms, and what the bound catches, one of
+    those bodies parsed on the loop, takes seconds); the objects earlier tests left in this process are frozen out of the cyclic
     collector meanwhile, since a full collection of them is not the console's doing."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "tests.hostile_replica", str(port)], stdout=subprocess.PIPE,
@@ -275,7 +276,7 @@ def test_a_hostile_replica_cannot_bloat_or_freeze_the_console(tmp_path: Path) ->
                 machine_late = float(reference.communicate("stop\n", timeout=30)[0])
                 assert cell(view, 6, "running") == "1"
                 assert rss_mib() - before < 64, (before, rss_mib())
-                assert max(lateness) < 0.1 + machine_late, (sorted(lateness)[-5:], machine_late)
+                assert max(lateness) < 0.5 + machine_late, (sorted(lateness)[-5:], machine_late)
 
         run(scenario)
     finally:

@@ -45,18 +45,24 @@ from kernels.quant import BLOCK_TYPES, QTYPES
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
+    from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
 GGUF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                    "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                    "mixtral": "MixtralForCausalLM"}
 """The families whose GGUF tensors the loader maps onto its own (model_type -> architecture); other GGUF files are
 refused naming these."""
 PERMUTED_ARCHS = ("llama",)
 """GGUF architectures whose q/k rows llama.cpp permuted (its converter's LlamaModel.permute)."""
+SHIFTED_NORM_ARCHS = ("gemma2", "gemma3")
+"""GGUF architectures whose RMSNorm weights llama.cpp stores as 1 + w (Gemma's norm scales by 1 + w; llama.cpp's
+by its weight), as transformers' GGUF loader also undoes."""
 INDEX_VERSION = 3  # 2: generation_config.json from the sampling metadata; 3: tensor ranges checked
-EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+\.weight)")
+EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)")
 """A per-expert HF name (prefix, expert, projection), which GGUF stores in one stacked tensor per projection."""
 
 
@@ -126,6 +132,9 @@ def _convert_metadata(path: Path, meta: Path) -> None:
         tensors.append({"name": t.name, "qtype": qtype, "shape": [int(d) for d in reversed(t.shape.tolist())],
                         "offset": int(t.data_offset), "nbytes": int(t.n_bytes)})
     _check_ranges(path, tensors, path.stat().st_size)
+    if any(t["name"] in ("rope_factors_long.weight", "rope_factors_short.weight") for t in tensors):
+        raise ValueError(f"{path}: long-context RoPE factors (rope_factors_long/short, Phi-3's LongRoPE) are not read "
+                         f"yet; the model's own checkpoint directory runs")
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -134,9 +143,15 @@ def _convert_metadata(path: Path, meta: Path) -> None:
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None and hasattr(config, "head_dim"):  # transformers' Qwen3 mapping leaves it at a default
         config.head_dim = int(key_length.contents())
-    expert_rows = reader.fields.get(f"{arch}.expert_feed_forward_length")
-    if expert_rows is not None and hasattr(config, "moe_intermediate_size"):  # ... and Qwen3-MoE's expert size
-        config.moe_intermediate_size = int(expert_rows.contents())
+    # ... and the experts' sizes (Qwen3-MoE's, Qwen2-MoE's and its shared expert's)
+    for key, attribute in (("expert_feed_forward_length", "moe_intermediate_size"),
+                           ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        rows = reader.fields.get(f"{arch}.{key}")
+        if rows is not None and hasattr(config, attribute):
+            setattr(config, attribute, int(rows.contents()))
+    experts = reader.fields.get(f"{arch}.expert_count")
+    if config.model_type in ("llama", "mistral") and experts is not None and int(experts.contents()) > 0:
+        config = _as_mixtral(config, int(experts.contents()), int(reader.fields[f"{arch}.expert_used_count"].contents()))
     if config.model_type not in GGUF_MODEL_TYPES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} ({config.model_type}); minichat runs GGUF files of "
                          f"{', '.join(sorted(GGUF_MODEL_TYPES))}")
@@ -158,6 +173,16 @@ def _convert_metadata(path: Path, meta: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _as_mixtral(config: PretrainedConfig, experts: int, used: int) -> PretrainedConfig:
+    """A llama file with experts, as llama.cpp writes Mixtral, as the Mixtral config transformers' GGUF loader does
+    not make of it (the llama config it reads, with the experts; its feed-forward length is an expert's)."""
+    from transformers import MixtralConfig
+
+    fields = set(MixtralConfig().to_dict()) - {"model_type", "architectures", "transformers_version"}
+    kept = {k: v for k, v in config.to_dict().items() if k in fields}
+    return MixtralConfig(**{**kept, "num_local_experts": experts, "num_experts_per_tok": used})
 
 
 def _reader(path: Path) -> GGUFReader:
@@ -285,6 +310,7 @@ def read_tensors(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int, num
     `BlockSource` rows straight from the mapped file, float ones as float32/bf16 tensors."""
     data = np.memmap(ckpt.path, dtype=np.uint8, mode="r")
     permuted = ckpt.architecture in PERMUTED_ARCHS
+    shifted = ckpt.architecture in SHIFTED_NORM_ARCHS
     for hf, (name, expert) in _hf_to_gguf_names(ckpt, hf_names, num_layers).items():
         info = ckpt.tensors.get(name)
         if info is None:
@@ -304,7 +330,8 @@ def read_tensors(ckpt: GGUFCheckpoint, hf_names: list[str], num_layers: int, num
         if permuted and heads:
             dense = _unpermute(dense, heads)
         tensor = torch.from_numpy(np.array(dense))
-        yield hf, tensor.view(torch.bfloat16) if info.qtype == "BF16" else tensor.float()
+        tensor = tensor.view(torch.bfloat16) if info.qtype == "BF16" else tensor.float()
+        yield hf, tensor - 1 if shifted and hf.endswith("norm.weight") else tensor
 
 
 def rope_factors(ckpt: GGUFCheckpoint) -> torch.Tensor | None:
