@@ -284,6 +284,11 @@ class LLM:
         return takes_system_role(self.tokenizer)
 
     @property
+    def has_chat_template(self) -> bool:
+        """Whether chat messages can be rendered (a base model's tokenizer often has no template: plain prompts)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
     def default_system(self) -> str:
         """The system message the chat template adds to a chat that has none ("" if none)."""
         return default_system(self.tokenizer)

@@ -153,19 +153,8 @@ def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return out | {name: np.stack([parts[e] for e in sorted(parts)]) for name, parts in experts.items()}
 
 
-def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, str] = "F32",
-               tokenizer_from: Path | None = None, sampling: dict[str, float] | None = None) -> Path:
-    """`checkpoint` (a tests/checkpoints.py directory) as a GGUF file: every 2-D weight in `qtype` (or
-    `qtype[name]` for a name's first match, by substring, with a "" default), 1-D tensors in F32; the
-    tokenizer its own, or `tokenizer_from` another GGUF file's; `sampling`: llama.cpp's recommended settings
-    (`temp`, `top_k`, ...: the `general.sampling.*` keys, written with gguf's own `add_sampling_*`)."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    arch = GGUF_ARCH[family]
-    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_name(f"{family}-tiny")  # transformers reads a llama file named mistral-* as Mistral
-    for key, value in (sampling or {}).items():
-        getattr(writer, f"add_sampling_{key}")(value)
+def _hyperparameters(writer: gguf.GGUFWriter, config: dict) -> None:
+    """The model's shape and switches as llama.cpp's converter writes them."""
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -193,12 +182,30 @@ def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, 
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def write_gguf(checkpoint: Path, out: Path, family: str, qtype: str | dict[str, str] = "F32",
+               tokenizer_from: Path | None = None, sampling: dict[str, float] | None = None) -> Path:
+    """`checkpoint` (a tests/checkpoints.py directory) as a GGUF file: every 2-D weight in `qtype` (or
+    `qtype[name]` for a name's first match, by substring, with a "" default), 1-D tensors in F32; the
+    tokenizer its own, or `tokenizer_from` another GGUF file's; `sampling`: llama.cpp's recommended settings
+    (`temp`, `top_k`, ...: the `general.sampling.*` keys, written with gguf's own `add_sampling_*`)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    arch = GGUF_ARCH[family]
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(f"{family}-tiny")  # transformers reads a llama file named mistral-* as Mistral
+    for key, value in (sampling or {}).items():
+        getattr(writer, f"add_sampling_{key}")(value)
+    _hyperparameters(writer, config)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer_from is not None:
         _borrowed_tokenizer_fields(writer, tokenizer_from, config["vocab_size"])
     else:
         _tokenizer_fields(writer, checkpoint)
+    rope = config.get("rope_parameters") or {}
     if rope.get("rope_type") == "llama3":  # llama.cpp's form of it: a divisor per frequency
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         from transformers import AutoConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

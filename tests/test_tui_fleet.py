@@ -230,9 +230,9 @@ def test_a_hostile_replica_cannot_bloat_or_freeze_the_console(tmp_path: Path) ->
     trickling and a garbage /metrics, beside a fine one: each row goes down saying why, the console's memory
     stays within 64 MiB of where it began, and its event loop is never late by more than 500 ms beyond what the
     machine makes a sleeping process late meanwhile (a second process ticking alone: on a loaded machine the
-    scheduler wakes everyone late; 100 ms failed once in CI's 2 cores at 153 ms, and what the bound catches, one of
-    those bodies parsed on the loop, takes seconds); the objects earlier tests left in this process are frozen out of the cyclic
-    collector meanwhile, since a full collection of them is not the console's doing."""
+    scheduler wakes everyone late; 100 ms failed once in CI's 2 cores at 153 ms, and what the bound catches, one
+    of those bodies parsed on the loop, takes seconds); the objects earlier tests left in this process are frozen
+    out of the cyclic collector meanwhile, since a full collection of them is not the console's doing."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "tests.hostile_replica", str(port)], stdout=subprocess.PIPE,
                               cwd=Path(__file__).resolve().parent.parent)

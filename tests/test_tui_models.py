@@ -13,6 +13,8 @@ generation_config.json recommending sampling settings and a chat template that r
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -282,3 +284,40 @@ def test_minichat_stop_is_not_undone_by_the_console(llama_ckpt: Path, tmp_path: 
         run(scenario)
     finally:
         stop_engine(address)
+
+
+def base_view(src: Path, out: Path) -> Path:
+    """A copy of `src` without a chat template, as a base model ships (Gemma 3 270M's GGUF file has none)."""
+    shutil.copytree(src, out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_base_model_is_talked_to_as_a_completion(long_ckpt: Path, tmp_path: Path) -> None:
+    """A model without a chat template cannot take chat messages (the engine refuses them); the console says so in
+    the chat's header and sends the conversation as one text the model continues: each message on a new line
+    after the model's continuation of the one before."""
+    model = base_view(long_ckpt, tmp_path / "TinyLlama-base")
+
+    async def scenario(address: str) -> None:
+        app = MinichatApp(EngineLink(address=address, autostart=False))
+        async with app.run_test(size=(160, 50)) as pilot:
+            await connected_app(pilot)
+            assert app.link.info is not None and not app.link.info.chat_template
+            await wait_for(pilot, lambda: any(p.startswith("completion: no chat template") for p in
+                                              header(app).phrases), "the header saying how the model is talked to")
+            await type_and_send(pilot, "/max_tokens 6")
+            await type_and_send(pilot, "Once upon a time")
+            first = last_reply(app)
+            await wait_for(pilot, lambda: first.state == "done", "the first continuation")
+            assert first.text
+            reply, sent = await streaming_and_sent(pilot, app)
+            assert sent.prompt_tail == "" and sent.prompt_head == f"Once upon a time{first.text}\nHello"
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: reply.state == "aborted", "the abort")
+
+    with start_engine(model, f"ipc://{tmp_path}/engine.sock") as handle:
+        run(lambda: scenario(handle.address))

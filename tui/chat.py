@@ -373,6 +373,9 @@ class ChatPane(Vertical):
         elif session.engine is not None and session.engine.default_system:  # what the model sees: its template's
             system = f"system (the chat template's own): {printable(session.engine.default_system)}"
         model = [printable(session.engine.name)] if session.engine is not None else []
+        if not session.chat:  # a base model: say how it is talked to
+            model.append("completion: no chat template (a base model), so it continues the text, each message on "
+                         "a new line")
         self.query_one(".chat-settings", PhraseLine).show([*model, system or "no system prompt",
                                                            *session.settings()])
         note = self.query_one(".chat-note", PhraseLine)
@@ -450,7 +453,7 @@ class ChatPane(Vertical):
         with contextlib.suppress(EngineError, EngineUnavailable):
             client = await self.link.ready()
             label = f"console: {self.session.name} (resuming)"[:128]
-            warm = client.generate(self.session.messages(None), SamplingParams(max_tokens=0), client=label,
+            warm = client.generate(self.session.request(None), SamplingParams(max_tokens=0), client=label,
                                    template_kwargs=self.session.template_kwargs())
             async with contextlib.aclosing(warm) as stream:  # cancelled (the pane closes): aborted in the engine
                 async for _ in stream:
@@ -595,8 +598,8 @@ class ChatPane(Vertical):
     async def _fit(self, client: AsyncEngineClient, prompt: str) -> None:
         """Drop the oldest turns that no longer fit the model's context, as the engine counts tokens, and
         say so."""
-        async def count(messages: list[dict[str, str]]) -> int:
-            return len(await client.tokenize(messages))
+        async def count(request: str | list[dict[str, str]]) -> int:
+            return len(await client.tokenize(request))
 
         if self.context is not None and (dropped := await self.session.fit(prompt, self.context, count)):
             self.notify(f"{self.session.name}: the oldest {dropped} turn{'s' * (dropped > 1)} no longer fit the "
@@ -616,7 +619,7 @@ class ChatPane(Vertical):
             # aclosing: a cancelled reply closes its stream at once, which aborts it in the engine
             label = f"console: {self.session.name}"[:128]  # the owner the ops panels and other consoles show
             params = msgspec.structs.replace(self.session.params, reasoning=True)  # thinking apart, if any
-            async with contextlib.aclosing(client.generate(self.session.messages(prompt), params, rid=reply.rid,
+            async with contextlib.aclosing(client.generate(self.session.request(prompt), params, rid=reply.rid,
                                                            client=label,
                                                            template_kwargs=self.session.template_kwargs())) as stream:
                 async for out in stream:

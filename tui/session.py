@@ -81,11 +81,12 @@ class EngineModel:
     defaults: dict[str, Any] = field(default_factory=dict)
     system_role: bool = True
     default_system: str = ""
+    chat: bool = True  # a chat template; False: a base model, whose conversation goes as one plain text
 
     @classmethod
     def of(cls, info: Info) -> EngineModel:
         return cls(model_id(info.model), info.max_seq_len, dict(info.generation_defaults), info.system_role,
-                   info.default_system)
+                   info.default_system, info.chat_template)
 
 
 @dataclass
@@ -345,13 +346,35 @@ class Session:
             msgs[0] = {"role": "user", "content": f"{self.system_prompt}\n\n{msgs[0]['content']}"}
         return msgs
 
+    def request(self, prompt: str | None, start: int | None = None) -> str | list[dict[str, str]]:
+        """What the engine is sent: the chat's messages (`messages`), or for a model without a chat template (a
+        base model) the conversation as one text it continues (`transcript`)."""
+        return self.messages(prompt, start) if self.chat else self.transcript(prompt, start)
+
+    def transcript(self, prompt: str | None, start: int | None = None) -> str:
+        """The conversation as a base model continues it: the system prompt, then each message with the model's
+        continuation of it, each message on a new line (as in llama.cpp's completion)."""
+        parts = [self.system_prompt] if self.system_prompt else []
+        for turn in self.turns[self.context_start if start is None else start:]:
+            if turn.reply.text:
+                parts.append(turn.prompt + turn.reply.text)
+        if prompt is not None:
+            parts.append(prompt)
+        return "\n".join(parts)
+
+    @property
+    def chat(self) -> bool:
+        """Whether the engine's model has a chat template; true until an engine says otherwise."""
+        return self.engine is None or self.engine.chat
+
     @property
     def takes_system(self) -> bool:
         """Whether the engine's chat template renders a system message (else the system prompt opens the first
         message sent); true until an engine says otherwise."""
         return self.engine is None or self.engine.system_role
 
-    async def fit(self, prompt: str, context: int, count: Callable[[list[dict[str, str]]], Awaitable[int]]) -> int:
+    async def fit(self, prompt: str, context: int,
+                  count: Callable[[str | list[dict[str, str]]], Awaitable[int]]) -> int:
         """Drop the oldest turns until the history plus `prompt` leaves room for a reply in a
         `context`-token model (the system prompt and the turn being sent always stay); returns how many
         were dropped.
@@ -364,7 +387,7 @@ class Session:
         first, last = self.context_start, len(self.turns) - 1
 
         async def fits(start: int) -> bool:
-            return await count(self.messages(prompt, start)) <= room
+            return await count(self.request(prompt, start)) <= room
 
         if first >= last or await fits(first):
             return 0
@@ -462,8 +485,8 @@ class Session:
             raise ValueError(f"/think takes on or off; got {text.strip()!r}") from None
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """The chat template's variables this session sets (`enable_thinking`), if any."""
-        return None if self.thinking is None else {"enable_thinking": self.thinking}
+        """The chat template's variables this session sets (`enable_thinking`), if any (none without a template)."""
+        return None if self.thinking is None or not self.chat else {"enable_thinking": self.thinking}
 
     def describe(self) -> str:
         return " · ".join(self.settings())

@@ -140,18 +140,7 @@ def _convert_metadata(path: Path, meta: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, KeyError) as e:
         raise ValueError(f"{path}: transformers cannot read this GGUF file's metadata ({arch}): {e}") from e
-    key_length = reader.fields.get(f"{arch}.attention.key_length")
-    if key_length is not None and hasattr(config, "head_dim"):  # transformers' Qwen3 mapping leaves it at a default
-        config.head_dim = int(key_length.contents())
-    # ... and the experts' sizes (Qwen3-MoE's, Qwen2-MoE's and its shared expert's)
-    for key, attribute in (("expert_feed_forward_length", "moe_intermediate_size"),
-                           ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
-        rows = reader.fields.get(f"{arch}.{key}")
-        if rows is not None and hasattr(config, attribute):
-            setattr(config, attribute, int(rows.contents()))
-    experts = reader.fields.get(f"{arch}.expert_count")
-    if config.model_type in ("llama", "mistral") and experts is not None and int(experts.contents()) > 0:
-        config = _as_mixtral(config, int(experts.contents()), int(reader.fields[f"{arch}.expert_used_count"].contents()))
+    config = _completed(config, reader, arch)
     if config.model_type not in GGUF_MODEL_TYPES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} ({config.model_type}); minichat runs GGUF files of "
                          f"{', '.join(sorted(GGUF_MODEL_TYPES))}")
@@ -173,6 +162,23 @@ def _convert_metadata(path: Path, meta: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _completed(config: PretrainedConfig, reader: GGUFReader, arch: str) -> PretrainedConfig:
+    """What transformers' GGUF config leaves out and the file says: the head size (its Qwen3 mapping keeps a
+    default), the experts' sizes (Qwen3-MoE's, Qwen2-MoE's and its shared expert's), and Mixtral's experts."""
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length.contents())
+    for key, attribute in (("expert_feed_forward_length", "moe_intermediate_size"),
+                           ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        rows = reader.fields.get(f"{arch}.{key}")
+        if rows is not None and hasattr(config, attribute):
+            setattr(config, attribute, int(rows.contents()))
+    experts = reader.fields.get(f"{arch}.expert_count")
+    if config.model_type in ("llama", "mistral") and experts is not None and int(experts.contents()) > 0:
+        return _as_mixtral(config, int(experts.contents()), int(reader.fields[f"{arch}.expert_used_count"].contents()))
+    return config
 
 
 def _as_mixtral(config: PretrainedConfig, experts: int, used: int) -> PretrainedConfig:

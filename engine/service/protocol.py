@@ -182,6 +182,7 @@ class Info(_EngineMsg, tag="info"):
     generation_defaults: dict[str, float | int] = msgspec.field(default_factory=dict)
     system_role: bool = True  # whether the chat template renders a system message (some refuse or drop one)
     default_system: str = ""  # the system message the chat template adds to a chat without one ("": none)
+    chat_template: bool = True  # whether the model has a chat template (a base model: none; send it plain prompts)
 
 
 class ShuttingDown(_EngineMsg, tag="shutting_down"):

@@ -523,7 +523,7 @@ class EngineServer:
                              model_info=self.llm.model_info, tool_format=self.llm.tool_format,
                              think_markers=_markers(self.llm.think_markers),
                              generation_defaults=self.llm.generation_defaults, system_role=self.llm.system_role,
-                             default_system=self.llm.default_system)
+                             default_system=self.llm.default_system, chat_template=self.llm.has_chat_template)
 
     # -- sending ----------------------------------------------------------------------------------
     def _send(self, identity: bytes, msg: msgspec.Struct) -> bool:
