@@ -58,7 +58,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: lis
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer; send prompt token ids instead of chat messages")
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+        raise ValueError("this model has no chat template (a base model): send it a plain prompt instead (over "
+                         "HTTP: /v1/completions)")
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError("each chat message must be {'role': str, 'content': str}")

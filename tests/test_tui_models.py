@@ -26,7 +26,7 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Static
 from textual.widgets._footer import FooterKey
 
-from engine.service.client import probe
+from engine.service.client import AsyncEngineClient, EngineError, probe
 from engine.service.launcher import stop_engine
 from engine.service.protocol import Description
 from tests.checkpoints import LONG_CONTEXT, NO_SYSTEM_TEMPLATE, UNTIL_ABORTED, instruct_view
@@ -318,6 +318,9 @@ def test_a_base_model_is_talked_to_as_a_completion(long_ckpt: Path, tmp_path: Pa
             assert sent.prompt_tail == "" and sent.prompt_head == f"Once upon a time{first.text}\nHello"
             await pilot.press("escape")
             await wait_for(pilot, lambda: reply.state == "aborted", "the abort")
+        async with AsyncEngineClient(address) as client:  # chat messages are refused, saying what to send instead
+            with pytest.raises(EngineError, match=r"no chat template .*/v1/completions"):
+                await client.complete([{"role": "user", "content": "Hello"}], max_tokens=4)
 
     with start_engine(model, f"ipc://{tmp_path}/engine.sock") as handle:
         run(lambda: scenario(handle.address))
