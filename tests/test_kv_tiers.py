@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kv import tiers
-from engine.kv.disk import HEADER, SUFFIX
+from engine.kv.disk import HEADER, SUFFIX, DiskTier, PageFile
 from engine.kv.tiers import chain_key
 from engine.scheduler.snapshot import SchedulerCounters
 
@@ -203,13 +204,25 @@ def test_a_linked_cache_directory_is_refused(llama_ckpt, tmp_path, caplog, linke
 
 
 def test_reads_past_the_load_deadline_are_computed_instead(llama_ckpt, tmp_path, monkeypatch):
-    """With the deadline at 0 every disk read is late by the time the scheduler looks: the pages are computed, counted
-    as late, and the tokens are the cold run's."""
+    """With the deadline at 0 and the disk's reads held until the request is done (a stuck file), every read is late
+    when the scheduler looks: the pages are computed, counted as late, and the tokens are the cold run's. (Unheld, a
+    read could finish before the scheduler's first look on a loaded machine, and be used.)"""
     prompt = ids(90, 6)
     (cold,) = written(llama_ckpt, tmp_path, [prompt])
     monkeypatch.setattr(tiers, "LOAD_DEADLINE", 0.0)
+    stuck = threading.Event()
+    read = DiskTier._read
+
+    def held(self: DiskTier, page: PageFile) -> torch.Tensor:
+        stuck.wait(60)
+        return read(self, page)
+
+    monkeypatch.setattr(DiskTier, "_read", held)
     with LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path)) as llm:
-        out = llm.generate([prompt], greedy())[0]
+        try:
+            out = llm.generate([prompt], greedy())[0]
+        finally:
+            stuck.set()
         tier = llm.stats().pages.tiers[0]
         assert out.token_ids == cold and tier.rejected.get("late", 0) >= 1
         llm.check_integrity()
