@@ -43,9 +43,10 @@ EVERY_TYPE = {
     "layers.0.mlp.down_proj": "Q5_K",
     "layers.1.self_attn.q_proj": "F16", "layers.1.self_attn.k_proj": "BF16", "layers.1.self_attn.v_proj": "Q4_0",
     "layers.1.self_attn.o_proj": "Q8_0", "layers.1.mlp.gate_proj": "Q6_K", "layers.1.mlp.up_proj": "Q4_K",
-    "layers.1.mlp.down_proj": "Q5_0", "embed": "Q4_0", "lm_head": "Q6_K", "": "F32"}
+    "layers.1.mlp.down_proj": "Q5_0", "embed": "Q4_0", "lm_head": "Q6_K", "": "Q8_0"}
 """Every format minichat reads, over two layers (layer 1's q/k/v fuse two float parts with a block one), the
-embedding and the head, as llama.cpp's mixed files (Q4_K_M) spread formats over tensors."""
+embedding and the head, as llama.cpp's mixed files (Q4_K_M) spread formats over tensors; Gemma 3's further layers
+in Q8_0."""
 
 
 @pytest.fixture(scope="module")
@@ -272,9 +273,9 @@ def test_perplexity_of_quantized_equals_dequantized(mixed_files):
     assert abs(math.exp(nll[0]) / math.exp(nll[1]) - 1) < 0.005
 
 
-ONE_CALL = ["llama", "qwen2", "qwen3", "mistral"]
-"""The families whose layers kernels/cpu/decode.c runs in one call (Llama-shaped: Gemma's GELU, extra norms and
-soft caps run layer by layer)."""
+ONE_CALL = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+"""The families whose layers kernels/cpu/decode.c runs in one call (Llama-shaped, and Gemma 3 with its GELU, its norms
+of each half's output and a RoPE table per layer; Gemma 2's capped attention scores run layer by layer)."""
 
 
 @pytest.mark.parametrize("family", ONE_CALL)

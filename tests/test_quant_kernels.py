@@ -129,6 +129,24 @@ def test_mixed_segments_bias_and_residual(kernels: CpuKernels) -> None:
     assert ((y.double() - exact).abs() <= tolerance(x, w) + 1e-6).all()
 
 
+@pytest.mark.parametrize("gated", ["silu", "gelu_tanh"])
+def test_the_gated_input_is_torchs_activation_times_up(kernels: CpuKernels, gated: str) -> None:
+    """`gated`: the product takes act(gate) * up of x = [gate | up], act computed in C (SiLU; GELU's tanh form for
+    Gemma, tanh by exp): within the product's bound of torch's activation, plus the activation's own rounding (a
+    few float32 ulps of each input value: 1e-6 of |act(gate) * up| covers it)."""
+    columns, rows = 256, 24
+    raw = file_rows("Q8_0", rows, columns, seed=4)
+    w = torch.from_numpy(dequantize(raw, G["Q8_0"]))
+    matrix = BlockMatrix(columns, [kernels.repack(torch.from_numpy(raw), QTYPES["Q8_0"], columns)])
+    x = 4 * torch.randn(5, 2 * columns, generator=torch.Generator().manual_seed(5))
+    gate, up = x.double().chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) if gated == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+    inner = (act * up).float()
+    exact = inner.double() @ w.double().T
+    bound = tolerance(inner, w) + 1e-6 * (inner.abs().double() @ w.abs().double().T)
+    assert ((kernels.q_linear(x, matrix, gated=gated).double() - exact).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_float_rows_multiply_exactly_in_float32_and_read_back(kernels: CpuKernels, m: int) -> None:
     """Float32 and bfloat16 rows in panels (a float model's kept rows, kernels/quant.py ROW_TYPES): x is not

@@ -285,8 +285,8 @@ class DecoderLayer(nn.Module):
     norm_class: ClassVar[type[RMSNorm]] = RMSNorm
     activation: ClassVar[str] = "silu"
     """The MLP's activation of gate, multiplied by up: "silu" or "gelu_tanh" (layer_ops.activate)."""
-    in_one_call: ClassVar[bool] = True
-    """Whether kernels/cpu/decode.c's one-call layers compute this layer (Llama's shape, SiLU, plain norms)."""
+    in_one_call: bool = True
+    """Whether kernels/cpu/decode.c's one-call layers compute this layer (Llama's shape, or Gemma 3's)."""
 
     def __init__(self, spec: ModelSpec, index: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -363,6 +363,14 @@ class DecoderLayer(nn.Module):
             norms |= {"self_attn.q_norm": self.q_norm, "self_attn.k_norm": self.k_norm}
         return norms
 
+    def one_call_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gains of the norms before attention and before the MLP, for decode.c."""
+        return self.input_layernorm.gain, self.post_attention_layernorm.gain
+
+    def one_call_output_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The gains of the norms of attention's and the MLP's outputs before they join the stream (Gemma's)."""
+        return None, None
+
     def mlp_targets(self, prefix: str) -> Targets:
         """The MLP's tensors, under the layer's prefix."""
         bias = self.spec.mlp_bias
@@ -389,12 +397,13 @@ class DecoderLayer(nn.Module):
     def use_cpu_kernels(self, kernels: CpuKernels, scratch: Scratch, dense: torch.Tensor) -> None:
         """Take minichat's C kernels where this layer can (see CausalLM.use_cpu_kernels): its norms; the MLP's
         SiLU * up between float32 GEMMs on one rank; with every projection in block formats (one rank, float32),
-        the block kernels that fuse norms, activation and residual adds into the products."""
+        the block kernels that fuse norms, activation (SiLU or GELU) and residual adds into the products."""
         for norm in self.norms().values():
             norm.use_kernels(kernels)
-        if self.activation != "silu" or self.tp.size != 1:
+        if self.tp.size != 1:
             return
-        self.use_mlp_kernels(kernels, scratch)
+        if self.activation == "silu":
+            self.use_mlp_kernels(kernels, scratch)
         if self.dtype == torch.float32 and all(isinstance(p.weight, BlockMatrix) for p in self.projections()):
             self.block_kernels, self.dense_buffer = kernels, dense
 
@@ -639,17 +648,16 @@ class CausalLM(nn.Module):
                 weight = self.float_rows[i][j] if self.float_rows is not None else p.weight
                 return cast(BlockMatrix, weight), cast("torch.Tensor | None", p.bias)
 
+            tables = [(table[0].contiguous(), table[1].contiguous()) for table in self.cos_sin]
             layers = [LayerWeights(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                None if layer.q_norm is None else layer.q_norm.weight,
-                None if layer.k_norm is None else layer.k_norm.weight,
-                product(i, layer, 0), product(i, layer, 1), product(i, layer, 2), product(i, layer, 3),
-                kv.k(i), kv.v(i), layer.window or 0)
+                *layer.one_call_norms(), None if layer.q_norm is None else layer.q_norm.gain,
+                None if layer.k_norm is None else layer.k_norm.gain, *layer.one_call_output_norms(),
+                *tables[layer.rope_index], product(i, layer, 0), product(i, layer, 1), product(i, layer, 2),
+                product(i, layer, 3), kv.k(i), kv.v(i), layer.window or 0)
                 for i, layer in enumerate(self.layers)]
-            s = self.spec
-            table = self.cos_sin[0]
-            self._fused = (kv, FusedLayers(kernels, layers, self.layers[0].num_heads, self.num_kv_heads, s.head_dim,
-                                           s.rms_norm_eps, table[0].contiguous(), table[1].contiguous()))
+            first = self.layers[0]
+            self._fused = (kv, FusedLayers(kernels, layers, first.num_heads, self.num_kv_heads, self.spec.head_dim,
+                                           self.spec.rms_norm_eps, first.scale, first.activation))
         return self._fused[1]
 
 

@@ -72,16 +72,23 @@ class OffsetRMSNorm(RMSNorm):
 
 
 class GemmaLayer(DecoderLayer):
-    """A block with a norm before and after each half; GELU (tanh) between the MLP's products."""
+    """A block with a norm before and after each half; GELU (tanh) between the MLP's products. Gemma 3's layers
+    run in decode.c's one call too; Gemma 2's capped attention scores do not."""
 
     norm_class = OffsetRMSNorm
     activation = "gelu_tanh"
-    in_one_call = False
 
     def __init__(self, spec: ModelSpec, index: int, tp: TensorParallel) -> None:
         super().__init__(spec, index, tp)
         self.pre_feedforward_layernorm = OffsetRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_feedforward_layernorm = OffsetRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.in_one_call = spec.softcap is None
+
+    def one_call_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.input_layernorm.gain, self.pre_feedforward_layernorm.gain
+
+    def one_call_output_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.post_attention_layernorm.gain, self.post_feedforward_layernorm.gain
 
     def norms(self) -> dict[str, RMSNorm]:
         return super().norms() | {"pre_feedforward_layernorm": self.pre_feedforward_layernorm,
@@ -91,7 +98,8 @@ class GemmaLayer(DecoderLayer):
         return []  # both halves' outputs are normalised before they are added
 
     def execution(self) -> dict[str, str]:
-        return {"activation": "GELU (tanh) in torch: minichat's C activation computes SiLU"}
+        return {"activation": "GELU (tanh): minichat's C where the layers run in one call or in block formats, "
+                              "else torch"}
 
     def attention_block(self, ops: LayerOps, x: torch.Tensor, residual: torch.Tensor | None, index: int,
                         step: LayerStep) -> tuple[torch.Tensor, torch.Tensor | None]:

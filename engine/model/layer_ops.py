@@ -206,8 +206,14 @@ class BlockOps(EagerOps):
     def add_linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, residual: torch.Tensor,
                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self._kernels(layer).q_linear(x, cast(BlockMatrix, proj.weight), proj.bias, add=residual,
-                                            silu_mul=gated, dense=layer.dense_buffer)
+                                            gated=layer.activation if gated else None, dense=layer.dense_buffer)
         return out, None
+
+    def linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, gated: bool = False) -> torch.Tensor:
+        """Gemma's products whose output is normalised before it joins the stream: the activation inside the
+        product too (the one-call layers compute the same)."""
+        return self._kernels(layer).q_linear(x, cast(BlockMatrix, proj.weight), proj.bias,
+                                             gated=layer.activation if gated else None, dense=layer.dense_buffer)
 
     @staticmethod
     def _kernels(layer: DecoderLayer) -> CpuKernels:

@@ -89,7 +89,7 @@ class Expert(nn.Module):
         """This rank's part of down(act(gate(x)) * up(x)) for x [rows, hidden], in x's dtype."""
         if moe.block_kernels is not None:  # block formats: SiLU * up inside the down product (float32 model)
             gate_up = moe.block_kernels.q_linear(x, cast(BlockMatrix, self.gate_up_proj.weight))
-            return moe.block_kernels.q_linear(gate_up, cast(BlockMatrix, self.down_proj.weight), silu_mul=True)
+            return moe.block_kernels.q_linear(gate_up, cast(BlockMatrix, self.down_proj.weight), gated="silu")
         gate_up = linear(x, self.gate_up_proj.weight, None, torch.float32 if moe.mlp_kernels else x.dtype)
         return linear(activate(moe, gate_up, x.dtype), self.down_proj.weight, None, x.dtype)
 

@@ -38,7 +38,9 @@ _QUANT_SIGNATURES = {
 }
 
 
-INPUT_RMS_NORM, INPUT_SILU_MUL = 1, 2  # quant.c's transforms of the product's input
+INPUT_RMS_NORM = 1  # quant.c's transforms of the product's input (quant.h)
+GATED_INPUTS = {None: 0, "silu": 2, "gelu_tanh": 3}
+"""q_linear's `gated` as quant.h numbers the input transform: none, SiLU(gate) * up, GELU-tanh(gate) * up."""
 DENSE_ROWS = 64
 """Without VNNI, from this many rows a product with a block-format weight expands the weight and runs torch's float32
 GEMM (measured faster from here on with AVX2's maddubs; the integer kernel wins below, where reading the weights is
@@ -244,19 +246,19 @@ class CpuKernels:
 
     def q_linear(self, x: torch.Tensor, w: BlockMatrix, bias: torch.Tensor | None = None,
                  add: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-                 silu_mul: bool = False, dense: torch.Tensor | None = None) -> torch.Tensor:
+                 gated: str | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
         """f(x) W^T (+ bias) (+ add) in float32, W in block formats, for a float32 x [rows, in] (unit-stride rows);
-        f(x) is x, RMSNorm(x) with `norm` = (weight, eps), or with `silu_mul` SiLU(gate) * up of x = [gate | up]
-        ([rows, 2 in]). f(x) is quantized to ~15 bits per value on the way (quant.c); from `dense_rows` rows on
-        (where that is not None), given a float32 buffer `dense` of at least out * in values, W is expanded into it
-        instead and torch's GEMM multiplies (faster there without VNNI, and exact). The decode step calls this
-        some hundred times a token, so the checks are few and cheap."""
+        f(x) is x, RMSNorm(x) with `norm` = (weight, eps), or with `gated` ("silu" or "gelu_tanh") act(gate) * up
+        of x = [gate | up] ([rows, 2 in]). f(x) is quantized to ~15 bits per value on the way (quant.c); from
+        `dense_rows` rows on (where that is not None), given a float32 buffer `dense` of at least out * in values,
+        W is expanded into it instead and torch's GEMM multiplies (faster there without VNNI, and exact). The decode
+        step calls this some hundred times a token, so the checks are few and cheap."""
         rows, width = x.shape
         k = w.in_features
-        if x.dtype != torch.float32 or not x.is_cpu or x.stride(1) != 1 or width != (2 * k if silu_mul else k) or \
-                (norm is not None and silu_mul):
-            raise ValueError(f"q_linear needs float32 unit-stride rows of {2 * k if silu_mul else k} values (and "
-                             f"one of norm, silu_mul); got {tuple(x.shape)} {x.dtype}")
+        if x.dtype != torch.float32 or not x.is_cpu or x.stride(1) != 1 or width != (2 * k if gated else k) or \
+                (norm is not None and gated) or gated not in GATED_INPUTS:
+            raise ValueError(f"q_linear needs float32 unit-stride rows of {2 * k if gated else k} values (and "
+                             f"one of norm, gated: silu or gelu_tanh); got {tuple(x.shape)} {x.dtype}, {gated!r}")
         n = w.out_features
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != n):
             raise ValueError(f"q_linear needs a contiguous float32 bias of {n}")
@@ -269,10 +271,10 @@ class CpuKernels:
             if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() != k:
                 raise ValueError(f"q_linear needs a contiguous float32 norm weight of {k}")
         if dense is not None and self.dense_rows is not None and rows >= self.dense_rows:
-            return self._dense_linear(x, w, bias, add, norm, silu_mul, dense)
+            return self._dense_linear(x, w, bias, add, norm, gated, dense)
         out = torch.empty((rows, n), dtype=torch.float32)
         status = self._q_linear(out.data_ptr(), n, x.data_ptr(), x.stride(0), rows, k,
-                                INPUT_RMS_NORM if norm else (INPUT_SILU_MUL if silu_mul else 0),
+                                INPUT_RMS_NORM if norm else GATED_INPUTS[gated],
                                 None if weight is None else weight.data_ptr(), norm[1] if norm else 0.0,
                                 self.segments(w), len(w.segments), None if bias is None else bias.data_ptr(),
                                 None if add is None else add.data_ptr(), 0 if add is None else add.stride(0))
@@ -281,13 +283,16 @@ class CpuKernels:
         return out
 
     def _dense_linear(self, x: torch.Tensor, w: BlockMatrix, bias: torch.Tensor | None, add: torch.Tensor | None,
-                      norm: tuple[torch.Tensor, float] | None, silu_mul: bool, dense: torch.Tensor) -> torch.Tensor:
+                      norm: tuple[torch.Tensor, float] | None, gated: str | None, dense: torch.Tensor) -> torch.Tensor:
         """q_linear for many rows: f(x) in float32 by the C kernels, then W expanded into `dense` a chunk of rows at
         a time (whole panels), each chunk's columns of the output by torch's GEMM."""
         if norm is not None:
             x = self.rms_norm(x, norm[0], norm[1])
-        elif silu_mul:
+        elif gated == "silu":
             x = self.silu_mul(x.contiguous(), torch.float32)
+        elif gated == "gelu_tanh":
+            gate, up = x.chunk(2, dim=-1)
+            x = torch.nn.functional.gelu(gate, approximate="tanh") * up
         n, k = w.shape
         chunk = max(PANEL, dense.numel() // k // PANEL * PANEL)
         out = torch.empty((x.shape[0], n), dtype=torch.float32)

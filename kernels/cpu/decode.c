@@ -9,8 +9,10 @@
  *   3. Qwen3's per-head q/k norms, then RoPE, per head    4. the step's K and V into the pool, per token
  *   5. attention, per (token, KV head)                    6. quantization of the attention's output, per row
  *   7. x += the o product, per panel                      8. RMSNorm of x and its quantization, per row
- *   9. the gate/up product, per panel                    10. SiLU(gate) * up and its quantization, per row
+ *   9. the gate/up product, per panel                    10. act(gate) * up and its quantization, per row
  *  11. x += the down product, per panel
+ * Gemma normalises each half's output before it joins x: stages 7 and 11 then write the product apart, and a
+ * per-row stage adds its RMSNorm to x; its layers rotate by their own RoPE tables (local and global bases).
  * Every stage is the function the per-call path runs (RMSNorm and RoPE of elementwise.c, attention.c's
  * item, quant.c's input preparation and panels), so both paths compute the same numbers, bit for bit.
  */
@@ -32,7 +34,9 @@ typedef struct { /* one product: its segments and its bias (NULL: none) */
 } product;
 
 typedef struct { /* one layer's weights, its share of the KV pool and its attention window (0: none) */
-    const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL but for Qwen3 */
+    const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL but for Qwen3 and Gemma 3 */
+    const float *attn_out_norm, *mlp_out_norm;            /* Gemma's norms of each half's output; NULL elsewhere */
+    const float *cos, *signed_sin;                        /* this layer's RoPE tables [positions, head_dim] */
     product qkv, o, gate_up, down;
     float *k_cache, *v_cache;
     int64_t window;
@@ -40,10 +44,20 @@ typedef struct { /* one layer's weights, its share of the KV pool and its attent
 
 typedef struct { /* the model's shape and what every layer shares */
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
-    float eps, scale;
-    const float *cos, *signed_sin; /* RoPE tables [positions, head_dim] */
+    float eps, scale;   /* scale: of q . k */
+    int32_t activation; /* INPUT_SILU_MUL or INPUT_GELU_MUL */
     const layer_plan *layers;
 } model_plan;
+
+/* Gemma's end of a half (after stage 7 or 11): x += RMSNorm(part) per row, part the half's product. */
+static void add_normed(float *x, float *part, int64_t tokens, int64_t hidden, const float *weight, float eps) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < tokens; r++) {
+        float *row = part + r * hidden, *stream = x + r * hidden;
+        rms_norm_row_f32(row, row, weight, hidden, eps);
+        for (int64_t i = 0; i < hidden; i++) stream[i] = stream[i] + row[i];
+    }
+}
 
 /* One product over the prepared input (stages 2, 7, 9, 11): its panels shared out, output written once each. */
 static void run_product(const product *w, const act_block *scratch, const float *xs, int64_t xs_stride, int64_t m,
@@ -68,8 +82,9 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
     float *gate_up = malloc((size_t)(tokens * 2 * inter) * sizeof(float));
     float *prepared = malloc((size_t)(tokens * widest) * sizeof(float));
     act_block *scratch = malloc((size_t)(tokens * (widest / 32)) * sizeof(act_block));
+    float *part = malloc((size_t)(tokens * hidden) * sizeof(float)); /* a half's output, where it is normalised */
     int32_t status = 0;
-    if (!qkv || !attn || !gate_up || !prepared || !scratch) {
+    if (!qkv || !attn || !gate_up || !prepared || !scratch || !part) {
         status = -1;
         goto done;
     }
@@ -86,7 +101,7 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
             float *row = qkv + t * qkv_width + h * head_dim;
             const float *norm = h < plan->heads ? L->q_norm : L->k_norm;
             if (norm) rms_norm_row_f32(row, row, norm, head_dim, plan->eps);
-            rope_token_f32(row, 1, positions[t], plan->cos, plan->signed_sin, head_dim);
+            rope_token_f32(row, 1, positions[t], L->cos, L->signed_sin, head_dim);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; t++) {
@@ -105,15 +120,25 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < tokens; r++)
             q_prepare_rows(INPUT_AS_IS, attn, q_size, r, r + 1, q_size, NULL, 0.0f, NULL, scratch);
-        run_product(&L->o, scratch, attn, q_size, tokens, q_size, x, hidden, x);
+        if (L->attn_out_norm) {
+            run_product(&L->o, scratch, attn, q_size, tokens, q_size, part, hidden, NULL);
+            add_normed(x, part, tokens, hidden, L->attn_out_norm, plan->eps);
+        } else {
+            run_product(&L->o, scratch, attn, q_size, tokens, q_size, x, hidden, x);
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < tokens; r++)
             q_prepare_rows(INPUT_RMS_NORM, x, hidden, r, r + 1, hidden, L->post_norm, plan->eps, prepared, scratch);
         run_product(&L->gate_up, scratch, prepared, hidden, tokens, hidden, gate_up, 2 * inter, NULL);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < tokens; r++)
-            q_prepare_rows(INPUT_SILU_MUL, gate_up, 2 * inter, r, r + 1, inter, NULL, 0.0f, prepared, scratch);
-        run_product(&L->down, scratch, prepared, inter, tokens, inter, x, hidden, x);
+            q_prepare_rows(plan->activation, gate_up, 2 * inter, r, r + 1, inter, NULL, 0.0f, prepared, scratch);
+        if (L->mlp_out_norm) {
+            run_product(&L->down, scratch, prepared, inter, tokens, inter, part, hidden, NULL);
+            add_normed(x, part, tokens, hidden, L->mlp_out_norm, plan->eps);
+        } else {
+            run_product(&L->down, scratch, prepared, inter, tokens, inter, x, hidden, x);
+        }
     }
 done:
     free(qkv);
@@ -121,6 +146,7 @@ done:
     free(gate_up);
     free(prepared);
     free(scratch);
+    free(part);
     return status;
 }
 

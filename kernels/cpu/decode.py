@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu import CpuKernels
+from kernels.cpu import GATED_INPUTS, CpuKernels
 from kernels.quant import BlockMatrix
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -24,14 +24,14 @@ class _Product(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Product),
-                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("k_cache", _P), ("v_cache", _P),
-                ("window", _I)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P),
+                ("mlp_out_norm", _P), ("cos", _P), ("signed_sin", _P), ("qkv", _Product), ("o", _Product),
+                ("gate_up", _Product), ("down", _Product), ("k_cache", _P), ("v_cache", _P), ("window", _I)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("inter", _I), ("eps", _F), ("scale", _F), ("cos", _P), ("signed_sin", _P), ("layers", _P)]
+                ("inter", _I), ("eps", _F), ("scale", _F), ("activation", ctypes.c_int32), ("layers", _P)]
 
 
 Projection = tuple[BlockMatrix, torch.Tensor | None]
@@ -40,13 +40,19 @@ Projection = tuple[BlockMatrix, torch.Tensor | None]
 
 @dataclass
 class LayerWeights:
-    """What decode.c needs of one layer: float32 norms (Qwen3's q/k norms or None), the four products, the
-    layer's K and V pools ([locations, kv heads, head dim], float32), its attention window (0: none)."""
+    """What decode.c needs of one layer: float32 norm gains (the norm before attention, the one before the MLP,
+    q/k norms or None, Gemma's norms of each half's output or None), its RoPE tables ([positions, head_dim]
+    float32 cos and signed sin), the four products, the layer's K and V pools ([locations, kv heads, head dim],
+    float32), its attention window (0: none)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    attn_out_norm: torch.Tensor | None
+    mlp_out_norm: torch.Tensor | None
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
     qkv: Projection
     o: Projection
     gate_up: Projection
@@ -60,16 +66,13 @@ class FusedLayers:
     """Every layer of a model in one C call; holds references to everything the C view points into."""
 
     def __init__(self, kernels: CpuKernels, layers: list[LayerWeights], heads: int, kv_heads: int, head_dim: int,
-                 eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-        self._keep: list[object] = [cos, signed_sin]
-        for t in (cos, signed_sin):
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError("the fused layers need contiguous float32 RoPE tables")
+                 eps: float, scale: float, activation: str) -> None:
+        self._keep: list[object] = []
         views = [self._layer(kernels, w) for w in layers]
         self._layers = (_Layer * len(views))(*views)
         hidden, inter = layers[0].qkv[0].in_features, layers[0].down[0].in_features
-        self._model = _Model(len(views), hidden, heads, kv_heads, head_dim, inter, eps, head_dim**-0.5,
-                             cos.data_ptr(), signed_sin.data_ptr(), ctypes.addressof(self._layers))
+        self._model = _Model(len(views), hidden, heads, kv_heads, head_dim, inter, eps, scale,
+                             GATED_INPUTS[activation], ctypes.addressof(self._layers))
         self.hidden = hidden
         for name, mirror in (("product", _Product), ("layer_plan", _Layer), ("model_plan", _Model)):
             kernels.check_struct(name, mirror)
@@ -92,10 +95,13 @@ class FusedLayers:
         return _Product(ctypes.addressof(segs), len(weight.segments), self._tensor(bias, weight.out_features))
 
     def _layer(self, kernels: CpuKernels, w: LayerWeights) -> _Layer:
+        if w.cos.shape != w.signed_sin.shape:
+            raise ValueError("the fused layers need cos and signed sin tables of one shape")
         return _Layer(self._tensor(w.input_norm), self._tensor(w.post_norm), self._tensor(w.q_norm),
-                      self._tensor(w.k_norm), self._product(kernels, w.qkv), self._product(kernels, w.o),
-                      self._product(kernels, w.gate_up), self._product(kernels, w.down), self._tensor(w.k_cache),
-                      self._tensor(w.v_cache), w.window)
+                      self._tensor(w.k_norm), self._tensor(w.attn_out_norm), self._tensor(w.mlp_out_norm),
+                      self._tensor(w.cos), self._tensor(w.signed_sin), self._product(kernels, w.qkv),
+                      self._product(kernels, w.o), self._product(kernels, w.gate_up), self._product(kernels, w.down),
+                      self._tensor(w.k_cache), self._tensor(w.v_cache), w.window)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                  kv_lens: torch.Tensor, out_locs: torch.Tensor) -> None:

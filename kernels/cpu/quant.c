@@ -828,6 +828,12 @@ static void input_row(int32_t input, const float *x, int64_t k, const float *nor
         for (int64_t i = 0; i < k; i++) dst[i] = norm_weight[i] * (x[i] * inv);
     } else if (input == INPUT_SILU_MUL) {
         for (int64_t i = 0; i < k; i++) dst[i] = x[i] / (1.0f + exp_f32(-x[i])) * x[k + i];
+    } else if (input == INPUT_GELU_MUL) { /* 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh by exp_f32 */
+        for (int64_t i = 0; i < k; i++) {
+            const float g = x[i], y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            const float t = 1.0f - 2.0f / (exp_f32(2.0f * y) + 1.0f);
+            dst[i] = 0.5f * g * (1.0f + t) * x[k + i];
+        }
     } else {
         memcpy(dst, x, (size_t)k * sizeof(float));
     }

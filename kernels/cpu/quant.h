@@ -20,8 +20,9 @@ typedef struct {
 } segment;
 
 /* What the product does to each row of x first: nothing; RMSNorm with a weight (the norm before q/k/v or
- * gate/up, not written out); or SiLU(gate) * up of a [gate | up] row of 2k values (the MLP's activation). */
-enum { INPUT_AS_IS = 0, INPUT_RMS_NORM = 1, INPUT_SILU_MUL = 2 };
+ * gate/up, not written out); or act(gate) * up of a [gate | up] row of 2k values (the MLP's activation: SiLU, or
+ * GELU's tanh form for Gemma). */
+enum { INPUT_AS_IS = 0, INPUT_RMS_NORM = 1, INPUT_SILU_MUL = 2, INPUT_GELU_MUL = 3 };
 
 /* Rows [r0, r1) of the product's input: transformed as `input` says (into `rows`, [m, k], unless AS_IS) and
  * quantized into `scratch` ([m, k / 32] blocks). */
