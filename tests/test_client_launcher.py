@@ -32,6 +32,7 @@ from engine.service.addresses import (
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.launcher import EngineStartError, find, find_or_start, start
 from kernels.cpu import load_cpu_kernels
+from tests.checkpoints import UNTIL_ABORTED
 from tui.cli import app
 
 ENGINE = dict(num_pages=64, max_running_requests=4)
@@ -85,20 +86,24 @@ def test_launcher_starts_attaches_and_stops(runtime: Path, llama_ckpt: Path) -> 
     assert f"cpu kernels on ({load_cpu_kernels().isa})" in log  # the kernel path, named at start
 
 
-def test_async_client_streams_aborts_and_reads_stats(runtime: Path, llama_ckpt: Path) -> None:
+def test_async_client_streams_aborts_and_reads_stats(runtime: Path, long_ckpt: Path) -> None:
+    """The long tiny llama and a pool for a request of UNTIL_ABORTED tokens: the stream left early runs until its
+    abort arrives (with 480 tokens of the 512-position llama it finished first once, on CI's loaded machine, and the
+    abort it waits for never came)."""
     port = free_port_pair()
-    with start(f"tcp://127.0.0.1:{port}", model=str(llama_ckpt), **ENGINE) as handle:
+    pages = (UNTIL_ABORTED + 64) // 16 + 1
+    with start(f"tcp://127.0.0.1:{port}", model=str(long_ckpt), **{**ENGINE, "num_pages": pages}) as handle:
         async def scenario() -> None:
             async with AsyncEngineClient(handle.address) as client:
                 info, again = await asyncio.gather(client.info(), client.info())  # two waiters, one key
                 assert info == again
-                assert info.stats_address == f"tcp://127.0.0.1:{port + 1}" and info.num_pages == 64
+                assert info.stats_address == f"tcp://127.0.0.1:{port + 1}" and info.num_pages == pages
                 assert (await client.ping()).pid == handle.pid
                 done = await client.complete([{"role": "user", "content": "hi"}], max_tokens=3)
                 assert done.usage.completion_tokens == len(done.token_ids) >= 1
 
                 # Leaving a stream early aborts its request.
-                async for out in client.generate([5, 6, 7], max_tokens=480, ignore_eos=True, rid="left"):
+                async for out in client.generate([5, 6, 7], max_tokens=UNTIL_ABORTED, ignore_eos=True, rid="left"):
                     assert isinstance(out, Delta)
                     break
                 async for snap in client.watch_stats():

@@ -56,6 +56,19 @@ def test_sessions_round_trip_and_search(tmp_path: Path) -> None:
     assert [r.name for r in store.sessions()] == ["poems"]
 
 
+def test_a_reply_with_a_nul_lists_and_searches_whole(tmp_path: Path) -> None:
+    """A small model samples a NUL now and then (the demo model did, in CI): SQLite's json_extract and substr stop
+    there, and the list showed the reply cut at it; the list previews and searches the text past it, the NUL as its
+    control picture, and the reply itself comes back as it was."""
+    store = Store(tmp_path / "conversations.sqlite3")
+    odd = conversation("odd", "To be", "to\x00 in\x14 the end")
+    store.save(odd)
+    (row,) = store.sessions()
+    assert row.last_reply == "to\u2400 in\x14 the end"
+    assert [r.name for r in store.sessions("the end")] == ["odd"]
+    assert store.load(odd.uid).turns[0].reply.text == "to\x00 in\x14 the end"
+
+
 def test_a_damaged_locked_or_newer_database_is_refused_clearly(tmp_path: Path) -> None:
     damaged = tmp_path / "damaged.sqlite3"
     damaged.write_bytes(b"not sqlite at all " * 64)

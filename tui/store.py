@@ -85,6 +85,17 @@ MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {  # from ve
 PREVIEW_CHARS = 200  # of the last prompt and reply, for the list's preview
 
 
+
+def reply_text(reply: str | None) -> str:
+    """A stored reply's text, for the list's SQL: SQLite's json_extract, substr and LIKE stop at a NUL (a small model
+    samples one now and then), so a NUL comes back as its control picture, as the list would show it anyway."""
+    try:
+        text = json.loads(reply or "{}").get("text", "")
+    except (ValueError, AttributeError):  # a damaged reply lists as none (`load` says what it skipped)
+        return ""
+    return text.replace("\0", "\u2400") if isinstance(text, str) else ""
+
+
 class StoreError(Exception):
     """The conversation database cannot be used; the message says why and what to do."""
 
@@ -156,6 +167,7 @@ class Store:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(path, timeout=timeout, isolation_level=None)
+            self.db.create_function("reply_text", 1, reply_text, deterministic=True)
         except (OSError, sqlite3.Error) as e:
             raise StoreError(f"conversations are not saved: cannot open {path} ({e})") from e
         try:
@@ -281,9 +293,9 @@ class Store:
             rows = self.db.execute(
                 "SELECT s.uid, s.name, (SELECT count(*) FROM turns t WHERE t.session_uid = s.uid), s.created, "
                 f"s.updated, coalesce((SELECT substr(t.prompt, 1, ?2) {last}), ''), "
-                f"coalesce((SELECT substr(json_extract(t.reply, '$.text'), 1, ?2) {last}), ''), s.model "
+                f"coalesce((SELECT substr(reply_text(t.reply), 1, ?2) {last}), ''), s.model "
                 "FROM sessions s WHERE s.name LIKE ?1 OR EXISTS (SELECT 1 FROM turns t WHERE "
-                "t.session_uid = s.uid AND (t.prompt LIKE ?1 OR json_extract(t.reply, '$.text') LIKE ?1)) "
+                "t.session_uid = s.uid AND (t.prompt LIKE ?1 OR reply_text(t.reply) LIKE ?1)) "
                 "ORDER BY s.updated DESC", (pattern, PREVIEW_CHARS)).fetchall()
         return [SessionRow(*row) for row in rows]
 
