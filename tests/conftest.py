@@ -206,6 +206,8 @@ def engine(long_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     `engine` fixture of its own overrides this one)."""
     from tests.test_tui import start_engine
 
-    address = f"ipc://{tmp_path_factory.mktemp('console')}/engine.sock"
-    with start_engine(long_ckpt, address):
-        yield address
+    root = tmp_path_factory.mktemp("console")
+    # a disk tier of its own: the one the run's engines share changes size as other workers' engines write, which
+    # the KV pages panel shows (the idle console's test saw it redraw)
+    with start_engine(long_ckpt, f"ipc://{root}/engine.sock", kv_cache_dir=str(root / "kv")):
+        yield f"ipc://{root}/engine.sock"

@@ -47,8 +47,8 @@ SIZE = (160, 48)  # wide enough that the ops panels open beside the chat
 ENGINE_OPTIONS = {"max_running_requests": 4, "max_prefill_tokens": 256}
 
 
-def start_engine(model: Path, address: str) -> EngineHandle:
-    return start(address, model=str(model), timeout=120, **ENGINE_OPTIONS)
+def start_engine(model: Path, address: str, **options: object) -> EngineHandle:
+    return start(address, model=str(model), timeout=120, **{**ENGINE_OPTIONS, **options})
 
 
 pytestmark = pytest.mark.usefixtures("data_dir")  # conversations in a private directory (conftest.py)
