@@ -64,6 +64,7 @@ from engine.tokenizer import (
     apply_chat_template,
     default_system,
     eos_token_ids,
+    has_chat_template,
     load_tokenizer,
     takes_system_role,
 )
@@ -285,8 +286,8 @@ class LLM:
 
     @property
     def has_chat_template(self) -> bool:
-        """Whether chat messages can be rendered (a base model's tokenizer often has no template: plain prompts)."""
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        """Whether chat messages can be rendered (engine/tokenizer.has_chat_template)."""
+        return has_chat_template(self.tokenizer)
 
     @property
     def default_system(self) -> str:

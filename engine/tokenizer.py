@@ -45,6 +45,11 @@ def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None, hf_conf
     return ids
 
 
+def has_chat_template(tokenizer: PreTrainedTokenizerBase | None) -> bool:
+    """Whether chat messages can be rendered (a base model's tokenizer often has no template: plain prompts)."""
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True, *,
                         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -57,7 +62,7 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: lis
     `template_kwargs` are more variables for the template (`enable_thinking` for Qwen3's)."""
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer; send prompt token ids instead of chat messages")
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise ValueError("this model has no chat template (a base model): send it a plain prompt instead (over "
                          "HTTP: /v1/completions)")
     for m in messages:
@@ -82,7 +87,7 @@ USER_PROBE = "minichat-user-probe"
 def takes_system_role(tokenizer: PreTrainedTokenizerBase | None) -> bool:
     """Whether the chat template renders a system message: some refuse one (Gemma's raises), some drop it
     without a word. A model without a template takes no chat at all, system or not (True: nothing to say)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if tokenizer is None or not has_chat_template(tokenizer):
         return True
     chat = [{"role": "system", "content": SYSTEM_PROBE}, {"role": "user", "content": "hi"}]
     try:
@@ -97,7 +102,7 @@ def default_system(tokenizer: PreTrainedTokenizerBase | None) -> str:
     named SmolLM, ..."), so that a console can say what the model actually sees; "" where it adds none. Read by
     rendering a chat with a probe system message and one without: where the second has text in the probe's
     place, between the same markers, that text is the default."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if tokenizer is None or not has_chat_template(tokenizer):
         return ""
     user = [{"role": "user", "content": USER_PROBE}]
     try:

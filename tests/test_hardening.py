@@ -32,7 +32,7 @@ from engine.service.client import AUTH_ENV, AsyncEngineClient, EngineClient, Eng
 from engine.service.launcher import EngineHandle, is_engine_process, serve_command, start, stop_engine
 from engine.service.protocol import Stats
 from engine.tokenizer import apply_chat_template, max_prompt_chars
-from tests.wire import pack, reply, unpack
+from tests.wire import pack, raw_dealer, reply, unpack
 
 ENGINE = dict(num_pages=512, max_running_requests=4, max_prefill_tokens=64)
 BUFFER = 64  # --client-buffer-messages: replies ZeroMQ queues for a client that does not read
@@ -194,14 +194,14 @@ def test_7_huge_prompts_do_not_stall_streams_or_pings(served: EngineHandle, base
     healthy(served, baseline)
 
 
+NOT_READING = {zmq.RCVHWM: 1, zmq.RCVBUF: 4096}
+"""A raw client whose receive side holds almost nothing (one message, a 4 KiB socket buffer), so its engine-side
+queue fills as soon as it stops reading."""
+
+
 def test_8_a_client_that_never_reads_is_cut_off(served: EngineHandle, baseline: list[int],
                                                 ops: EngineClient) -> None:
-    slow = zmq.Context.instance().socket(zmq.DEALER)
-    slow.setsockopt(zmq.LINGER, 0)
-    slow.setsockopt(zmq.RCVHWM, 1)
-    slow.setsockopt(zmq.RCVBUF, 4096)
-    slow.connect(served.address)
-    try:
+    with raw_dealer(served.address, NOT_READING) as slow:
         aborted = ops.stats().counters.aborted
         for i in range(4):
             slow.send(pack({"type": "submit", "rid": f"slow-{i}", "token_ids": PROBE,
@@ -212,8 +212,6 @@ def test_8_a_client_that_never_reads_is_cut_off(served: EngineHandle, baseline: 
         # or it stops answering the transport heartbeat because its receive side is full.
         log = served.log_path.read_text()
         assert "it read none of its replies for 2 s" in log or "stopped reading and missed its heartbeats" in log
-    finally:
-        slow.close()
     healthy(served, baseline)
 
 
@@ -221,12 +219,7 @@ def test_8_a_client_that_reads_late_loses_nothing(served: EngineHandle, baseline
                                                   ops: EngineClient) -> None:
     """A client busy for a while (hundreds of steps, far beyond its 64-reply queue, within STALL) keeps its
     request: the engine holds what the queue does not take, and the stream arrives whole and in order."""
-    late = zmq.Context.instance().socket(zmq.DEALER)
-    late.setsockopt(zmq.LINGER, 0)
-    late.setsockopt(zmq.RCVHWM, 1)
-    late.setsockopt(zmq.RCVBUF, 4096)
-    late.connect(served.address)
-    try:
+    with raw_dealer(served.address, NOT_READING) as late:
         aborted = ops.stats().counters.aborted
         late.send(pack({"type": "submit", "rid": "late", "token_ids": PROBE,
                         "params": {"max_tokens": 2000, "ignore_eos": True}}))
@@ -244,8 +237,6 @@ def test_8_a_client_that_reads_late_loses_nothing(served: EngineHandle, baseline
                 break
         assert msg["items"][-1]["finish_reason"] == "length" and len(tokens) == 2000
         assert tokens[:8] == baseline  # greedy: the same start as any other client's, in order
-    finally:
-        late.close()
     healthy(served, baseline)
 
 

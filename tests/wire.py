@@ -12,10 +12,13 @@ pack, unpack = msgspec.msgpack.encode, msgspec.msgpack.decode
 
 
 @contextmanager
-def raw_dealer(address: str) -> Iterator[zmq.Socket]:
-    """A DEALER connected to the engine, closed without lingering."""
+def raw_dealer(address: str, options: dict[int, int] | None = None) -> Iterator[zmq.Socket]:
+    """A DEALER connected to the engine, closed without lingering; `options` are socket options set before it
+    connects."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    for option, value in (options or {}).items():
+        sock.setsockopt(option, value)
     sock.connect(address)
     try:
         yield sock
