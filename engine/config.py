@@ -1,9 +1,17 @@
-"""Engine configuration: every knob the scheduler and the KV cache read, in one place."""
+"""Engine configuration: small frozen parts, one per concern, and the flat options they are built from.
+
+Every field is one command-line option of the same name (`--max-prefill-tokens`) and one `LLM(...)` keyword; its
+`help` is both its comment here and its `--help` line. Each part checks its own fields when it is made and changes
+nothing while it checks; `EngineConfig` checks what spans parts. Nothing here imports torch: clients read it too.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -20,160 +28,137 @@ def model_id(model_path: str) -> str:
     return Path(model_path).name.removesuffix(".gguf")
 
 
-@dataclass
-class EngineConfig:
-    """What the engine is asked to run and under which limits.
+def knob(default: Any, help: str, *aliases: str) -> Any:
+    """A configuration field: its default, what it means (also its `--help` line) and any extra flag spellings."""
+    return field(default=default, metadata={"help": help, "aliases": aliases})
 
-    `max_running_requests` is the number of request slots (rows of the request table; None: 32 on a
-    CPU, which decodes far fewer tokens a step, 256 on a GPU, which a batch of 32 leaves mostly idle);
-    `max_prefill_tokens` is the per-step prefill token budget (longer prompts are chunked);
-    `num_pages` sizes the paged KV pool (None: derived from `kv_memory_gb` or what the slots can use);
-    `prefix_cache` is "radix" (finished requests' full pages are reused by matching prompts) or "naive";
-    `linear_dtype` is where the GEMMs run: "model", "float32", or "auto" (float32 for a bf16/fp16 model on
-    a CPU without native half-precision GEMM, where it is several times faster; see engine/model/ops.py);
-    `prepack_weights` reorders float32 CPU projection weights once at load into oneDNN's layout and runs
-    them through oneDNN instead of MKL's `F.linear` (faster at every row count measured; see ops.py).
-    `cpu_kernels` runs RMSNorm, RoPE, the MLP activation and (with attention_backend auto or cpu) attention through
-    minichat's C kernels on a float32/bfloat16 CPU model, built once with the system's C compiler
-    (kernels/cpu); where none builds, the torch paths run instead.
-    `tensor_parallel_size` splits the model over that many ranks (processes; one GPU each on CUDA);
-    with `nnodes` > 1 they spread over that many machines, `tensor_parallel_size / nnodes` each: node 0
-    (`node_rank` 0) runs the engine and meets the others at `dist_init_addr` (HOST:PORT, SGLang's
-    spelling), and a node of rank > 0 only runs its ranks (engine/distributed/node.py).
-    `overlap` schedules step N+1 while step N runs (the model in a worker thread or on a CUDA stream);
-    None picks per device: on for CUDA, off on CPU (see `use_overlap` and docs/architecture.md);
-    `mixed_batches` lets running requests decode in the same step as a prefill (see `Scheduler.schedule`);
-    off, a step is prefill only or decode only.
-    `admission` is how admission counts a request's KV need: "reserve" (prompt plus the
-    whole output budget, so nothing is ever retracted) or "optimistic" (prompt plus an expected output,
-    and running requests are retracted when the pool runs dry; see engine/scheduler/admission.py).
-    `schedule_policy` orders the waiting queue: "fcfs" (arrival), "priority" (SamplingParams.priority,
-    then arrival; also picks retraction victims) or "lpm" (longest cached prefix first); under every
-    policy a request that has waited `max_wait_steps` steps goes next. With `mixed_batches` off, running
-    requests wait at most `max_consecutive_prefills` prefill steps in a row.
-    `threads` is how many CPU threads compute a step (torch's and the C kernels' one OpenMP team): None
-    is up to the cores this process may use, as many as measure fastest beside whatever else runs
-    (engine/threads.py); a number is that many, always. Under tensor parallelism each rank gets its share.
-    `quantization` ("int8" or "int4") quantizes float weights at load (a safetensors checkpoint, or a GGUF
-    file's float tensors) into GGML's Q8_0 / Q4_1 blocks, which the CPU kernels multiply by as they are; a
-    GGUF file's quantized tensors always stay as they are unless `dequantize` expands them to `dtype` (the
-    transformers-exact path). See engine/model/quantized.py.
-    `cuda_graph` replays decode steps of up to `cuda_graph_max_bs` requests from captured CUDA graphs
-    (when the attention backend supports them and there is one rank; see engine/cuda_graph.py; None:
-    every decode batch the request slots allow, up to 256).
-    `speculative` proposes tokens for running requests to verify in one step (engine/speculative):
-    "ngram" looks the last `speculative_ngram_max` .. `speculative_ngram_min` tokens up in the request's
-    own prompt and output, "draft" runs `speculative_model` (a small model with the same tokenizer; giving
-    it implies "draft"). At most `num_speculative_tokens` per request and step; how many a request gets,
-    down to none, is decided each step from its acceptance and the measured cost of a longer step
-    (`speculative_adaptive`; off, every request gets as many as the proposer has, up to that many).
-    `kv_host_gib`, `kv_cache_dir` and `kv_disk_gib` are the tiers under the radix prefix cache (engine/kv/tiers.py):
-    pages the pool evicts move to host memory (`kv_host_gib`, pinned on CUDA; None: as much as the pool, at most
-    a quarter of the free memory, on CUDA, and 0 on a CPU, whose pool is host memory already), and every cached
-    page is written through to files in `kv_cache_dir` (None: $MINICHAT_KV_CACHE_DIR, else `kv` in the user's
-    cache directory), at most `kv_disk_gib` of them (None: 8 GiB, at most half the free space there; 0: no disk
-    tier), so a prefix the pool no longer has, also after a restart, is loaded back rather than computed. They
-    need the radix cache and one rank (tensor parallelism does not run them yet); asking for them otherwise is
-    refused.
-    `reasoning_budget` bounds the think block of requests that split one off (SamplingParams.reasoning)
-    and give no `thinking_token_budget`: after that many tokens inside it the engine closes it (llama.cpp's
-    --reasoning-budget; None: unbounded; engine/reasoning.py).
-    """
 
-    model: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    page_size: int = 16
-    num_pages: int | None = None
-    kv_memory_gb: float | None = None
-    max_running_requests: int | None = None
-    max_prefill_tokens: int = 2048
-    max_model_len: int | None = None
-    seed: int | None = None  # the seeds of requests that bring none: from this, else from the OS
-    attention_backend: str = "auto"
-    prefix_cache: str = "radix"
-    linear_dtype: str = "auto"
-    prepack_weights: bool = True
-    cpu_kernels: bool = True
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    overlap: bool | None = None
-    mixed_batches: bool = True
-    cuda_graph: bool = True
-    cuda_graph_max_bs: int | None = None
-    threads: int | None = None
-    admission: str = "optimistic"
-    schedule_policy: str = "fcfs"
-    max_wait_steps: int = 1000
-    max_consecutive_prefills: int = 8
-    quantization: str | None = None
-    dequantize: bool = False
-    speculative: str | None = None
-    speculative_model: str | None = None
-    num_speculative_tokens: int = 4
-    speculative_adaptive: bool = True
-    speculative_ngram_max: int = 4
-    speculative_ngram_min: int = 2
-    reasoning_budget: int | None = None
-    kv_host_gib: float | None = None
-    kv_cache_dir: str | None = None
-    kv_disk_gib: float | None = None
+def _one_of(part: object, name: str, allowed: typing.Iterable[str], none_ok: bool = False) -> None:
+    value = getattr(part, name)
+    if not (value is None and none_ok) and value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}{' (or None)' if none_ok else ''}; "
+                         f"got {value!r}")
+
+
+def _at_least(part: object, least: float, *names: str, none: str = "") -> None:
+    for name in names:
+        value = getattr(part, name)
+        if value is not None and not value >= least:
+            raise ValueError(f"{name} must be at least {least:g}{none}; got {value}")
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """How a step is computed: on which device, in which precision, through which kernels. The model loader and
+    the workers of tensor parallelism read this part alone."""
+
+    device: str = knob("cpu", "cpu, cuda or cuda:N.")
+    dtype: str = knob("float32", "float32, bfloat16 or float16: the activations' and the KV pages' type.")
+    linear_dtype: str = knob("auto", "GEMM dtype: model, float32, or auto (float32 for bf16/fp16 on CPUs without "
+                                     "native support, where it is several times faster).")
+    prepack_weights: bool = knob(True, "On CPU, float32 weights prepacked once for oneDNN matmuls (faster than "
+                                       "F.linear at every row count measured).")
+    cpu_kernels: bool = knob(True, "On CPU, RMSNorm, RoPE, attention and the MLP activation in minichat's C kernels "
+                                   "(built with cc; where none builds, the torch paths run).")
+    attention_backend: str = knob("auto", "Attention kernels: torch, cpu, triton, flashinfer, or auto (the best "
+                                          "available).")
+    cuda_graph: bool = knob(True, "Replay decode steps from CUDA graphs (triton and flashinfer backends on CUDA, "
+                                  "one rank).")
+    cuda_graph_max_bs: int | None = knob(None, "Largest decode batch replayed from a CUDA graph (default: the "
+                                               "request slots, up to 256); bigger ones run eagerly.")
+    threads: int | None = knob(None, "CPU compute threads (default: up to the usable cores, as many as measure "
+                                     "fastest beside other work; under tensor parallelism each rank its share).")
+    quantization: str | None = knob(None, "Quantize float weights at load: int8 (Q8_0 blocks) or int4 (Q4_1 "
+                                          "blocks), which the CPU kernels multiply by as they are; CPU only.")
+    dequantize: bool = knob(False, "Expand a GGUF file's quantized weights to --dtype at load (slower; exact vs "
+                                   "transformers).")
 
     def __post_init__(self) -> None:
-        self._check_choices()
-        self._check_counts()
-        self._check_nodes()
-        self._check_speculation()
-        self._check_tiers()
+        _one_of(self, "dtype", DTYPES)
+        _one_of(self, "linear_dtype", LINEAR_DTYPES)
+        _one_of(self, "quantization", QUANTIZATIONS, none_ok=True)
+        _at_least(self, 1, "cuda_graph_max_bs", "threads", none=" (or None: the default)")
         if self.quantization is not None and self.dequantize:
             raise ValueError("quantization and dequantize contradict each other: choose one")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
 
-    def _check_choices(self) -> None:
-        """The fields that name one of a few choices."""
-        for name, allowed in (("dtype", DTYPES), ("linear_dtype", LINEAR_DTYPES), ("admission", ADMISSIONS),
-                              ("schedule_policy", SCHEDULE_POLICIES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None); "
-                             f"got {self.quantization!r}")
 
-    def _check_counts(self) -> None:
-        """The sizes and limits, each at least 1 where given."""
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "tensor_parallel_size",
-                     "cuda_graph_max_bs", "max_wait_steps", "max_consecutive_prefills"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"num_pages must be at least 1 (or None to size the pool automatically); "
-                             f"got {self.num_pages}")
-        if self.reasoning_budget is not None and self.reasoning_budget < 0:
-            raise ValueError(f"reasoning_budget must be at least 0 (or None: unbounded); got {self.reasoning_budget}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be at least 1 (or None: as many as suit the machine); got {self.threads}")
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler decides with: how many requests run, how a step's tokens are shared out, who goes first
+    (engine/scheduler)."""
 
-    def _check_nodes(self) -> None:
-        """How the tensor-parallel ranks spread over machines."""
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, nnodes) and nnodes at least 1; got node_rank "
-                             f"{self.node_rank} of nnodes {self.nnodes}")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
-                             f"{self.nnodes} (each node runs the same number of ranks)")
-        if self.nnodes > 1 and self.dist_init_addr is None:
-            raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT: where node 0 meets the others")
+    max_running_requests: int | None = knob(None, "Request slots: how many requests may hold KV at once (default: 32 "
+                                                  "on CPU, which decodes far fewer tokens a step, 256 on CUDA).")
+    max_prefill_tokens: int = knob(2048, "Prefill token budget per step; longer prompts are chunked.")
+    mixed_batches: bool = knob(True, "Running requests decode inside a prefill step instead of waiting for it; "
+                                     "output is identical.")
+    overlap: bool | None = knob(None, "Schedule step N+1 while step N runs (default: on for CUDA, off on CPU, where "
+                                      "it measured slower); output is identical.")
+    admission: str = knob("optimistic", "optimistic (prompt + expected output; retract when the pool runs dry) or "
+                                        "reserve (the whole output budget: nothing is ever retracted).")
+    schedule_policy: str = knob("fcfs", "Waiting-queue order: fcfs, priority (SamplingParams.priority, lower first; "
+                                        "also picks retraction victims) or lpm (longest cached prefix first).")
+    max_wait_steps: int = knob(1000, "A request waiting this many steps is admitted next, whatever the policy.")
+    max_consecutive_prefills: int = knob(8, "Without mixed batches: prefill-only steps in a row before running "
+                                            "requests decode.")
 
-    def _check_speculation(self) -> None:
-        """The proposer and its sizes (a draft model alone means "draft")."""
-        if self.speculative_model is not None and self.speculative is None:
-            self.speculative = "draft"
-        if self.speculative is not None and self.speculative not in SPECULATIVE:
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)} (or None); got {self.speculative!r}")
-        if (self.speculative == "draft") != (self.speculative_model is not None):
+    def __post_init__(self) -> None:
+        _one_of(self, "admission", ADMISSIONS)
+        _one_of(self, "schedule_policy", SCHEDULE_POLICIES)
+        _at_least(self, 1, "max_running_requests", "max_prefill_tokens", "max_wait_steps",
+                  "max_consecutive_prefills")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """The paged KV pool, the prefix cache over it and the tiers under that (engine/kv)."""
+
+    page_size: int = knob(16, "Tokens per KV page.")
+    num_pages: int | None = knob(None, "KV pool size in pages (default: what the request slots can use, within "
+                                       "memory).")
+    kv_memory_gb: float | None = knob(None, "Memory for the KV pool when --num-pages is not given.")
+    max_model_len: int | None = knob(None, "Cap on prompt + output tokens (default: the model's context).")
+    prefix_cache: str = knob("radix", "radix (reuse cached prompt prefixes) or naive.")
+    kv_host_gib: float | None = knob(None, "Host memory for KV pages the pool evicts (pinned; default: on CUDA as "
+                                           "much as the pool, at most a quarter of free memory; on CPU 0, the pool "
+                                           "is host memory already).")
+    kv_cache_dir: str | None = knob(None, "Directory of the disk KV tier: cached pages written through, loaded back "
+                                          "after eviction or a restart (default: $MINICHAT_KV_CACHE_DIR, else kv/ "
+                                          "in the user's cache directory).")
+    kv_disk_gib: float | None = knob(None, "Cap on the disk KV tier's directory, least recently used pages deleted "
+                                           "first (default: 8 GiB, at most half the free space; 0: no disk tier).")
+
+    def __post_init__(self) -> None:
+        _one_of(self, "prefix_cache", ("radix", "naive"))
+        _at_least(self, 1, "page_size")
+        _at_least(self, 1, "num_pages", none=" (or None to size the pool automatically)")
+        _at_least(self, 2, "max_model_len")
+        _at_least(self, 0, "kv_host_gib", "kv_disk_gib", none=" (0: no such tier; None: the default)")
+
+    @property
+    def tiers_asked(self) -> list[str]:
+        """The tier options given (each needs a radix cache on one rank)."""
+        return [name for name in ("kv_host_gib", "kv_cache_dir", "kv_disk_gib") if getattr(self, name)]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes tokens for running requests to verify in one step (engine/speculative)."""
+
+    speculative: str | None = knob(None, "Propose tokens to verify in one step: ngram (prompt lookup) or draft "
+                                         "(--speculative-model).")
+    speculative_model: str | None = knob(None, "A small draft model with the target's tokenizer (implies "
+                                               "--speculative draft).")
+    num_speculative_tokens: int = knob(4, "Most proposed tokens per request and step (fewer, or none, where they do "
+                                          "not pay).")
+    speculative_adaptive: bool = knob(True, "Give each request only the drafts that measure faster (off: always as "
+                                            "many as proposed).")
+    speculative_ngram_max: int = knob(4, "Longest n-gram the ngram proposer looks up in a request's own tokens.")
+    speculative_ngram_min: int = knob(2, "Shortest n-gram it falls back to.")
+
+    def __post_init__(self) -> None:
+        _one_of(self, "speculative", SPECULATIVE, none_ok=True)
+        if (self.method == "draft") != (self.speculative_model is not None):
             raise ValueError("speculative 'draft' needs speculative_model (a checkpoint), and speculative_model "
                              f"goes with speculative 'draft' only; got speculative {self.speculative!r}, "
                              f"speculative_model {self.speculative_model!r}")
@@ -183,42 +168,131 @@ class EngineConfig:
             raise ValueError("speculative_ngram_min and speculative_ngram_max must satisfy 1 <= min <= max <= 16; "
                              f"got {self.speculative_ngram_min} and {self.speculative_ngram_max}")
 
-    def _check_tiers(self) -> None:
-        """The KV tiers' sizes, and that they go under a radix cache on one rank."""
-        for name in ("kv_host_gib", "kv_disk_gib"):
-            if getattr(self, name) is not None and not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be at least 0 (0: no such tier; None: the default); "
-                                 f"got {getattr(self, name)}")
-        asked = [name for name in ("kv_host_gib", "kv_cache_dir", "kv_disk_gib") if getattr(self, name)]
-        if asked and not self.kv_tiers_possible:
-            raise ValueError(f"{', '.join(asked)}: the KV tiers go under the radix prefix cache of a single rank; "
-                             f"this engine has prefix_cache {self.prefix_cache!r} and tensor_parallel_size "
-                             f"{self.tensor_parallel_size}")
+    @property
+    def method(self) -> str | None:
+        """The proposer: as asked, else "draft" when a draft model is given, else none."""
+        if self.speculative is None and self.speculative_model is not None:
+            return "draft"
+        return self.speculative
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: how many ranks, and how they spread over machines (engine/distributed)."""
+
+    tensor_parallel_size: int = knob(1, "Split the model over this many ranks (processes; one GPU each on CUDA).",
+                                     "--tp")
+    nnodes: int = knob(1, "Machines the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks each).")
+    node_rank: int = knob(0, "This machine's place among --nnodes: 0 runs the engine, the others only their ranks.")
+    dist_init_addr: str | None = knob(None, "HOST:PORT where the nodes meet (node 0 listens on PORT and PORT+1; "
+                                            "beyond loopback every node needs the same MINICHAT_TP_TOKEN).")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "tensor_parallel_size")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes) and nnodes at least 1; got node_rank "
+                             f"{self.node_rank} of nnodes {self.nnodes}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
+                             f"{self.nnodes} (each node runs the same number of ranks)")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT: where node 0 meets the others")
+
+    @property
+    def per_node(self) -> int:
+        """The ranks each node runs."""
+        return self.tensor_parallel_size // self.nnodes
+
+
+PARTS = {"execution": ExecutionConfig, "scheduler": SchedulerConfig, "kv": KVConfig,
+         "speculation": SpeculativeConfig, "parallel": ParallelConfig}
+"""EngineConfig's parts by attribute name, in the order `--help` shows them."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine is asked to run, and its parts. Build it from flat options with `EngineConfig.of(...)`."""
+
+    model: str | None = knob(None, "HF checkpoint directory, .gguf file or cached hub id (default: the embedded "
+                                   "demo model).")
+    seed: int | None = knob(None, "Seed for requests that sample without their own seed (default: a fresh one per "
+                                  "engine, so replicas do not sample in lockstep).")
+    reasoning_budget: int | None = knob(None, "Tokens a reply's think block may take before the engine closes it, "
+                                              "for requests that set no thinking_token_budget (default: unbounded).")
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
+    speculation: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "reasoning_budget", none=" (or None: unbounded)")
+        if self.kv.tiers_asked and not self.kv_tiers_possible:
+            raise ValueError(f"{', '.join(self.kv.tiers_asked)}: the KV tiers go under the radix prefix cache of a "
+                             f"single rank; this engine has prefix_cache {self.kv.prefix_cache!r} and "
+                             f"tensor_parallel_size {self.parallel.tensor_parallel_size}")
+
+    @classmethod
+    def of(cls, **options: Any) -> EngineConfig:
+        """The configuration for flat options (the command line's, `LLM(...)`'s): each goes to the part that holds
+        it; a name no part holds is refused."""
+        unknown = set(options) - set(option_fields())
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        parts = {name: part(**{f.name: options[f.name] for f in dataclasses.fields(part) if f.name in options})
+                 for name, part in PARTS.items()}
+        return cls(**{name: options[name] for name in TOP_LEVEL if name in options}, **parts)
+
+    def options(self) -> dict[str, Any]:
+        """The flat options this configuration was made of (what `of` takes back; what a launcher passes on)."""
+        flat = {name: getattr(self, name) for name in TOP_LEVEL}
+        for name in PARTS:
+            flat.update(dataclasses.asdict(getattr(self, name)))
+        return flat
 
     @property
     def kv_tiers_possible(self) -> bool:
         """Whether tiers can go under this engine's prefix cache: a radix cache on one rank."""
-        return self.prefix_cache == "radix" and self.tensor_parallel_size == 1
+        return self.kv.prefix_cache == "radix" and self.parallel.tensor_parallel_size == 1
 
     @property
     def request_slots(self) -> int:
         """The request slots asked for, else what suits the device."""
-        if self.max_running_requests is not None:
-            return self.max_running_requests
-        return 256 if self.device.startswith("cuda") else 32
+        if self.scheduler.max_running_requests is not None:
+            return self.scheduler.max_running_requests
+        return 256 if self.on_cuda else 32
 
     @property
     def graph_max_bs(self) -> int:
         """The largest decode batch replayed from a CUDA graph."""
-        return min(self.cuda_graph_max_bs or 256, self.request_slots)
+        return min(self.execution.cuda_graph_max_bs or 256, self.request_slots)
 
     @property
     def use_overlap(self) -> bool:
         """Overlap as asked, else on for CUDA (the host never waits for the device) and off on CPU, where
         host work and the model share the same few cores and overlap measured slower served."""
-        return self.overlap if self.overlap is not None else self.device.startswith("cuda")
+        return self.scheduler.overlap if self.scheduler.overlap is not None else self.on_cuda
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.execution.device.startswith("cuda")
 
     @property
     def model_path(self) -> str:
         """The checkpoint to load: the given one, else the embedded demo model."""
         return self.model if self.model else str(DEMO_MODEL_DIR)
+
+
+TOP_LEVEL = ("model", "seed", "reasoning_budget")
+"""EngineConfig's own fields, besides its parts."""
+
+
+def option_fields() -> dict[str, tuple[dataclasses.Field[Any], Any, str]]:
+    """Every engine option by name: its field, its type and the part that holds it ("" for EngineConfig's own)."""
+    found: dict[str, tuple[dataclasses.Field[Any], Any, str]] = {}
+    for owner, cls in (("", EngineConfig), *PARTS.items()):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in PARTS:
+                found[f.name] = (f, hints[f.name], owner)
+    return found

@@ -12,7 +12,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,6 @@ from engine.loop import StepLoop
 from engine.model.families import describe
 from engine.model.loader import (
     TORCH_DTYPES,
-    LoadOptions,
     attention_shape,
     check_shardable,
     load_hf_config,
@@ -89,10 +88,10 @@ def _close_at_exit(ref: weakref.ReferenceType[LLM]) -> None:
 
 def _kv_budget_bytes(config: EngineConfig) -> int:
     """Memory for the KV pool when the user gave no page count."""
-    if config.kv_memory_gb is not None:
-        return int(config.kv_memory_gb * 2**30)
-    if config.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+    if config.kv.kv_memory_gb is not None:
+        return int(config.kv.kv_memory_gb * 2**30)
+    if config.on_cuda:
+        free, _ = torch.cuda.mem_get_info(torch.device(config.execution.device))
         return int(free * 0.85)
     # CPU: a CPU decodes far fewer tokens than a GPU holds, and zeroing a big pool costs start-up time.
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -102,16 +101,15 @@ def _kv_budget_bytes(config: EngineConfig) -> int:
 def _ranks_here(config: EngineConfig) -> int:
     """The tensor-parallel ranks this machine runs; ValueError where it is not the engine's node or lacks the
     devices."""
-    per_node = config.tensor_parallel_size // config.nnodes
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {config.device!r} requested but CUDA is not available; use device='cpu'")
-    if config.node_rank != 0:
+    per_node, device = config.parallel.per_node, config.execution.device
+    if config.on_cuda and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+    if config.parallel.node_rank != 0:
         raise ValueError("an engine runs on node 0; a node of rank > 0 only runs its ranks "
                          "(engine/distributed/node.py: minichat serve --node-rank N)")
-    if config.device.startswith("cuda") and \
-            torch.cuda.device_count() < (torch.device(config.device).index or 0) + per_node:
+    if config.on_cuda and torch.cuda.device_count() < (torch.device(device).index or 0) + per_node:
         raise ValueError(f"{per_node} tensor-parallel ranks on this node need that many GPUs from "
-                         f"{config.device}; this machine has {torch.cuda.device_count()}")
+                         f"{device}; this machine has {torch.cuda.device_count()}")
     return per_node
 
 
@@ -120,13 +118,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         """`model`: a checkpoint directory, a GGUF file or a hub id (None: the embedded demo model); `options`:
-        EngineConfig's fields, whose defaults and limits are defined there alone."""
-        unknown = set(options) - {f.name for f in fields(EngineConfig)}
-        if unknown:
-            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        self.config = cfg = EngineConfig(model=model, **options)
+        EngineConfig's flat options, whose defaults and limits are defined there alone."""
+        self.config = cfg = EngineConfig.of(model=model, **options)
         per_node = _ranks_here(cfg)
-        self.device = torch.device(cfg.device)
+        self.device = torch.device(cfg.execution.device)
         self.checkpoint = resolve_checkpoint(cfg.model_path)
         self.tp = TensorParallel()
         self.workers: WorkerPool | None = None
@@ -135,15 +130,15 @@ class LLM:
         # still in torch or a file write at finalisation aborted the process, exit 134); weakly, not to keep it alive
         atexit.register(_close_at_exit, weakref.ref(self))
         # CPU threads per rank: the ones asked for, or the usable cores; only a single rank adapts them to the load
-        threads = max(1, (cfg.threads or usable_cores()) // per_node)
+        threads = max(1, (cfg.execution.threads or usable_cores()) // per_node)
         self.governor = None
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
-            if cfg.threads is None and cfg.tensor_parallel_size == 1:
+            if cfg.execution.threads is None and cfg.parallel.tensor_parallel_size == 1:
                 self.governor = ThreadGovernor(threads)
-        if cfg.tensor_parallel_size > 1:
+        if cfg.parallel.tensor_parallel_size > 1:
             spec = model_spec(self.checkpoint, load_hf_config(self.checkpoint))
-            check_shardable(spec, cfg.tensor_parallel_size)
+            check_shardable(spec, cfg.parallel.tensor_parallel_size)
             self.tp, self.workers = launch(cfg, spec, str(self.checkpoint.path), threads)
         try:
             self._build()
@@ -154,46 +149,47 @@ class LLM:
     def _build(self) -> None:
         """Load this rank's model and size the KV pool (the workers load theirs meanwhile, then get the size)."""
         cfg = self.config
-        self.model, self.hf_config = load_model(self.checkpoint, LoadOptions.of(cfg), self.tp)
+        run, kv = cfg.execution, cfg.kv
+        self.model, self.hf_config = load_model(self.checkpoint, run, self.tp)
         self.tokenizer = load_tokenizer(self.checkpoint.meta)
         self.eos_ids = eos_token_ids(self.checkpoint.meta, self.tokenizer, self.hf_config)
         self.generation_defaults = generation_defaults(self.checkpoint.meta)  # the model's own sampling settings
         spec = self.model.spec
 
         context = spec.max_position_embeddings
-        if cfg.max_model_len is not None:
-            context = min(context, cfg.max_model_len)
-        num_pages = cfg.num_pages
+        if kv.max_model_len is not None:
+            context = min(context, kv.max_model_len)
+        num_pages = kv.num_pages
         if num_pages is None:
-            per_page = KVPool.bytes_per_page(spec.num_layers, cfg.page_size, self.model.num_kv_heads, spec.head_dim,
-                                             TORCH_DTYPES[cfg.dtype])
-            demand = cfg.request_slots * pages_for(context, cfg.page_size)
+            per_page = KVPool.bytes_per_page(spec.num_layers, kv.page_size, self.model.num_kv_heads, spec.head_dim,
+                                             TORCH_DTYPES[run.dtype])
+            demand = cfg.request_slots * pages_for(context, kv.page_size)
             num_pages = max(1, min(demand, _kv_budget_bytes(cfg) // per_page))
         self.num_pages = num_pages
-        self.max_seq_len = min(context, num_pages * cfg.page_size)
+        self.max_seq_len = min(context, num_pages * kv.page_size)
         if self.workers is not None:
             self.workers.expect("loaded")
             self.workers.send(num_pages)
             self.workers.expect("ready")
-        backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels, spec.full_attention)
-        backend.setup(attention_shape(self.model, cfg.dtype), self.device)
+        backend = make_backend(run.attention_backend, run.device, run.dtype, run.cpu_kernels, spec.full_attention)
+        backend.setup(attention_shape(self.model, run.dtype), self.device)
         self.model.use_attention_backend(backend)
         # Worker ranks run every step eagerly, so under tensor parallelism decode is never graphed.
-        use_graphs = cfg.cuda_graph and backend.supports_cuda_graph and self.workers is None
+        use_graphs = run.cuda_graph and backend.supports_cuda_graph and self.workers is None
         # CUDA graphs pad decode batches with dummy requests writing to a scratch page no request owns.
-        self.kv = KVPool(spec.num_layers, num_pages + int(use_graphs), cfg.page_size, self.model.num_kv_heads,
-                         spec.head_dim, TORCH_DTYPES[cfg.dtype], self.device)
+        self.kv = KVPool(spec.num_layers, num_pages + int(use_graphs), kv.page_size, self.model.num_kv_heads,
+                         spec.head_dim, TORCH_DTYPES[run.dtype], self.device)
         self.table = RequestTable(cfg.request_slots, self.max_seq_len, self.device)
-        self.cache = make_cache_manager(cfg.prefix_cache, num_pages, cfg.page_size, self._kv_tiers(backend.name))
+        self.cache = make_cache_manager(kv.prefix_cache, num_pages, kv.page_size, self._kv_tiers(backend.name))
         graphs = None
         if use_graphs:
             # Off CUDA (Triton under its interpreter) the same padded path runs without capture.
             graphs = DecodeGraphs(self.model, self.kv, backend, cfg.graph_max_bs,
-                                  self.max_seq_len, num_pages * cfg.page_size, self.device,
+                                  self.max_seq_len, num_pages * kv.page_size, self.device,
                                   capture=self.device.type == "cuda")
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.device, tp=self.tp,
                                   workers=self.workers, graphs=graphs, governor=self.governor)
-        self.scheduler = Scheduler(self.runner, self.cache, self.table, self.eos_ids, cfg, self._token_text,
+        self.scheduler = Scheduler(self.runner, self.cache, self.table, self.eos_ids, cfg.scheduler, self._token_text,
                                    self._speculator(num_pages), kv_window=spec.kv_window)
         self.loop = StepLoop(self.scheduler, self.runner)
         # requests without a seed draw one from here: from `seed` (reproducible runs), else from the OS, so
@@ -204,35 +200,36 @@ class LLM:
         self._token_texts: dict[int, str] = {}
 
     def _kv_tiers(self, attention: str) -> KVTiers | None:
-        """The tiers under the prefix cache (EngineConfig's kv_* fields), keyed by this model's fingerprint: its
+        """The tiers under the prefix cache (KVConfig's kv_* fields), keyed by this model's fingerprint: its
         weights' and config's bytes, dtype, weight format, the kernels that compute its K/V (GEMMs and `attention`
         backend: another rounds differently), page size, tensor-parallel and pool layout."""
-        cfg = self.config
+        cfg, kv = self.config, self.config.kv
         if not cfg.kv_tiers_possible:
             return None
-        if cfg.kv_host_gib is not None:
-            host = int(cfg.kv_host_gib * 2**30)
+        if kv.kv_host_gib is not None:
+            host = int(kv.kv_host_gib * 2**30)
         elif self.device.type == "cuda":
             host = min(self.kv.buffer.numel() * self.kv.buffer.element_size(),
                        os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
         else:
             host = 0
-        where = Path(cfg.kv_cache_dir).expanduser() if cfg.kv_cache_dir else default_dir()
-        if cfg.kv_cache_dir:  # asked for: a directory that cannot be had is an error (the default's is logged, off)
+        where = Path(kv.kv_cache_dir).expanduser() if kv.kv_cache_dir else default_dir()
+        if kv.kv_cache_dir:  # asked for: a directory that cannot be had is an error (the default's is logged, off)
             try:
                 where.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ValueError(f"kv_cache_dir {where}: {e.strerror or e}") from e
-        disk = int(cfg.kv_disk_gib * 2**30) if cfg.kv_disk_gib is not None else -1
+        disk = int(kv.kv_disk_gib * 2**30) if kv.kv_disk_gib is not None else -1
         if disk < 0:  # the default: 8 GiB, at most half of what the file system has free
             free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free
             disk = min(8 << 30, free // 2)
         if not host and not disk:
             return None
         spec = self.model.spec
-        facts = {"dtype": cfg.dtype, "quantization": cfg.quantization, "dequantize": cfg.dequantize,
-                 "gemm": self._gemm(), "attention": attention, "page_size": cfg.page_size,
-                 "tensor_parallel": [cfg.tensor_parallel_size, self.model.num_kv_heads],
+        run = cfg.execution
+        facts = {"dtype": run.dtype, "quantization": run.quantization, "dequantize": run.dequantize,
+                 "gemm": self._gemm(), "attention": attention, "page_size": kv.page_size,
+                 "tensor_parallel": [cfg.parallel.tensor_parallel_size, self.model.num_kv_heads],
                  "kv": [spec.num_layers, self.model.num_kv_heads, spec.head_dim, str(self.kv.buffer.dtype)]}
         files = [*self.checkpoint.weight_files(), self.checkpoint.meta / "config.json"]
         return open_tiers(self.kv, fingerprint(files, cache_dir() / WEIGHTS_MEMO, facts), host,
@@ -241,25 +238,27 @@ class LLM:
     def _speculator(self, num_pages: int) -> Speculator | None:
         """The proposer `speculative` asks for, if any: prompt lookup, or a draft model loaded beside the target
         (on rank 0, whole: it is small) with a pool of as many pages, and one per slot for its drafts."""
-        cfg = self.config
-        if cfg.speculative == "ngram":
-            proposer: Proposer = NgramProposer(cfg.request_slots, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
-        elif cfg.speculative == "draft":
-            assert cfg.speculative_model is not None  # checked by EngineConfig
-            checkpoint = resolve_checkpoint(cfg.speculative_model)
+        cfg, spec, run = self.config, self.config.speculation, self.config.execution
+        if spec.method == "ngram":
+            proposer: Proposer = NgramProposer(cfg.request_slots, spec.speculative_ngram_min,
+                                               spec.speculative_ngram_max)
+        elif spec.method == "draft":
+            assert spec.speculative_model is not None  # checked by SpeculativeConfig
+            checkpoint = resolve_checkpoint(spec.speculative_model)
             # a GGUF draft keeps its blocks even where the target's are expanded (`dequantize` is for the target's
             # exactness; verification makes the output exact whatever the draft reads, and reading less is its point)
-            model, _ = load_model(checkpoint, replace(LoadOptions.of(cfg), dequantize=False))
+            model, _ = load_model(checkpoint, replace(run, dequantize=False))
             check_same_tokens(self.tokenizer, load_tokenizer(checkpoint.meta), self.model.spec.vocab_size,
                               model.spec.vocab_size)
-            backend = make_backend(cfg.attention_backend, cfg.device, cfg.dtype, cfg.cpu_kernels)
-            backend.setup(attention_shape(model, cfg.dtype), self.device)
+            backend = make_backend(run.attention_backend, run.device, run.dtype, run.cpu_kernels)
+            backend.setup(attention_shape(model, run.dtype), self.device)
             model.use_attention_backend(backend)
-            proposer = DraftModel(model, backend, num_pages + cfg.request_slots, cfg.page_size, cfg.request_slots,
-                                  self.max_seq_len, self.device, self.model.spec.vocab_size, cfg.max_prefill_tokens)
+            proposer = DraftModel(model, backend, num_pages + cfg.request_slots, cfg.kv.page_size, cfg.request_slots,
+                                  self.max_seq_len, self.device, self.model.spec.vocab_size,
+                                  cfg.scheduler.max_prefill_tokens)
         else:
             return None
-        return Speculator(proposer, cfg.num_speculative_tokens, cfg.speculative_adaptive)
+        return Speculator(proposer, spec.num_speculative_tokens, spec.speculative_adaptive)
 
     def _token_text(self, token: int) -> str:
         """One token's text, as log-probabilities show it (remembered: the same tokens come back)."""
@@ -344,7 +343,7 @@ class LLM:
         if len(ids) >= self.max_seq_len:
             raise PromptTooLong(f"the prompt has {len(ids)} tokens, but at most {self.max_seq_len - 1} fit "
                                 f"(model context {self.model.spec.max_position_embeddings}, KV pool "
-                                f"{self.num_pages} pages x {self.config.page_size} tokens); shorten the prompt or "
+                                f"{self.num_pages} pages x {self.config.kv.page_size} tokens); shorten the prompt or "
                                 "enlarge the pool")
         rid = rid if rid is not None else uuid.uuid4().hex[:12]
         if rid in self._live:
@@ -450,11 +449,11 @@ class LLM:
                      "weights": f"{'+'.join(main)}, {size / 2**20:.1f} MiB{self._kept_rows()}", "gemm": gemm,
                      "cpu_kernels": f"on ({self.model.kernels.isa})" if self.model.kernels is not None else "off",
                      **self.model.execution(), "overlap": "on" if self.config.use_overlap else "off"}
-        cfg = self.config
-        if cfg.speculative is not None:
-            source = "prompt lookup" if cfg.speculative == "ngram" else \
-                f"draft model {model_id(str(cfg.speculative_model))}"
-            execution["speculative"] = (f"{source}, up to {cfg.num_speculative_tokens} drafts a step (as many as "
+        spec = self.config.speculation
+        if spec.method is not None:
+            source = "prompt lookup" if spec.method == "ngram" else \
+                f"draft model {model_id(str(spec.speculative_model))}"
+            execution["speculative"] = (f"{source}, up to {spec.num_speculative_tokens} drafts a step (as many as "
                                         "measure faster)")
         execution["kv_tiers"] = ", ".join(f"{t.name} {t.capacity_bytes / 2**30:.1f} GiB"
                                           + (f" in {t.where}" if t.where else "") for t in self.cache.tier_use()) \

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.batch import ForwardOutput
-from engine.config import EngineConfig
+from engine.config import SchedulerConfig
 from engine.kv import RequestTable, make_cache_manager
 from engine.params import SamplingParams
 from engine.request import Req
@@ -52,7 +52,7 @@ class Pool:
         self.cache = make_cache_manager("radix", num_pages, PAGE_SIZE)
         self.table = RequestTable(REQUESTS, (held + 1) * PAGE_SIZE + output, torch.device("cpu"))
         self.scheduler = Scheduler(None, self.cache, self.table, eos_ids=set(),
-                                   config=EngineConfig(max_prefill_tokens=1 << 20))
+                                   config=SchedulerConfig(max_prefill_tokens=1 << 20))
         self.uid = 0
         warm = max(1, num_pages // 8 // held)  # finished prompts that leave an eighth of the pool cached
         self.run([[1000 + i] + [1] * (held * PAGE_SIZE - 1) for i in range(warm)], max_tokens=1)

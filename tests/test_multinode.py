@@ -49,11 +49,11 @@ def dial(port: int, node0: subprocess.Popen[bytes]) -> socket.socket:
 
 def test_config_and_meeting_address_are_checked():
     with pytest.raises(ValueError, match="multiple of nnodes"):
-        EngineConfig(tensor_parallel_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000")
+        EngineConfig.of(tensor_parallel_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000")
     with pytest.raises(ValueError, match="dist_init_addr"):
-        EngineConfig(tensor_parallel_size=2, nnodes=2)
+        EngineConfig.of(tensor_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="node_rank"):
-        EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:5000")
+        EngineConfig.of(tensor_parallel_size=2, nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:5000")
     with pytest.raises(ValueError, match="HOST:PORT"):
         Meeting.parse("nohost")
     assert Meeting.parse("127.0.0.1:5000").control == ("127.0.0.1", 5001)

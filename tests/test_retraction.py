@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.batch import ForwardOutput
-from engine.config import EngineConfig
+from engine.config import SchedulerConfig
 from engine.kv import make_cache_manager
 from engine.kv.table import RequestTable
 from engine.request import Req, ReqState
@@ -237,7 +237,7 @@ def test_the_scheduler_schedules_without_a_model():
     """schedule() and process() need no model: tokens come from the test, the batches are the scheduler's."""
     cache = make_cache_manager("radix", num_pages=16, page_size=4)
     table = RequestTable(2, 64, torch.device("cpu"))
-    scheduler = Scheduler(None, cache, table, eos_ids={0}, config=EngineConfig(max_prefill_tokens=8))
+    scheduler = Scheduler(None, cache, table, eos_ids={0}, config=SchedulerConfig(max_prefill_tokens=8))
     reqs = [Req(rid=f"r{i}", uid=i, input_ids=[i + 1] * 5, params=SamplingParams(max_tokens=3), max_output=3)
             for i in range(3)]
     for req in reqs:

@@ -247,14 +247,41 @@ def test_chat_messages_use_the_chat_template(llm):
     assert llm.generate([msgs], greedy(3))[0].prompt_token_ids == ids
 
 
+def test_configuration_is_frozen_parts_built_from_flat_options():
+    """Each option lands in the part that owns it; parts are frozen and check themselves without changing a field
+    (a draft model implies the draft proposer by reading, not by rewriting `speculative`); the flat options round-
+    trip, which is how a launcher passes a configuration on; every option carries the help `--help` prints."""
+    import dataclasses
+
+    from engine.config import PARTS, EngineConfig, SchedulerConfig, option_fields
+
+    cfg = EngineConfig.of(model="m", max_prefill_tokens=64, page_size=8, speculative_model="draft",
+                          tensor_parallel_size=2, dtype="bfloat16", seed=3)
+    assert (cfg.scheduler.max_prefill_tokens, cfg.kv.page_size, cfg.parallel.tensor_parallel_size,
+            cfg.execution.dtype, cfg.seed) == (64, 8, 2, "bfloat16", 3)
+    assert cfg.speculation.speculative is None and cfg.speculation.method == "draft"
+    assert EngineConfig.of(**cfg.options()) == cfg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.scheduler.max_prefill_tokens = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="unknown engine option"):
+        EngineConfig.of(flavour="strawberry")
+    with pytest.raises(ValueError, match="max_prefill_tokens must be at least 1"):
+        SchedulerConfig(max_prefill_tokens=0)
+    with pytest.raises(ValueError, match="kv_host_gib: the KV tiers go under the radix prefix cache"):
+        EngineConfig.of(kv_host_gib=1, prefix_cache="naive")
+    fields = option_fields()
+    assert {owner for _, _, owner in fields.values()} == {"", *PARTS}
+    assert all(f.metadata["help"].endswith(".") or f.metadata["help"].endswith(")") for f, _, _ in fields.values())
+
+
 def test_request_slots_and_graph_buckets_suit_the_device(llama_ckpt):
     """32 slots on a CPU, 256 on a GPU (a batch of 32 leaves one mostly idle); graphs cover every decode
     batch the slots allow, up to 256; what they resolved to is reported. Asked-for values win."""
     from engine.config import EngineConfig
 
-    assert (EngineConfig().request_slots, EngineConfig(device="cuda").request_slots) == (32, 256)
-    assert EngineConfig(device="cuda").graph_max_bs == 256
-    assert EngineConfig(device="cuda", max_running_requests=48).graph_max_bs == 48
-    assert EngineConfig(device="cuda", cuda_graph_max_bs=64).graph_max_bs == 64
+    assert (EngineConfig().request_slots, EngineConfig.of(device="cuda").request_slots) == (32, 256)
+    assert EngineConfig.of(device="cuda").graph_max_bs == 256
+    assert EngineConfig.of(device="cuda", max_running_requests=48).graph_max_bs == 48
+    assert EngineConfig.of(device="cuda", cuda_graph_max_bs=64).graph_max_bs == 64
     llm = LLM(str(llama_ckpt))
     assert llm.table.num_slots == 32 and llm.execution["request_slots"] == "32"

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -268,6 +269,8 @@ from engine.service.client import EngineClient
 
 client = EngineClient(sys.argv[1])
 prefix, streaming = sys.argv[2], int(sys.argv[3])
+print("started", flush=True)
+sys.stdin.readline()
 rids = [client.submit([5, 6, 7], max_tokens=4000, ignore_eos=True, rid=f"{prefix}-{i}") for i in range(3)]
 streams = [client.stream(rid) for rid in rids[:streaming]]
 for s in streams:
@@ -277,12 +280,18 @@ sys.stdin.read()
 """
 
 
-def run_and_kill_client(ops: EngineClient, address: str, prefix: str, streaming: int, states: list[str]) -> None:
+def run_and_kill_client(ops: EngineClient, address: str, prefix: str, streaming: int, states: list[str],
+                        first: Callable[[], object] = lambda: None) -> None:
     """A client process submits three long requests and reads `streaming` of them; once the stats show
-    them in `states`, it is killed."""
+    them in `states`, it is killed. `first` runs once the process has started and before it submits (so a
+    request `first` submits does not spend its life waiting for an interpreter to start)."""
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, address, prefix, str(streaming)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout.readline() == "started\n"
+        first()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
         assert proc.stdout.readline() == "ready\n"
         ops.wait_stats(lambda s: [state_of(s, f"{prefix}-{i}") for i in range(3)] == states)
     finally:
@@ -301,11 +310,16 @@ def test_killed_client_has_its_requests_aborted_and_resources_freed(ops: EngineC
 
 def test_vanished_client_with_only_waiting_requests_is_caught_by_heartbeat(ops: EngineClient,
                                                                           served: EngineHandle) -> None:
-    # `held` reserves ~500 of the 512 KV pages for as long as it lives, so nothing queued behind it
-    # can be admitted: the queue cannot move on its own.
-    held = ops.submit(LONG_PROMPT, max_tokens=6000, ignore_eos=True)
-    ops.wait_stats(lambda s: state_of(s, held) is not None)
-    run_and_kill_client(ops, served.address, "queued", 0, ["waiting"] * 3)
+    # `held` reserves ~500 of the 512 KV pages for as long as it lives (a few thousand steps), so nothing
+    # queued behind it can be admitted: the queue cannot move on its own.
+    held = ""
+
+    def submit_held() -> None:
+        nonlocal held
+        held = ops.submit(LONG_PROMPT, max_tokens=6000, ignore_eos=True)
+        ops.wait_stats(lambda s: state_of(s, held) is not None)
+
+    run_and_kill_client(ops, served.address, "queued", 0, ["waiting"] * 3, first=submit_held)
     # Nothing was ever sent to them, so only the heartbeat can notice; `held` still being live shows
     # they left the queue by being aborted, not admitted.
     ops.wait_stats(lambda s: not s.waiting and state_of(s, held) is not None, timeout=15)

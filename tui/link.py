@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import re
 import socket
@@ -21,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.config import DEMO_MODEL_DIR, EngineConfig, model_id
+from engine.config import DEMO_MODEL_DIR, model_id, option_fields
 from engine.service.addresses import AddressError, default_address, ipc_listening, log_path, split
 from engine.service.client import AsyncEngineClient, EngineError, EngineUnavailable
 from engine.service.launcher import EngineHandle, EngineStartError, find, start
@@ -94,7 +93,7 @@ def model_summary(info: Info) -> list[str]:
 
 def restart_options(info: Info) -> tuple[str, dict[str, Any]]:
     """The model and `minichat serve` options an engine reported, to start it again as it was."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)} | {"max_waiting_requests", "max_message_bytes",
+    names = set(option_fields()) | {"max_waiting_requests", "max_message_bytes",
                                                                  "allow_remote"}
     return info.model, {k: v for k, v in info.config.items() if k in names and k != "model"}
 

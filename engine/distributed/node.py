@@ -23,7 +23,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import cast
 
-from engine.config import EngineConfig
+from engine.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,12 @@ class Meeting:
         raise ValueError(f"a dist_init_addr beyond loopback needs the same {TOKEN_ENV} on every node")
 
 
-def node_ranks(config: EngineConfig) -> range:
+def node_ranks(config: ParallelConfig) -> range:
     """The tensor-parallel ranks node `config.node_rank` runs."""
-    per_node = config.tensor_parallel_size // config.nnodes
-    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+    return range(config.node_rank * config.per_node, (config.node_rank + 1) * config.per_node)
 
 
-def run_node(config: EngineConfig) -> int:
+def run_node(config: ParallelConfig) -> int:
     """A node of rank > 0: start its ranks, wait for them, and return the first failure's exit code (0
     when node 0 ended them). SIGINT/SIGTERM stop them."""
     meeting = Meeting.parse(config.dist_init_addr or "")

@@ -23,13 +23,14 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from engine.config import ExecutionConfig
 from engine.distributed.group import LOOPBACK, connect_store, interface_toward, join_group
 from engine.distributed.handshake import HANDSHAKE_LIMIT, HandshakeFailed, handshake
 from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.kv.pool import KVPool
 from engine.model.decoder import ModelSpec
-from engine.model.loader import TORCH_DTYPES, LoadOptions, attention_shape, build_model, resolve_checkpoint
+from engine.model.loader import TORCH_DTYPES, attention_shape, build_model, resolve_checkpoint
 from engine.threads import wait_policy
 from kernels.attention import make_backend
 
@@ -43,9 +44,8 @@ class WorkerSpec:
     port: int
     model: ModelSpec
     model_path: str
-    load: LoadOptions
+    run: ExecutionConfig  # the engine's, with this rank's device
     page_size: int
-    attention_backend: str
     threads: int
     timeout: float
     host: str = LOOPBACK  # where rank 0's store listens (the nodes' meeting host when they span machines)
@@ -67,18 +67,18 @@ def main(conn: Connection) -> None:
 
 def _serve(spec: WorkerSpec, conn: Connection) -> None:
     torch.set_num_threads(spec.threads)
-    device = torch.device(spec.load.device)
+    device = torch.device(spec.run.device)
     conn.send(("hello", torch.get_num_threads(), wait_policy()))
     store = connect_store(spec.host, spec.port, spec.size, spec.timeout)
     tp = join_group(spec.rank, spec.size, store, device, spec.timeout, interface_toward(spec.host))
-    model = build_model(spec.model, resolve_checkpoint(spec.model_path), spec.load, tp)
+    model = build_model(spec.model, resolve_checkpoint(spec.model_path), spec.run, tp)
     conn.send(("loaded",))
     num_pages = conn.recv()
     kv = KVPool(model.spec.num_layers, num_pages, spec.page_size, model.num_kv_heads, model.spec.head_dim,
-                TORCH_DTYPES[spec.load.dtype], device)
-    backend = make_backend(spec.attention_backend, spec.load.device, spec.load.dtype, spec.load.cpu_kernels,
+                TORCH_DTYPES[spec.run.dtype], device)
+    backend = make_backend(spec.run.attention_backend, spec.run.device, spec.run.dtype, spec.run.cpu_kernels,
                            spec.model.full_attention)
-    backend.setup(attention_shape(model, spec.load.dtype), device)
+    backend.setup(attention_shape(model, spec.run.dtype), device)
     model.use_attention_backend(backend)
     conn.send(("ready",))
     steps = 0

@@ -40,7 +40,6 @@ from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.distributed.worker import WorkerSpec
 from engine.model.decoder import ModelSpec
-from engine.model.loader import LoadOptions
 
 TIMEOUT = 120.0
 """Seconds for the rendezvous, for a worker's start-up stages, and for any one collective."""
@@ -282,16 +281,16 @@ def launch(config: EngineConfig, spec: ModelSpec, model_path: str, threads: int,
     """Start this node's ranks 1..tensor_parallel_size/nnodes-1 (`model_path`: the checkpoint resolved, `threads`:
     each rank's compute threads), admit the other nodes' ranks (at `dist_init_addr`), and join them all as rank 0;
     they load their shards while rank 0 loads its own."""
-    size, nnodes, load = config.tensor_parallel_size, config.nnodes, LoadOptions.of(config)
-    meeting = Meeting.parse(config.dist_init_addr) if config.dist_init_addr else None
-    per_node = size // nnodes
+    parallel, run = config.parallel, config.execution
+    size, nnodes, per_node = parallel.tensor_parallel_size, parallel.nnodes, parallel.per_node
+    meeting = Meeting.parse(parallel.dist_init_addr) if parallel.dist_init_addr else None
     host = meeting.host if meeting is not None else LOOPBACK
     store = host_store(size, timeout, host, meeting.port if meeting is not None else 0)
 
     def spec_for(r: int) -> WorkerSpec:  # a rank's device counts from the first one on its own node
         return WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path,
-                          load=replace(load, device=rank_device(load.device, r % per_node)),
-                          page_size=config.page_size, attention_backend=config.attention_backend, threads=threads,
+                          run=replace(run, device=rank_device(run.device, r % per_node)),
+                          page_size=config.kv.page_size, threads=threads,
                           timeout=timeout, host=host)
 
     pool = WorkerPool([spec_for(r) for r in range(1, per_node)])
@@ -300,7 +299,7 @@ def launch(config: EngineConfig, spec: ModelSpec, model_path: str, threads: int,
             pool.admit_remote([spec_for(r) for r in range(per_node, size)], meeting, timeout)
         # each worker says how its threads run: (hello, torch threads, OpenMP wait), for LLM.execution
         pool.threads = [f"{n} ({wait})" for _, n, wait in pool.expect("hello", timeout)]
-        device0 = torch.device(rank_device(load.device, 0))
+        device0 = torch.device(rank_device(run.device, 0))
         return join_group(0, size, store, device0, timeout, interface_toward(host)), pool
     except BaseException:
         pool.close()

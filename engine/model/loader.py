@@ -8,14 +8,14 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
-from engine.config import DTYPES, EngineConfig, model_id
+from engine.config import DTYPES, ExecutionConfig, model_id
 from engine.distributed import TensorParallel
 from engine.model.decoder import CausalLM, ModelSpec
 from engine.model.families import build, read_spec
@@ -116,27 +116,6 @@ def resolve_checkpoint(model: str) -> Checkpoint:
     return Checkpoint(resolve_model_path(model))
 
 
-@dataclass(frozen=True)
-class LoadOptions:
-    """How the weights load and where the GEMMs run (EngineConfig's fields of the same names): the model's
-    `dtype` on `device`; projections stored in `linear_dtype` and, on the CPU in float32, prepacked for
-    oneDNN; norms, RoPE and the activation in the C kernels; float weights quantized at load to
-    `quantization` (int8 / int4), or a GGUF file's block weights expanded to the model dtype (`dequantize`)."""
-
-    dtype: str
-    device: str
-    linear_dtype: str
-    prepack_weights: bool
-    cpu_kernels: bool
-    quantization: str | None
-    dequantize: bool
-
-    @classmethod
-    def of(cls, config: EngineConfig) -> LoadOptions:
-        """The config's load options (checked there: one definition of their defaults and their limits)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
-
-
 def load_hf_config(checkpoint: Checkpoint) -> PretrainedConfig:
     from transformers import AutoConfig  # here, so that workers (which get a ModelSpec) never import it
 
@@ -183,7 +162,7 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
         build(spec, TensorParallel(rank=0, size=size))
 
 
-def load_model(checkpoint: Checkpoint, options: LoadOptions,
+def load_model(checkpoint: Checkpoint, options: ExecutionConfig,
                tp: TensorParallel | None = None) -> tuple[CausalLM, PretrainedConfig]:
     """Build the model for the checkpoint's architecture (this rank's shard of it, under tensor parallelism)
     and fill it from the checkpoint's tensors."""
@@ -191,7 +170,7 @@ def load_model(checkpoint: Checkpoint, options: LoadOptions,
     return build_model(model_spec(checkpoint, hf_config), checkpoint, options, tp), hf_config
 
 
-def build_model(spec: ModelSpec, checkpoint: Checkpoint, options: LoadOptions,
+def build_model(spec: ModelSpec, checkpoint: Checkpoint, options: ExecutionConfig,
                 tp: TensorParallel | None = None) -> CausalLM:
     """The model `spec` describes (this rank's shard), filled from the checkpoint, as `options` say."""
     dtype = TORCH_DTYPES[options.dtype]

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from engine.batch import ForwardBatch, ForwardOutput
-from engine.config import EngineConfig
+from engine.config import SchedulerConfig
 from engine.kv.cache import CacheManager
 from engine.kv.table import RequestTable
 from engine.outputs import StepResult, TokenLogprob
@@ -51,11 +51,10 @@ KV_WAIT = 0.01  # seconds a step with nothing to run waits for a KV load's reads
 
 class Scheduler:
     """`runner` runs the batches `step()` schedules; `schedule()` and `process()` alone need no model.
-    `config`: the engine's scheduling knobs (max_prefill_tokens, mixed_batches, admission, schedule_policy,
-    max_wait_steps, max_consecutive_prefills); the KV page size is the cache's."""
+    `config`: the engine's scheduling part (the KV page size is the cache's)."""
 
     def __init__(self, runner: ModelRunner | None, cache: CacheManager, table: RequestTable, eos_ids: set[int],
-                 config: EngineConfig, token_text: Callable[[int], str] = str,
+                 config: SchedulerConfig, token_text: Callable[[int], str] = str,
                  speculator: Speculator | None = None, kv_window: int | None = None) -> None:
         self.runner = runner
         self.speculator = speculator  # drafts for running requests to verify (engine/speculative); None: off

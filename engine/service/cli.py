@@ -1,13 +1,12 @@
 """`minichat serve` as a typer command, owned by the service layer so the engine never imports the TUI.
 
-The engine options are generated from `EngineConfig`'s fields, so a new engine knob reaches `serve`,
+The engine options are generated from `EngineConfig`'s parts' fields, so a new engine knob reaches `serve`,
 the console and `minichat bench` by itself. `python -m engine.service` runs this command alone; it is
 what the launcher starts in the background.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import os
@@ -18,7 +17,7 @@ from collections.abc import Callable
 
 import typer
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, option_fields
 from engine.onednn import prepare_onednn
 from engine.service.client import AUTH_ENV
 from engine.service.options import ApiOptions
@@ -28,58 +27,6 @@ if typing.TYPE_CHECKING:  # the launcher is imported where it is used: `minichat
     from engine.service.launcher import EngineHandle
 
 ADDRESS_HELP = "Engine address: ipc:///path or tcp://127.0.0.1:PORT (default: a per-user ipc socket)."
-ENGINE_HELP = {
-    "model": "HF checkpoint directory, .gguf file or cached hub id (default: the embedded demo model).",
-    "device": "cpu, cuda or cuda:N.",
-    "dtype": "float32, bfloat16 or float16.",
-    "page_size": "Tokens per KV page.",
-    "kv_memory_gb": "Memory for the KV pool when --num-pages is not given.",
-    "max_model_len": "Cap on prompt + output tokens (default: the model's context).",
-    "seed": "Seed for requests that sample without their own seed (default: a fresh one per engine, so "
-            "replicas do not sample in lockstep).",
-    "attention_backend": "Attention kernels: torch, cpu, triton, flashinfer, or auto (the best available).",
-    "prefix_cache": "radix (reuse cached prompt prefixes) or naive.",
-    "linear_dtype": "GEMM dtype: model, float32, or auto (float32 for bf16/fp16 on CPUs without native support).",
-    "prepack_weights": "On CPU, float32 weights prepacked once for oneDNN matmuls (faster than F.linear).",
-    "cpu_kernels": "On CPU, RMSNorm, RoPE, attention and the MLP activation in minichat's C kernels (built with cc).",
-    "cuda_graph": "Replay decode steps from CUDA graphs (triton and flashinfer backends on CUDA).",
-    "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph (default: the request slots, up to "
-                         "256); bigger ones run eagerly.",
-    "num_pages": "KV pool size in pages (default: what the request slots can use, within memory).",
-    "max_running_requests": "Request slots: how many requests may hold KV at once (default: 32 on CPU, 256 on CUDA).",
-    "max_prefill_tokens": "Prefill token budget per step; longer prompts are chunked.",
-    "overlap": "Schedule step N+1 while step N runs (default: on for CUDA, off on CPU); output is identical.",
-    "mixed_batches": "Running requests decode inside a prefill step instead of waiting for it; output is identical.",
-    "tensor_parallel_size": "Split the model over this many ranks (processes; one GPU each on CUDA).",
-    "nnodes": "Machines the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks each).",
-    "node_rank": "This machine's place among --nnodes: 0 runs the engine, the others only their ranks.",
-    "dist_init_addr": "HOST:PORT where the nodes meet (node 0 listens on PORT and PORT+1; beyond loopback "
-                      "every node needs the same MINICHAT_TP_TOKEN).",
-    "admission": "optimistic (prompt + expected output; retract when the pool runs dry) or reserve (whole budget).",
-    "schedule_policy": "Waiting-queue order: fcfs, priority (SamplingParams.priority, lower first) or lpm.",
-    "max_wait_steps": "A request waiting this many steps is admitted next, whatever the policy.",
-    "max_consecutive_prefills": "Without mixed batches: prefill-only steps in a row before running requests decode.",
-    "quantization": "Quantize float weights at load: int8 (Q8_0 blocks) or int4 (Q4_1 blocks); CPU only.",
-    "dequantize": "Expand a GGUF file's quantized weights to --dtype at load (slower; exact vs transformers).",
-    "speculative": "Propose tokens to verify in one step: ngram (prompt lookup) or draft (--speculative-model).",
-    "speculative_model": "A small draft model with the target's tokenizer (implies --speculative draft).",
-    "num_speculative_tokens": "Most proposed tokens per request and step (fewer, or none, where they do not pay).",
-    "speculative_adaptive": "Give each request only the drafts that measure faster (off: always as many as proposed).",
-    "speculative_ngram_max": "Longest n-gram the ngram proposer looks up in a request's own tokens.",
-    "speculative_ngram_min": "Shortest n-gram it falls back to.",
-    "reasoning_budget": "Tokens a reply's think block may take before the engine closes it, for requests that "
-                        "set no thinking_token_budget (default: unbounded).",
-    "kv_host_gib": "Host memory for KV pages the pool evicts (pinned; default: on CUDA as much as the pool, at most "
-                   "a quarter of free memory; on CPU 0, the pool is host memory already).",
-    "kv_cache_dir": "Directory of the disk KV tier: cached pages written through, loaded back after eviction or a "
-                    "restart (default: $MINICHAT_KV_CACHE_DIR, else kv/ in the user's cache directory).",
-    "kv_disk_gib": "Cap on the disk KV tier's directory, least recently used pages deleted first (default: 8 GiB, "
-                   "at most half the free space; 0: no disk tier).",
-    "threads": "CPU compute threads (default: up to the usable cores, as many as measure fastest beside other work).",
-}
-ENGINE_ALIASES = {"tensor_parallel_size": ("--tp",)}
-
-
 def prose(text: str) -> str:
     """A docstring as --help should wrap it: each paragraph one line (typer keeps a docstring's line breaks, so at 80
     columns a sentence broke mid-way); a paragraph with indented lines (an example) is kept as it is."""
@@ -106,21 +53,20 @@ def set_signature(command: Callable[..., None], parameters: list[inspect.Paramet
 
 
 def engine_parameters() -> list[inspect.Parameter]:
-    """One --option per EngineConfig field (booleans as --x/--no-x)."""
-    hints = typing.get_type_hints(EngineConfig)
+    """One --option per engine option (booleans as --x/--no-x), its help the field's own."""
     params = []
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if hints[f.name] in (bool, bool | None):
-            flag += "/--no-" + f.name.replace("_", "-")
-        params.append(option(f.name, hints[f.name], f.default, ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}"),
-                             flag, *ENGINE_ALIASES.get(f.name, ()), panel=ENGINE_PANEL))
+    for name, (f, hint, _) in option_fields().items():
+        flag = "--" + name.replace("_", "-")
+        if hint in (bool, bool | None):
+            flag += "/--no-" + name.replace("_", "-")
+        params.append(option(name, hint, f.default, f.metadata["help"], flag, *f.metadata["aliases"],
+                             panel=ENGINE_PANEL))
     return params
 
 
 def engine_options_given(options: dict[str, typing.Any]) -> dict[str, typing.Any]:
     """The engine options that differ from EngineConfig's defaults (what a launcher must pass on)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    defaults = {name: f.default for name, (f, _, _) in option_fields().items()}
     return {k: v for k, v in options.items() if v != defaults[k]}
 
 
@@ -207,7 +153,7 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
     try:
         options = ServerOptions(address, allow_remote, max_waiting_requests, max_message_bytes, auth_token or None,
                                 max_connections, client_buffer_messages, grammar_time_limit, client_stall_seconds)
-        run_server(EngineConfig(**engine_options), options)
+        run_server(EngineConfig.of(**engine_options), options)
     except (StartupError, WorkerFailed, ValueError) as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e
@@ -221,7 +167,7 @@ def _serve_node(log_level: str, engine_options: dict[str, typing.Any]) -> None:
         engine_options.pop(p.name)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        code = run_node(EngineConfig(**engine_options))
+        code = run_node(EngineConfig.of(**engine_options).parallel)
     except ValueError as e:
         typer.echo(f"minichat serve: error: {e}", err=True)
         raise typer.Exit(1) from e

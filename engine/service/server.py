@@ -16,7 +16,6 @@ clients gone and shutdown from there alone.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -138,7 +137,7 @@ class EngineServer:
         execution = self.llm.execution
         log.info("engine ready: model %s, %d KV pages x %d tokens, %d request slots; weights %s, %s, cpu kernels %s; "
                  "listening on %s, stats on %s (pid %d)", self.llm.checkpoint.path, self.llm.num_pages,
-                 self.llm.config.page_size, self.llm.config.request_slots, execution["weights"], execution["gemm"],
+                 self.llm.config.kv.page_size, self.llm.config.request_slots, execution["weights"], execution["gemm"],
                  execution["cpu_kernels"], self.sockets.address, self.sockets.stats_address, os.getpid())
         try:
             while not self._stop:
@@ -157,7 +156,7 @@ class EngineServer:
 
     def run_once(self) -> None:
         """One pass of the loop: receive (blocking only when idle) -> step -> deliver. With
-        `EngineConfig.overlap` a step returns the previous batch, processed while the next one runs in the
+        `SchedulerConfig.overlap` a step returns the previous batch, processed while the next one runs in the
         model worker, so detokenising, sending and receiving all happen off the model's critical path."""
         self.llm.check_health()  # a dead tensor-parallel rank stops the engine even when idle
         busy = self.llm.has_unfinished()
@@ -513,7 +512,7 @@ class EngineServer:
         self.stats.unscheduled_aborts += 1
 
     def _info(self) -> protocol.Info:
-        config = dataclasses.asdict(self.llm.config)
+        config = self.llm.config.options()
         config.update(max_waiting_requests=self.options.max_waiting_requests,
                       max_message_bytes=self.options.max_message_bytes, allow_remote=self.options.allow_remote)
         return protocol.Info(version=engine.__version__, pid=os.getpid(), host=socket.gethostname(),
@@ -636,7 +635,7 @@ def load_llm(config: EngineConfig) -> LLM:
         raise ValueError(f"no --model given, and the embedded demo model is not built yet ({DEMO_MODEL_DIR}); "
                          f"pass --model PATH (an HF checkpoint directory) or build it with "
                          f"scripts/train_demo_model.py")
-    return LLM(**dataclasses.asdict(config))
+    return LLM(**config.options())
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> None:
