@@ -45,13 +45,13 @@ from engine.model.loader import (
 from engine.model.quantized import weight_footprint
 from engine.onednn import cache_capacities
 from engine.outputs import Final, RequestOutput, StepResult
+from engine.pages import pages_for
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import Prompt, Tools, is_chat, is_token_ids
 from engine.reasoning import ThinkBlock, ThinkMarkers, think_markers
 from engine.request import Group, PromptTooLong, Req
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
-from engine.scheduler.budget import pages_for
 from engine.scheduler.snapshot import RequestDetail, SchedulerSnapshot
 from engine.speculative.draft import DraftModel, check_same_tokens
 from engine.speculative.ngram import NgramProposer

@@ -30,6 +30,11 @@ _STATE_OF: dict[int, PageState] = {ord(FREE): FREE, ord(HELD): HELD, ord(CACHED)
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens' K/V."""
+    return -(-num_tokens // page_size)
+
+
 class PageRun(msgspec.Struct, array_like=True, frozen=True):
     """`length` pages from page `start`, all in `state`; `owner` indexes the list of request ids sent with
     the runs (the request holding them) when the state is held, and is -1 otherwise."""

@@ -7,8 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.kv.cache import PrefixMatch
-from engine.kv.tiers import KVLoad
+from engine.kv.request_kv import RequestKV
 from engine.outputs import Final, Timings, TokenLogprob, Usage
 from engine.params import SamplingParams
 from engine.reasoning import ThinkBlock
@@ -55,7 +54,7 @@ class Req:
     `sampled` counts output tokens scheduled to be sampled, which may run ahead of `output_ids`
     (the ones the host has seen) while steps are in flight; `inflight` counts scheduled batches
     not yet processed, and a finished request keeps its slot and pages until it drops to 0.
-    `pages` lists the KV pages the request reads, in position order; `slot` is its request-table row.
+    `kv` is its KV: request-table row, pages, cached prefix and tier load (engine/kv/request_kv.py).
     A request retracted to the waiting queue (`retractions` counts it) keeps its output and is prefilled
     again up to `fill_len`, prompt and output alike, before it samples its next token; its draws depend
     on `seed` and the position only (engine/sampling.py), so it samples what it would have.
@@ -63,9 +62,6 @@ class Req:
     done, the first needs none) when the params ask for them (a group's first choice alone scores).
     `spec` is its speculation (engine/speculative): acceptance so far, created when it first decodes with a
     proposer on; a step verifying its drafts counts them in `sampled` and `cached_len` until processed.
-    `loading` is the load of its prefix's pages from the tiers below the pool (engine/kv/tiers.py) while it waits
-    for them, and once they are in until it is admitted (the load then holds them locked for it); `host_tokens`
-    and `disk_tokens` are the prompt tokens of `prefix_len` that came from those tiers.
     """
 
     rid: str
@@ -78,13 +74,7 @@ class Req:
     index: int = 0  # which of the group's choices
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0
-    prefix_len: int = 0
-    host_tokens: int = 0
-    disk_tokens: int = 0
-    loading: KVLoad | None = None
-    slot: int | None = None
-    pages: list[int] = field(default_factory=list)
-    prefix: PrefixMatch = field(default_factory=PrefixMatch)
+    kv: RequestKV = field(default_factory=RequestKV)
     detokenizer: IncrementalDetokenizer | None = None
     state: ReqState = ReqState.WAITING
     finish_reason: str | None = None
@@ -119,11 +109,6 @@ class Req:
     def held(self) -> bool:
         """A choice that waits for its group's leader to put the prompt in the prefix cache."""
         return self.group is not None and self.index > 0 and not self.group.shared
-
-    @property
-    def waits_for_kv(self) -> bool:
-        """Its prefix's pages are still on their way up from the tiers below the pool."""
-        return self.loading is not None and not self.loading.done
 
     @property
     def scoring_prompt(self) -> bool:
@@ -176,7 +161,7 @@ class Req:
         counted = choices or (self,)
         spec = [r.spec for r in counted if r.spec is not None]
         completion = sum(len(r.output_ids) for r in counted)
-        usage = Usage(prompt_tokens=self.input_len, completion_tokens=completion, cached_tokens=self.prefix_len,
+        usage = Usage(prompt_tokens=self.input_len, completion_tokens=completion, cached_tokens=self.kv.cached_tokens,
                       draft_tokens=sum(s.proposed for s in spec), accepted_tokens=sum(s.accepted for s in spec),
                       reasoning_tokens=sum(r.think.tokens for r in counted if r.think is not None))
         return Final(rid=self.client_rid, index=self.index, text=text, token_ids=token_ids,

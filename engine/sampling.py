@@ -180,7 +180,7 @@ class SamplingBatch:
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
             lens = [reqs[i].input_len + reqs[i].sampled + ahead[i] for i in penalized]
-            table = torch.tensor([[i, reqs[i].slot or 0, reqs[i].input_len, n] for i, n in zip(penalized, lens,
+            table = torch.tensor([[i, reqs[i].kv.slot or 0, reqs[i].input_len, n] for i, n in zip(penalized, lens,
                                                                                            strict=True)],
                                  device=device)
             amounts = torch.tensor([[params[i].presence_penalty, params[i].frequency_penalty,

@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import LLM, SamplingParams
 from engine.batch import ForwardBatch
 from engine.config import DEMO_MODEL_DIR
-from engine.scheduler.budget import pages_for
+from engine.pages import pages_for
 from kernels.cpu import CpuKernels
 from kernels.cpu.decode import FusedLayers
 

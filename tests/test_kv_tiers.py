@@ -290,7 +290,7 @@ def test_an_abort_while_its_kv_loads_frees_everything(llama_ckpt, tmp_path):
         busy = llm.add_request(other, SamplingParams(max_tokens=200, ignore_eos=True))
         llm.step()  # it holds the only slot
         rid = llm.add_request(prompt, greedy())
-        while llm.request(rid).loading is None or not llm.request(rid).loading.done:
+        while llm.request(rid).kv.loading is None or llm.request(rid).kv.waits_for_load:
             llm.step()  # loaded: in the tree, locked for it, waiting for the slot
         assert llm.stats().pages.locked >= 12 and llm.stats().waiting[0].reason == "slot"
         llm.abort(rid)
@@ -529,8 +529,9 @@ def test_the_console_resumes_a_conversation_from_disk_after_a_restart(long_ckpt,
         async with app.run_test(size=SIZE) as pilot:
             await connected_app(pilot)
             assert app.current is not None and len(app.current.session.turns) == 2
-            await wait_for(pilot, lambda: disk(app)[1] > 0, "the history loaded from disk")
-            assert disk(app)[1] >= (history[0] - 2 * PAGE) // PAGE * PAGE
+            # the history's pages come up from disk (the hit grows as the stats report its loads)
+            await wait_for(pilot, lambda: disk(app)[1] >= (history[0] - 2 * PAGE) // PAGE * PAGE,
+                           "the history loaded from disk")
             panel = app.query_one(PageGrid)
             await wait_for(pilot, lambda: any(p.startswith("disk ") and f"{disk(app)[1]:,} tok hit" in p
                                               for p in panel.header), "the KV pages panel's disk tier")

@@ -62,7 +62,7 @@ def test_a_retracted_request_meets_the_prefix_cache_with_a_fresh_cached_length(l
                 assert req is not None
                 # what admission counted as cached is what its matched pages hold, never more than it has
                 assert detail.cached_tokens <= len(req.input_ids) + entry.generated
-                assert detail.cached_tokens % llm.config.page_size == 0
+                assert detail.cached_tokens % llm.config.kv.page_size == 0
                 resumed_with_cache += 1
     assert llm.stats().counters.retractions >= 3 and resumed_with_cache > 0
     tokens = {rid: [t for o in outputs if o.rid == rid for t in o.token_ids] for rid in rids}

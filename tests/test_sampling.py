@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.kv.request_kv import RequestKV
 from engine.request import Req
 from engine.sampling import SamplingBatch, draw, process_logits, sample
 from tests.checkpoints import with_eos
@@ -23,7 +24,8 @@ def make_reqs(params: list[SamplingParams], histories: list[tuple[list[int], lis
     """Requests in slots 0.. with prompt and output so far as given, and their token table."""
     reqs = []
     for slot, (p, (prompt, output)) in enumerate(zip(params, histories, strict=True)):
-        req = Req(rid=str(slot), uid=slot, input_ids=prompt, params=p, max_output=50, seed=slot, slot=slot)
+        req = Req(rid=str(slot), uid=slot, input_ids=prompt, params=p, max_output=50, seed=slot,
+                  kv=RequestKV(slot=slot))
         req.output_ids, req.sampled = list(output), len(output)
         reqs.append(req)
     return reqs
@@ -33,7 +35,7 @@ def token_table(reqs: list[Req]) -> torch.Tensor:
     table = torch.zeros(len(reqs), 32, dtype=torch.int64)
     for r in reqs:
         seq = r.input_ids + r.output_ids
-        table[r.slot, : len(seq)] = torch.tensor(seq)
+        table[r.kv.slot, : len(seq)] = torch.tensor(seq)
     return table
 
 
@@ -108,7 +110,7 @@ def test_draws_follow_the_distribution_and_repeat_with_the_seed():
     p = SamplingParams(temperature=1.0)
     counts = torch.zeros(6)
     for position in range(4000):
-        req = Req(rid="r", uid=0, input_ids=[1] * position or [1], params=p, max_output=1, seed=7, slot=0)
+        req = Req(rid="r", uid=0, input_ids=[1] * position or [1], params=p, max_output=1, seed=7, kv=RequestKV(slot=0))
         batch = SamplingBatch.build([req], set(), torch.device("cpu"))
         counts[sample(logits, batch, torch.zeros(1, 1, dtype=torch.int64))] += 1
     sigma = (4000 * probs * (1 - probs)).sqrt()
@@ -127,7 +129,7 @@ def test_n_choices_share_the_prompt_and_reproduce(checkpoints):
     assert [o.index for o in outs] == [0, 1, 2, 3] and {o.rid for o in outs} == {outs[0].rid}
     assert len({tuple(o.token_ids) for o in outs}) == 4, "the choices should differ"
     # the prompt is computed once: the other choices recompute at most its last partial page each
-    assert computed < len(prompt) + 3 * llm.config.page_size, computed
+    assert computed < len(prompt) + 3 * llm.config.kv.page_size, computed
     again = llm.generate([prompt], params)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     single = llm.generate([prompt], SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True))[0]

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 
+from engine.pages import pages_for
 from engine.request import Req
-from engine.scheduler.budget import pages_for
 
 CLIP = 4096  # at most this many output tokens are expected of one request (SGLang's clip)
 INIT = 0.7
@@ -44,13 +44,14 @@ class Admission:
     def optimistic(self) -> bool:
         return self.mode == "optimistic"
 
-    def claim(self, req: Req) -> int:
-        """Pages `req` may still claim as admission counts it: its whole budget under reserve, its
-        prompt (or what is left of it) and the expected output under optimistic."""
+    def claim(self, req: Req, held: int | None = None) -> int:
+        """Pages `req` may still claim as admission counts it, beyond the `held` it has (None: its own pages): its
+        whole budget under reserve, its prompt (or what is left of it) and the expected output under optimistic."""
+        held = len(req.kv.pages) if held is None else held
         if not self.optimistic:
-            return pages_for(req.kv_budget, self.page_size) - len(req.pages)
+            return pages_for(req.kv_budget, self.page_size) - held
         expected = math.ceil(min(req.max_output - req.sampled, CLIP) * self.ratio)
-        return max(0, pages_for(min(req.kv_budget, req.fill_len + expected), self.page_size) - len(req.pages))
+        return max(0, pages_for(min(req.kv_budget, req.fill_len + expected), self.page_size) - held)
 
     def decoded(self) -> None:
         if self.optimistic:

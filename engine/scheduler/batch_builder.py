@@ -46,9 +46,9 @@ class _TokenAxis:
         """Request `row` of the batch: its `extend_len` tokens from `cached_len` on (with `drafts`: its last
         token and the drafts, every position sampled)."""
         start, end = req.cached_len, req.cached_len + req.extend_len
-        assert req.slot is not None  # a scheduled request holds a slot
-        base = req.slot * self.width
-        self.slots.append(req.slot)
+        assert req.kv.slot is not None  # a scheduled request holds a slot
+        base = req.kv.slot * self.width
+        self.slots.append(req.kv.slot)
         self.input_index += range(base + start, base + end)
         if drafts:
             self.input_ids += req.tokens(start, start + 1) + drafts

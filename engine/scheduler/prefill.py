@@ -35,7 +35,6 @@ class PrefillAdder:
         self.table = table
         self.cache = cache
         self.admission = admission
-        self.page_size = cache.page_size
 
     def _take_chunk(self, req: Req) -> None:
         req.extend_len = min(self.token_budget, req.remaining_prompt)
@@ -54,8 +53,7 @@ class PrefillAdder:
         # score is computed whole: its cached part would have no logits.
         match = PrefixMatch() if req.scoring_prompt else self.cache.match_prefix(req.tokens(0, req.fill_len - 1))
         self.cache.lock(match.handle)  # locking can make cached pages unevictable, so check after it
-        req.pages = list(match.pages)
-        need = self.admission.claim(req)
+        need = self.admission.claim(req, held=len(match.pages))
         limit: WaitReason | None = "kv_pages" if need + self.claimed > self.cache.available_size else None
         if limit is None and (below := self._load_below(req, match)) is not None:
             if below == "loaded":  # from host memory, in the tree already: match again
@@ -66,18 +64,14 @@ class PrefillAdder:
                           "token_budget" if self.token_budget <= 0 else None)
         if limit is not None:
             self.cache.unlock(match.handle)
-            req.pages = []
             return limit
-        self._take_loaded(req)
-        req.prefix = match
-        req.cached_len = len(match.pages) * self.page_size
-        if not req.retractions:  # usage reports the prompt tokens the first admission found cached
-            req.prefix_len = req.cached_len
-            self.hit_tokens["pool"] += req.cached_len - req.host_tokens - req.disk_tokens
-            self.hit_tokens["host"] += req.host_tokens
-            self.hit_tokens["disk"] += req.disk_tokens
-        req.slot = self.table.allocate(req.rid)
-        self.table.write_pages(req.slot, 0, req.pages, self.page_size)
+        first = not req.retractions
+        req.cached_len = req.kv.admit(self.cache, self.table, req.rid, match, first)
+        if first:  # the prompt tokens first admissions found cached, by where they were
+            kv = req.kv
+            self.hit_tokens["pool"] += kv.cached_tokens - kv.host_tokens - kv.disk_tokens
+            self.hit_tokens["host"] += kv.host_tokens
+            self.hit_tokens["disk"] += kv.disk_tokens
         if req.admit_time is None:
             req.admit_time = time.monotonic()
         self.claimed += need
@@ -88,7 +82,7 @@ class PrefillAdder:
         """Pages of the prompt past `match` that the tiers below the pool hold: start loading them ("loading"),
         or wait for another request's load of them ("loading" too); "loaded" when they came from host memory and
         are in already (admission then matches again); None when there are none (or it loaded already)."""
-        if req.scoring_prompt or req.loading is not None:
+        if req.scoring_prompt or req.kv.loading is not None:
             return None
         tokens = req.tokens(0, req.fill_len - 1)
         below = self.cache.find_below(tokens, match)
@@ -96,19 +90,8 @@ class PrefillAdder:
             return "loading"
         if not below.pages:
             return None
-        req.loading = self.cache.load(req.rid, tokens, match, below)
-        return "loaded" if req.loading.done else "loading"
-
-    def _take_loaded(self, req: Req) -> None:
-        """A loaded request's match now covers its pages and holds them: its load's own lock ends."""
-        load = req.loading
-        if load is None:
-            return
-        if not req.retractions:
-            req.host_tokens = load.from_tier("host") * self.page_size
-            req.disk_tokens = load.from_tier("disk") * self.page_size
-        self.cache.cancel_load(load)
-        req.loading = None
+        req.kv.start_load(self.cache, req.rid, tokens, match, below)
+        return "loading" if req.kv.waits_for_load else "loaded"
 
 
 class PrefillManager:
@@ -159,7 +142,7 @@ class PrefillManager:
         "queue" (admission stopped at a request ahead of it, or has not looked since it arrived)."""
         if req.held:
             return "sibling"
-        if req.waits_for_kv or req.rid in self.awaiting:
+        if req.kv.waits_for_load or req.rid in self.awaiting:
             return "loading_kv"
         return self.blocked[1] if self.blocked is not None and self.blocked[0] == req.rid else "queue"
 
@@ -197,10 +180,10 @@ class PrefillManager:
         self.awaiting = set()
         admitted: list[Req] = []
         for req in self.ordered(step):
-            if req.held or req.waits_for_kv:
+            if req.held or req.kv.waits_for_load:
                 continue
             if (limit := adder.try_add_one(req)) == "loading_kv":
-                if not req.waits_for_kv:
+                if not req.kv.waits_for_load:
                     self.awaiting.add(req.rid)
                 continue
             if limit is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from engine.kv.cache import PrefixMatch
 from engine.request import Req, ReqState
 from engine.scheduler.budget import next_pages
 
@@ -50,7 +49,7 @@ class Retraction:
             return True
         if inflight:
             return False
-        victims = self.prefill.retraction_order(r for r in live if r.slot is not None
+        victims = self.prefill.retraction_order(r for r in live if r.kv.slot is not None
                                                 and r.state is not ReqState.FINISHED)
         while need > self.cache.available_size:
             if len(victims) <= 1:  # cannot happen: a prompt that fits the pool alone is refused at submission
@@ -66,7 +65,7 @@ class Retraction:
         self.decode.remove_req(req)
         self.prefill.remove_req(req)
         self.release(req)
-        req.cached_len, req.extend_len, req.prefix = 0, 0, PrefixMatch()
+        req.cached_len, req.extend_len = 0, 0
         req.state = ReqState.WAITING
         req.retractions += 1
         self.counters["retractions"] += 1
@@ -78,6 +77,5 @@ class Retraction:
         considered): running requests' next tokens come before a waiting prefix, and retracting a running request
         for pages a waiting one holds would retract the last one in a tight pool."""
         for req in live:
-            if req.slot is None and req.loading is not None:
-                self.cache.cancel_load(req.loading)
-                req.loading = None
+            if req.kv.slot is None:
+                req.kv.drop_load(self.cache)

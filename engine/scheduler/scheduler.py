@@ -34,7 +34,6 @@ from engine.runner import ModelRunner
 from engine.scheduler import constraints, views
 from engine.scheduler.admission import Admission
 from engine.scheduler.batch_builder import build_batch
-from engine.scheduler.budget import pages_for
 from engine.scheduler.constraints import ProcessedSteps
 from engine.scheduler.decode import DecodeManager
 from engine.scheduler.output import OutputProcessor
@@ -214,32 +213,24 @@ class Scheduler:
         (`Req.held`), match it instead of computing it again."""
         group = req.group
         if group is not None and req.index == 0 and not group.shared and req.cached_len >= req.input_len:
-            req.prefix = self.cache.share(req.input_ids, req.pages, req.prefix)
+            req.kv.share(self.cache, req.input_ids)
             group.shared = True
 
     def _allocate_kv(self, reqs: list[Req]) -> None:
         """Claim pages for the positions this step writes (room was made for them, so this cannot fail), after
         giving back those a sliding window has passed."""
-        ps = self.page_size
         for req in reqs:
             if self.kv_window is not None:
                 self._release_outside_window(req, self.kv_window)
-            need = pages_for(req.cached_len + req.extend_len, ps) - len(req.pages)
-            if need <= 0:
-                continue
-            new = self.cache.allocate(need, req.rid)
-            assert req.slot is not None  # a scheduled request holds a slot
-            self.table.write_pages(req.slot, len(req.pages), new, ps)
-            req.pages += new
+            req.kv.grow(self.cache, self.table, req.rid, req.cached_len + req.extend_len)
 
     def _release_outside_window(self, req: Req, window: int) -> None:
         """Give the cache the request's pages that every layer's window has passed: this step's first query
-        (position cached_len) reads keys from cached_len - window + 1 on, and later ones read later keys. The pages
-        keep their places in `req.pages`; the request's prefix match covers them now (CacheManager.release_front).
-        A batch still in flight may write them, but runs before any step that could reuse them."""
+        (position cached_len) reads keys from cached_len - window + 1 on, and later ones read later keys. A batch
+        still in flight may write them, but runs before any step that could reuse them."""
         passed = min(req.cached_len - window + 1, req.total_len) // self.page_size
-        if passed > len(req.prefix.pages):
-            req.prefix = self.cache.release_front(req.tokens(0, passed * self.page_size), req.pages, req.prefix)
+        if passed > 0:
+            req.kv.trim_front(self.cache, req.tokens(0, passed * self.page_size))
 
     # -- process ----------------------------------------------------------------------------------
     def process(self, batch: ForwardBatch, output: ForwardOutput) -> StepResult:
@@ -290,7 +281,7 @@ class Scheduler:
     def _verify(self, req: Req, drafts: list[int], sampled: list[int]) -> int:
         """How many of `req`'s drafts its rows' samples accept; the rest roll back (engine/speculative/steps.py)."""
         assert self.speculator is not None  # drafts come from it
-        kept = speculation.verify(self.speculator, req, drafts, sampled, self.page_size, self.cache.free)
+        kept = speculation.verify(self.speculator, req, drafts, sampled, self.cache)
         self.counters["spec_drafts"] += 1
         self.counters["spec_draft_tokens"] += len(drafts)
         self.counters["spec_accepted_tokens"] += kept
@@ -329,17 +320,9 @@ class Scheduler:
         """The one cleanup path (from `_finish` once no batch in flight uses `req`, and from a retraction):
         free the request slot and hand the KV pages to the cache manager (only whole, known tokens are cached)."""
         self._unreleased.discard(req)
-        if req.loading is not None:  # its prefix's pages, loading or loaded for it
-            self.cache.cancel_load(req.loading)
-            req.loading = None
-        if req.slot is None:  # never admitted: it held nothing else
-            return
-        if self.speculator is not None:
+        if self.speculator is not None and req.kv.slot is not None:
             self.speculator.release(req)
-        self.table.free(req.slot)
-        req.slot = None
-        self.cache.release(req.tokens(0, min(req.cached_len, req.total_len)), req.pages, req.prefix)
-        req.pages = []
+        req.kv.release(self.cache, self.table, req.tokens(0, min(req.cached_len, req.total_len)))
 
     def _result(self, result: StepResult) -> StepResult:
         """`result` with the outputs made since the last one (a Final names its request as finished)."""

@@ -33,12 +33,12 @@ def snapshot(s: Scheduler, page_map: PageMap, changed: set[int] | None = None) -
     runs, owners = page_map.runs(changed)
     held = len(alloc.owner)
     cached = alloc.num_pages - alloc.num_free - held
-    admitted = sorted(((r, r.slot) for r in s.reqs.values() if r.slot is not None), key=lambda a: a[0].uid)
+    admitted = sorted(((r, r.kv.slot) for r in s.reqs.values() if r.kv.slot is not None), key=lambda a: a[0].uid)
     running = tuple(
         RunningEntry(rid=r.rid, client=r.client, slot=slot,
                      state="prefilling" if r.state is ReqState.PREFILLING else "running",
                      prompt_tokens=r.input_len, prefilled=min(r.cached_len, r.input_len),
-                     generated=len(r.output_ids), max_tokens=r.max_output, pages=len(r.pages),
+                     generated=len(r.output_ids), max_tokens=r.max_output, pages=len(r.kv.pages),
                      claimed_pages=s.admission.claim(r), priority=r.params.priority,
                      retractions=r.retractions, spec=_speculation(r))
         for r, slot in admitted)
@@ -73,8 +73,8 @@ def describe(s: Scheduler, rid: str, text_from: int = 0) -> RequestDetail[tuple[
         reason=s.prefill_manager.reason(req) if waiting else "", params=req.params,
         prompt_tokens=req.input_len, prompt_head=tuple(req.input_ids[:ends]),
         prompt_tail=tuple(req.input_ids[-ends:]) if req.input_len > 2 * ends else (),
-        cached_tokens=req.prefix_len, host_tokens=req.host_tokens, disk_tokens=req.disk_tokens, slot=req.slot,
-        pages=len(req.pages),
+        cached_tokens=req.kv.cached_tokens, host_tokens=req.kv.host_tokens, disk_tokens=req.kv.disk_tokens,
+        slot=req.kv.slot, pages=len(req.kv.pages),
         claimed_pages=0 if waiting else s.admission.claim(req), generated=len(req.output_ids),
         max_tokens=req.max_output, retractions=req.retractions, choices=req.params.n,
         age=time.monotonic() - req.arrival_time, ttft=req.ttft,

@@ -20,7 +20,7 @@ from engine.kv.allocator import PageAllocator
 from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.model.decoder import CausalLM
-from engine.scheduler.budget import pages_for
+from engine.pages import pages_for
 from engine.speculative.policy import StepCosts
 from kernels.attention.base import AttentionBackend, build_metadata
 
@@ -52,14 +52,14 @@ class DraftModel:
 
     def lookahead(self, req: Req, most: int) -> int:
         """Drafts it could propose for `req` now: any number, as long as its pages fit the draft pool."""
-        assert req.slot is not None
-        short = pages_for(req.total_len + most - 1, self.page_size) - len(self.pages[req.slot])
+        assert req.kv.slot is not None
+        short = pages_for(req.total_len + most - 1, self.page_size) - len(self.pages[req.kv.slot])
         return most if short <= self.allocator.num_free else 0
 
     def feeds(self, req: Req) -> int:
         """The tokens `_catch_up` feeds for `req`: those it has not seen, and its last one again."""
-        assert req.slot is not None
-        return req.total_len - min(self.known[req.slot], req.total_len - 1)
+        assert req.kv.slot is not None
+        return req.total_len - min(self.known[req.kv.slot], req.total_len - 1)
 
     def propose(self, counts: dict[Req, int]) -> dict[Req, list[int]]:
         """`counts[req]` greedy drafts for each request (all of them processed: every token is known). A step
@@ -86,35 +86,35 @@ class DraftModel:
             token = self._forward({r: [drafts[r][-1]] for r in more}, {r: r.total_len + position for r in more})
             live = more
         for req in reqs:  # fed: the sequence, and every draft but the last
-            assert req.slot is not None
-            self.known[req.slot] = req.total_len + max(0, len(drafts[req]) - 1)
+            assert req.kv.slot is not None
+            self.known[req.kv.slot] = req.total_len + max(0, len(drafts[req]) - 1)
         return {r: d for r, d in drafts.items() if d}
 
     def keep(self, req: Req, count: int) -> None:
         """Only the first `count` drafts of `req`'s proposal go to verification: the draft K/V of the ones after
         (fed as if they were the sequence) is not to be trusted."""
-        assert req.slot is not None
-        self.known[req.slot] = min(self.known[req.slot], req.total_len + max(0, count - 1))
+        assert req.kv.slot is not None
+        self.known[req.kv.slot] = min(self.known[req.kv.slot], req.total_len + max(0, count - 1))
 
     def verified(self, req: Req) -> None:
         """After verification: the draft K/V is right up to the target's (positions < cached_len)."""
-        assert req.slot is not None
-        self.known[req.slot] = min(self.known[req.slot], req.cached_len)
+        assert req.kv.slot is not None
+        self.known[req.kv.slot] = min(self.known[req.kv.slot], req.cached_len)
 
     def release(self, req: Req) -> None:
         """The target gives up `req`'s slot: its draft K/V goes too."""
-        if req.slot is None:
+        if req.kv.slot is None:
             return
-        self.allocator.free(self.pages[req.slot])
-        self.pages[req.slot], self.known[req.slot] = [], 0
+        self.allocator.free(self.pages[req.kv.slot])
+        self.pages[req.kv.slot], self.known[req.kv.slot] = [], 0
 
     def _reserve(self, req: Req, positions: int) -> None:
-        assert req.slot is not None
-        have = self.pages[req.slot]
+        assert req.kv.slot is not None
+        have = self.pages[req.kv.slot]
         need = pages_for(positions, self.page_size) - len(have)
         if need > 0:
             new = self.allocator.allocate(need, req.rid)
-            self.table.write_pages(req.slot, len(have), new, self.page_size)
+            self.table.write_pages(req.kv.slot, len(have), new, self.page_size)
             have += new
 
     def _catch_up(self, reqs: list[Req]) -> dict[Req, int]:
@@ -122,7 +122,7 @@ class DraftModel:
         token after each (its first draft)."""
         firsts: dict[Req, int] = {}
         # the last token is always fed again (its logits give the first draft; its K/V are overwritten alike)
-        fed = {r: min(self.known[r.slot], r.total_len - 1) for r in reqs if r.slot is not None}
+        fed = {r: min(self.known[r.kv.slot], r.total_len - 1) for r in reqs if r.kv.slot is not None}
         while fed:
             budget, chunk = self.max_chunk, {}
             for req, done in fed.items():
@@ -146,7 +146,7 @@ class DraftModel:
         flat = torch.tensor([t for r in reqs for t in ids[r]], dtype=torch.int64, device=device)
         positions = torch.tensor([p for r in reqs for p in range(starts[r], starts[r] + len(ids[r]))],
                                  dtype=torch.int64, device=device)
-        rows = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=device)
+        rows = torch.tensor([r.kv.slot for r in reqs], dtype=torch.int64, device=device)
         ends = torch.tensor(q_lens, dtype=torch.int64, device=device).cumsum(0) - 1
         meta = self.backend.prepare(build_metadata(q_lens, kv_lens, rows, self.table.table))
         logits = self.model(flat, positions, ends, self.kv, self.backend, meta)

@@ -71,18 +71,18 @@ class NgramProposer:
         return 0
 
     def lookahead(self, req: Req, most: int) -> int:
-        assert req.slot is not None
-        index = self._indexes[req.slot]
+        assert req.kv.slot is not None
+        index = self._indexes[req.kv.slot]
         if index is None:
-            index = self._indexes[req.slot] = NgramIndex(self.n_min, self.n_max)
+            index = self._indexes[req.kv.slot] = NgramIndex(self.n_min, self.n_max)
         found = index.propose(req.tokens, req.total_len, most)
         if found:
-            self._found[req.slot] = found
+            self._found[req.kv.slot] = found
         return len(found)
 
     def propose(self, counts: dict[Req, int]) -> dict[Req, list[int]]:
         found, self._found = self._found, {}
-        return {req: found[req.slot][:n] for req, n in counts.items() if req.slot is not None and n}
+        return {req: found[req.kv.slot][:n] for req, n in counts.items() if req.kv.slot is not None and n}
 
     def keep(self, req: Req, count: int) -> None:
         pass
@@ -91,5 +91,5 @@ class NgramProposer:
         pass
 
     def release(self, req: Req) -> None:
-        if req.slot is not None:
-            self._indexes[req.slot] = None
+        if req.kv.slot is not None:
+            self._indexes[req.kv.slot] = None

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from engine.scheduler.budget import next_pages, pages_for
+from engine.scheduler.budget import next_pages
 from engine.speculative.speculator import Speculator, accepted
 
 if TYPE_CHECKING:
+    from engine.kv.cache import CacheManager
     from engine.request import Req
 
 
@@ -36,18 +37,14 @@ def propose(speculator: Speculator, decoding: list[Req], running: Iterable[Req],
     return [r for r in decoding if r not in resting], kept
 
 
-def verify(speculator: Speculator, req: Req, drafts: list[int], sampled: list[int], page_size: int,
-           free: Callable[[list[int]], None]) -> int:
+def verify(speculator: Speculator, req: Req, drafts: list[int], sampled: list[int], cache: CacheManager) -> int:
     """How many of `req`'s drafts its rows' samples accept; the rest are rolled back: their positions leave
-    `cached_len` and `sampled`, and pages holding only them are `free`d."""
+    `cached_len` and `sampled`, and pages holding only them go back to the `cache`."""
     kept = accepted(drafts, sampled)
     rejected = len(drafts) - kept
     req.cached_len -= rejected
     req.sampled -= rejected
-    keep = pages_for(req.cached_len, page_size)
-    if len(req.pages) > keep:
-        free(req.pages[keep:])
-        del req.pages[keep:]
+    req.kv.truncate(cache, req.cached_len)
     speculator.verified(req, len(drafts), kept)
     return kept
 
