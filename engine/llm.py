@@ -509,6 +509,7 @@ class LLM:
         pages freed here are freed on every rank); for them the check is that each ran exactly the
         steps rank 0 sent."""
         self.cache.check_integrity(idle=not self.has_unfinished())
+        self.scheduler.check_requests()
         if not self.has_unfinished():
             held = [h for h in self.table.holder if h is not None]
             if held or self.cache.allocator.owner:

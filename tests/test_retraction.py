@@ -250,3 +250,24 @@ def test_the_scheduler_schedules_without_a_model():
     result = scheduler.process(batch, ForwardOutput(next_tokens=torch.tensor([7] * len(batch.sample_rows))))
     assert [o.rid for o in result.outputs] == ["r0"] and reqs[0].output_ids == [7]
     assert reqs[1].state is ReqState.PREFILLING
+
+
+def test_every_request_keeps_its_invariant_through_retraction_and_speculation(llama_ckpt):
+    """After every step, each live request's lengths and KV agree (the host has seen what it sampled, its pages are
+    exactly those its cached tokens need, listed in its table row), through admission, chunking, retraction and the
+    rollback of rejected drafts; a request whose pages are tampered with is caught."""
+    llm = tight(llama_ckpt, speculative="ngram", max_prefill_tokens=8)
+    for p in crowd():
+        llm.add_request(p, SamplingParams(max_tokens=OUT))
+    checked = 0
+    while llm.has_unfinished():
+        llm.step()
+        llm.check_integrity()
+        checked += sum(r.kv.slot is not None for r in llm.scheduler.reqs.values())
+    counters = llm.stats().counters
+    assert checked > 500 and counters.retractions > 0 and counters.spec_draft_tokens > counters.spec_accepted_tokens
+    rid = llm.add_request(list(range(2, 30)), SamplingParams(max_tokens=4))
+    llm.step()
+    llm.request(rid).kv.pages.append(llm.request(rid).kv.pages[0])
+    with pytest.raises(AssertionError, match="pages for"):
+        llm.check_integrity()

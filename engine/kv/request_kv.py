@@ -94,6 +94,19 @@ class RequestKV:
             cache.cancel_load(self.loading)
             self.loading = None
 
+    def check(self, table: RequestTable, page_size: int, cached_len: int) -> None:
+        """Raise AssertionError unless the invariant holds for a request with no batch in flight whose K/V is
+        written up to `cached_len`: just the pages that holds, the prefix's first, listed in its table row."""
+        if self.slot is None:
+            assert not self.pages and not self.prefix.pages, "a request without a slot holds pages"
+            return
+        assert len(self.pages) == pages_for(cached_len, page_size), \
+            f"{len(self.pages)} pages for {cached_len} tokens of {page_size}"
+        assert self.pages[: len(self.prefix.pages)] == self.prefix.pages or self.prefix.handed, \
+            "the cached prefix is not where the pages start"
+        rows = table.table[self.slot, : len(self.pages) * page_size : page_size].tolist()
+        assert rows == [p * page_size for p in self.pages][: len(rows)], "the table row lists other pages"
+
     def release(self, cache: CacheManager, table: RequestTable, written: list[int]) -> None:
         """Hold nothing any more: the row back to the table, the pages to the cache, which keeps what it can of
         `written` (the tokens whose K/V the pages hold)."""

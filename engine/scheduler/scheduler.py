@@ -324,6 +324,16 @@ class Scheduler:
             self.speculator.release(req)
         req.kv.release(self.cache, self.table, req.tokens(0, min(req.cached_len, req.total_len)))
 
+    def check_requests(self) -> None:
+        """Raise AssertionError unless every live request with no batch in flight is consistent: the host has seen
+        every token it scheduled, nothing is cached past what it will feed, and its KV is exactly what that holds."""
+        for req in self.reqs.values():
+            if req.inflight:
+                continue
+            assert len(req.output_ids) == req.sampled, f"{req.rid}: {req.sampled} sampled, {len(req.output_ids)} seen"
+            assert req.cached_len <= req.fill_len, f"{req.rid}: {req.cached_len} cached of {req.fill_len}"
+            req.kv.check(self.table, self.page_size, req.cached_len)
+
     def _result(self, result: StepResult) -> StepResult:
         """`result` with the outputs made since the last one (a Final names its request as finished)."""
         result.outputs = self.outputs.take()
