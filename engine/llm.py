@@ -49,7 +49,7 @@ from engine.pages import pages_for
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import Prompt, Tools, is_chat, is_token_ids
 from engine.reasoning import ThinkBlock, ThinkMarkers, think_markers
-from engine.request import Group, PromptTooLong, Req
+from engine.request import Group, PromptTooLong, Reply, Req
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.snapshot import RequestDetail, SchedulerSnapshot
@@ -359,12 +359,13 @@ class LLM:
         for index in range(params.n):
             self._uid += 1
             think = ThinkBlock(markers, ids, budget) if markers is not None else None
+            reply = Reply(IncrementalDetokenizer(self.tokenizer, params.stop), scored=1 if index == 0 else len(ids),
+                          think=think)
             req = Req(rid=rid if index == 0 else f"{rid}#{index}", uid=self._uid, input_ids=ids, params=params,
-                      max_output=max_output, seed=seed + index, group=group, index=index,
-                      scored=1 if index == 0 else len(ids), grammar=self._matcher(compiled, think), think=think,
-                      detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop), client=client)
+                      max_output=max_output, seed=seed + index, group=group, index=index, client=client, reply=reply,
+                      grammar=self._matcher(compiled, think))
             if arrival_time is not None:
-                req.arrival_time = arrival_time
+                req.times.arrival = arrival_time
             if group is not None:
                 group.members.append(req)
             if index == 0:
@@ -580,11 +581,12 @@ def _output(req: Req, final: Final) -> RequestOutput:
     """One choice of a whole request: every token and the whole text, the request's timings, its own
     finish reason and token count."""
     usage = msgspec.structs.replace(final.usage, completion_tokens=len(req.output_ids),
-                                    reasoning_tokens=req.think.tokens if req.think is not None else 0)
-    detokenizer = req.detokenizer
+                                    reasoning_tokens=req.reply.think.tokens if req.reply.think is not None else 0)
+    detokenizer = req.reply.detokenizer
     return RequestOutput(rid=req.client_rid, index=req.index, text=detokenizer.text if detokenizer else "",
                          token_ids=list(req.output_ids), finish_reason=req.finish_reason or final.finish_reason,
                          usage=usage, timings=final.timings, prompt_token_ids=req.input_ids,
-                         logprobs=None if req.params.logprobs is None else req.logprobs,
-                         prompt_logprobs=req.prompt_logprobs, reasoning=detokenizer.reasoning if detokenizer else "",
+                         logprobs=None if req.params.logprobs is None else req.reply.logprobs,
+                         prompt_logprobs=req.reply.prompt_logprobs,
+                         reasoning=detokenizer.reasoning if detokenizer else "",
                          stop_string=detokenizer.matched if detokenizer else None)

@@ -45,21 +45,44 @@ class Group:
         return [r for r in self.members if r.state is not ReqState.FINISHED]
 
 
+@dataclass
+class Times:
+    """When a request arrived, was first admitted, sampled its first token and finished (`time.monotonic()`), and
+    the scheduler step it arrived at (the starvation bound counts from it)."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    arrival_step: int = 0
+
+
+@dataclass(eq=False)
+class Reply:
+    """What a request's reply is made of besides its token ids, built as its tokens are processed
+    (engine/scheduler/output.py): text, log-probabilities and think block."""
+
+    detokenizer: IncrementalDetokenizer | None = None  # text, stop strings
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the sampled tokens', when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, chunk by chunk, when asked for
+    scored: int = 1  # prompt positions whose log-probabilities are done (the first needs none)
+    think: ThinkBlock | None = None  # its think block, with params.reasoning on a model that has one
+
+
 @dataclass(eq=False)
 class Req:
     """One request's scheduler-visible state.
 
-    `cached_len` counts tokens whose K/V are in the paged cache once every scheduled step has run
-    (prefix hits plus everything scheduled so far); the next forward feeds tokens from there.
-    `sampled` counts output tokens scheduled to be sampled, which may run ahead of `output_ids`
-    (the ones the host has seen) while steps are in flight; `inflight` counts scheduled batches
-    not yet processed, and a finished request keeps its slot and pages until it drops to 0.
-    `kv` is its KV: request-table row, pages, cached prefix and tier load (engine/kv/request_kv.py).
+    Two lengths move, and the invariant `Scheduler.check_requests` checks ties them to the rest: `cached_len` counts
+    tokens whose K/V are in the paged cache once every scheduled step has run (prefix hits plus everything scheduled
+    so far); the next forward feeds tokens from there. `sampled` counts output tokens scheduled to be sampled, which
+    may run ahead of `output_ids` (the ones the host has seen) while steps are in flight. `extend_len` is what the
+    step being scheduled feeds; `inflight` counts scheduled batches not yet processed, and a finished request keeps
+    its KV until it drops to 0.
+
     A request retracted to the waiting queue (`retractions` counts it) keeps its output and is prefilled
     again up to `fill_len`, prompt and output alike, before it samples its next token; its draws depend
     on `seed` and the position only (engine/sampling.py), so it samples what it would have.
-    `prompt_logprobs` collects the prompt's log-probabilities chunk by chunk (`scored`: prompt tokens
-    done, the first needs none) when the params ask for them (a group's first choice alone scores).
     `spec` is its speculation (engine/speculative): acceptance so far, created when it first decodes with a
     proposer on; a step verifying its drafts counts them in `sampled` and `cached_len` until processed.
     """
@@ -72,33 +95,25 @@ class Req:
     seed: int = 0
     group: Group | None = None  # n > 1: the choices this one belongs to
     index: int = 0  # which of the group's choices
-    output_ids: list[int] = field(default_factory=list)
-    cached_len: int = 0
-    kv: RequestKV = field(default_factory=RequestKV)
-    detokenizer: IncrementalDetokenizer | None = None
+    client: str = ""  # who sent it, in a few words ("bench", "client 3"): what an operator sees it by
     state: ReqState = ReqState.WAITING
     finish_reason: str | None = None
-    extend_len: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    cached_len: int = 0
     sampled: int = 0
+    extend_len: int = 0
     inflight: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
-    admit_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    arrival_step: int = 0  # the scheduler's step count when it arrived (the starvation bound counts from it)
     retractions: int = 0
-    prompt_logprobs: list[TokenLogprob] | None = None
-    scored: int = 1
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # the sampled tokens', when asked for
+    kv: RequestKV = field(default_factory=RequestKV)  # its slot, pages, cached prefix, tier load
+    reply: Reply = field(default_factory=Reply)
+    times: Times = field(default_factory=Times)
     grammar: GrammarMatcher | None = None  # params.structured's matcher: what may come next
-    think: ThinkBlock | None = None  # the reply's think block, with params.reasoning on a model that has one
-    client: str = ""  # who sent it, in a few words ("bench", "client 3"): what an operator sees it by
     spec: SpecState | None = None
 
     @property
     def ttft(self) -> float | None:
         """Seconds from arrival to the first output token; None before it."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return None if self.times.first_token is None else self.times.first_token - self.times.arrival
 
     @property
     def client_rid(self) -> str:
@@ -114,7 +129,7 @@ class Req:
     def scoring_prompt(self) -> bool:
         """Prompt log-probabilities are asked for and some are still to compute (the prefix cache is
         skipped for such a prompt: its cached part has no logits)."""
-        return self.params.prompt_logprobs is not None and self.scored < self.input_len
+        return self.params.prompt_logprobs is not None and self.reply.scored < self.input_len
 
     @property
     def input_len(self) -> int:
@@ -157,16 +172,16 @@ class Req:
     def final(self, token_ids: list[int], text: str, choices: Sequence[Req] = (), reasoning: str = "") -> Final:
         """The request's last output (it has finished): new tokens, answer and thinking text, usage and
         timings. `choices`: a group's, whose tokens its usage counts together."""
-        arrival = self.arrival_time
+        arrival = self.times.arrival
         counted = choices or (self,)
         spec = [r.spec for r in counted if r.spec is not None]
         completion = sum(len(r.output_ids) for r in counted)
         usage = Usage(prompt_tokens=self.input_len, completion_tokens=completion, cached_tokens=self.kv.cached_tokens,
                       draft_tokens=sum(s.proposed for s in spec), accepted_tokens=sum(s.accepted for s in spec),
-                      reasoning_tokens=sum(r.think.tokens for r in counted if r.think is not None))
+                      reasoning_tokens=sum(r.reply.think.tokens for r in counted if r.reply.think is not None))
         return Final(rid=self.client_rid, index=self.index, text=text, token_ids=token_ids,
                      finish_reason=self.finish_reason or "", usage=usage, reasoning=reasoning,
-                     stop_string=self.detokenizer.matched if self.detokenizer is not None else None,
-                     timings=Timings(queue=None if self.admit_time is None else self.admit_time - arrival,
+                     stop_string=self.reply.detokenizer.matched if self.reply.detokenizer is not None else None,
+                     timings=Timings(queue=None if self.times.admitted is None else self.times.admitted - arrival,
                                      ttft=self.ttft,
-                                     total=(self.finish_time or time.monotonic()) - arrival))
+                                     total=(self.times.finished or time.monotonic()) - arrival))

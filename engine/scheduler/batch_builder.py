@@ -71,8 +71,8 @@ class _TokenAxis:
 
     def _score_prompt(self, row: int, req: Req, start: int, end: int) -> None:
         """The logits rows of the prompt positions in [start, end) not scored yet: position q's logits
-        score prompt token q + 1 (the commit adds the count to `req.scored`)."""
-        first, last = max(start, req.scored - 1), min(end, req.input_len - 1)
+        score prompt token q + 1 (the commit adds the count to `req.reply.scored`)."""
+        first, last = max(start, req.reply.scored - 1), min(end, req.input_len - 1)
         if last > first:
             offset = len(self.positions) - end
             self.prompt_at += range(offset + first, offset + last)

@@ -56,6 +56,7 @@ def attach(batch: ForwardBatch, compiler: GrammarCompiler | None, processed: Pro
             grammars.filled.append(row)
         batch.sampling.grammars = grammars
     # a think block whose budget may be spent by then (`ThinkBlock.may_force`) may have to emit its close
-    forced = [(row, r.think) for row, r in enumerate(sampled) if r.think is not None and r.think.may_force(r.sampled)]
+    forced = [(row, r.reply.think) for row, r in enumerate(sampled)
+              if r.reply.think is not None and r.reply.think.may_force(r.sampled)]
     if forced:
         batch.sampling.forcing = Forcing(forced, wait)

@@ -40,18 +40,18 @@ class OutputProcessor:
     def append(self, req: Req, token: int, logprob: TokenLogprob | None = None) -> str | None:
         """Add a sampled token to `req`: None having streamed it as a Delta, or the reason the request ends
         here ("stop", "length"); the token is then the scheduler's to send with the Final (`final`)."""
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
+        if req.times.first_token is None:
+            req.times.first_token = time.monotonic()
         if req.params.max_tokens == 0:  # scoring only: the prompt's log-probabilities, no output
             return "length"
         req.output_ids.append(token)
         if logprob is not None:
-            req.logprobs.append(logprob)
-        part = req.think.feed(token) if req.think is not None else Part.ANSWER
+            req.reply.logprobs.append(logprob)
+        part = req.reply.think.feed(token) if req.reply.think is not None else Part.ANSWER
         reason = self._stop(req, token, part)
         if reason is None:
-            text, reasoning = (req.detokenizer.take(final=False), req.detokenizer.take_reasoning()) \
-                if req.detokenizer else ("", "")
+            text, reasoning = (req.reply.detokenizer.take(final=False), req.reply.detokenizer.take_reasoning()) \
+                if req.reply.detokenizer else ("", "")
             self.pending.append(Delta(rid=req.client_rid, index=req.index, text=text, token_ids=[token],
                                       logprobs=None if logprob is None else [logprob],
                                       prompt_logprobs=_first_prompt_logprobs(req), reasoning=reasoning))
@@ -66,17 +66,17 @@ class OutputProcessor:
             return "stop"
         if (token in self.eos_ids and not req.params.ignore_eos) or token in (req.params.stop_token_ids or ()):
             return "stop"
-        if req.detokenizer is not None:
-            req.detokenizer.add(token, part)
-            if req.detokenizer.stopped:
+        if req.reply.detokenizer is not None:
+            req.reply.detokenizer.add(token, part)
+            if req.reply.detokenizer.stopped:
                 return "stop"
         return "length" if len(req.output_ids) >= req.max_output else None
 
     def final(self, req: Req, last_token: int | None, logprob: TokenLogprob | None) -> None:
         """The finished request's last output: its Final, or for a group's choice but the last a Delta with
         the choice's finish reason (the last one's Final carries the usage of all)."""
-        text, reasoning = (req.detokenizer.take(final=True), req.detokenizer.take_reasoning()) \
-            if req.detokenizer else ("", "")
+        text, reasoning = (req.reply.detokenizer.take(final=True), req.reply.detokenizer.take_reasoning()) \
+            if req.reply.detokenizer else ("", "")
         tokens = [] if last_token is None else [last_token]
         extra = {"logprobs": None if logprob is None else [logprob],
                  "prompt_logprobs": _first_prompt_logprobs(req) if tokens or not req.output_ids else None}
@@ -97,11 +97,11 @@ class OutputProcessor:
         at = 0
         for row, count in batch.prompt_rows:
             req = batch.reqs[row]
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [self._logprob(req.input_ids[0], None, [], [], 0)]
-            first = len(req.prompt_logprobs)
+            if req.reply.prompt_logprobs is None:
+                req.reply.prompt_logprobs = [self._logprob(req.input_ids[0], None, [], [], 0)]
+            first = len(req.reply.prompt_logprobs)
             k = req.params.prompt_logprobs or 0
-            req.prompt_logprobs += [self._logprob(req.input_ids[first + j], chosen[at + j], top_ids[at + j],
+            req.reply.prompt_logprobs += [self._logprob(req.input_ids[first + j], chosen[at + j], top_ids[at + j],
                                                   top_values[at + j], k) for j in range(count)]
             at += count
 
@@ -125,4 +125,4 @@ def _first_prompt_logprobs(req: Req) -> list[TokenLogprob] | None:
     """A request's prompt log-probabilities, with its first output only."""
     if req.params.prompt_logprobs is None or len(req.output_ids) > 1:
         return None
-    return req.prompt_logprobs
+    return req.reply.prompt_logprobs

@@ -72,8 +72,8 @@ class PrefillAdder:
             self.hit_tokens["pool"] += kv.cached_tokens - kv.host_tokens - kv.disk_tokens
             self.hit_tokens["host"] += kv.host_tokens
             self.hit_tokens["disk"] += kv.disk_tokens
-        if req.admit_time is None:
-            req.admit_time = time.monotonic()
+        if req.times.admitted is None:
+            req.times.admitted = time.monotonic()
         self.claimed += need
         self._take_chunk(req)
         return None
@@ -165,7 +165,7 @@ class PrefillManager:
         if self.policy == "lpm" and len(order) <= LPM_MAX_WAITING:
             cached = {r.rid: len(self.cache.match_prefix(r.tokens(0, r.fill_len - 1)).pages) for r in order}
             order.sort(key=lambda r: -cached[r.rid])
-        starved = [r for r in order if step - r.arrival_step >= self.max_wait_steps]
+        starved = [r for r in order if step - r.times.arrival_step >= self.max_wait_steps]
         return starved + [r for r in order if r not in starved] if starved else order
 
     def schedule_next_batch(self, token_budget: int, claimed: int, step: int) -> list[Req] | None:

@@ -86,7 +86,7 @@ class Scheduler:
 
     # -- public -----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        req.arrival_step = self.counters["steps"]
+        req.times.arrival_step = self.counters["steps"]
         self.reqs[req.rid] = req
         if req.group is not None:
             self.groups[req.group.rid] = req.group
@@ -194,7 +194,7 @@ class Scheduler:
         `cached_len`, `inflight`, a group leader's prompt shared, `sampled`, and the running set (a
         request whose length budget is now spent leaves it)."""
         for row, count in batch.prompt_rows:
-            batch.reqs[row].scored += count
+            batch.reqs[row].reply.scored += count
         for req in batch.reqs:
             req.cached_len += req.extend_len
             req.inflight += 1
@@ -304,7 +304,7 @@ class Scheduler:
         self.decode_manager.remove_req(req)
         req.state = ReqState.FINISHED
         req.finish_reason = reason
-        req.finish_time = time.monotonic()
+        req.times.finished = time.monotonic()
         del self.reqs[req.rid]
         self.counters["aborted" if reason == "abort" else "finished"] += 1
         if reason != "abort":

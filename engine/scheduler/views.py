@@ -47,7 +47,7 @@ def snapshot(s: Scheduler, page_map: PageMap, changed: set[int] | None = None) -
                          claimed=sum(e.claimed_pages for e in running), runs=tuple(runs), owners=tuple(owners),
                          complete=changed is None, tiers=tuple(s.cache.tier_use()))
     now = time.monotonic()
-    waiting = tuple(WaitingEntry(rid=r.rid, client=r.client, prompt_tokens=r.input_len, waited=now - r.arrival_time,
+    waiting = tuple(WaitingEntry(rid=r.rid, client=r.client, prompt_tokens=r.input_len, waited=now - r.times.arrival,
                                  reason=s.prefill_manager.reason(r), priority=r.params.priority,
                                  retractions=r.retractions, generated=len(r.output_ids))
                     for r in s.prefill_manager.ordered(s.counters["steps"]))
@@ -66,7 +66,7 @@ def describe(s: Scheduler, rid: str, text_from: int = 0) -> RequestDetail[tuple[
     if req is None:
         return None
     waiting = req.state is ReqState.WAITING
-    text = req.detokenizer.text[:req.detokenizer.emitted] if req.detokenizer is not None else ""
+    text = req.reply.detokenizer.text[:req.reply.detokenizer.emitted] if req.reply.detokenizer is not None else ""
     ends = PROMPT_ENDS
     return RequestDetail(
         rid=req.client_rid, client=req.client, state=req.state.value,
@@ -77,8 +77,8 @@ def describe(s: Scheduler, rid: str, text_from: int = 0) -> RequestDetail[tuple[
         slot=req.kv.slot, pages=len(req.kv.pages),
         claimed_pages=0 if waiting else s.admission.claim(req), generated=len(req.output_ids),
         max_tokens=req.max_output, retractions=req.retractions, choices=req.params.n,
-        age=time.monotonic() - req.arrival_time, ttft=req.ttft,
-        queue=None if req.admit_time is None else req.admit_time - req.arrival_time,
+        age=time.monotonic() - req.times.arrival, ttft=req.ttft,
+        queue=None if req.times.admitted is None else req.times.admitted - req.times.arrival,
         output=text[max(0, text_from):], output_chars=len(text), spec=_speculation(req))
 
 

@@ -53,7 +53,7 @@ def _draftable(req: Req, proposal: list[int]) -> int:
     """How many of `proposal` a request may verify: what its grammar accepts; none while its think block
     is not over and its masks depend on the block (a budget that may force its close along the drafts, or
     a grammar that starts after it): those are known only token by token (engine/reasoning.py)."""
-    block = req.think
+    block = req.reply.think
     if block is not None and not block.answering and \
             (req.grammar is not None or block.may_force(req.sampled + len(proposal))):
         return 0
