@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv.request_kv import RequestKV
 from engine.outputs import Final, Timings, TokenLogprob, Usage
@@ -14,6 +15,9 @@ from engine.reasoning import ThinkBlock
 from engine.speculative.policy import SpecState
 from engine.structured import GrammarMatcher
 from engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from engine.kv.table import RequestTable
 
 
 class PromptTooLong(ValueError):
@@ -159,6 +163,13 @@ class Req:
     def can_decode(self) -> bool:
         """True while the length budget allows scheduling another token (EOS is checked at processing)."""
         return self.sampled < self.max_output
+
+    def check(self, table: RequestTable, page_size: int) -> None:
+        """Raise AssertionError unless the invariant holds (with no batch of it in flight): the host has seen every
+        token it scheduled, nothing is cached past what it will feed, and its KV is exactly what that holds."""
+        assert len(self.output_ids) == self.sampled, f"{self.rid}: {self.sampled} sampled, {len(self.output_ids)} seen"
+        assert self.cached_len <= self.fill_len, f"{self.rid}: {self.cached_len} cached of {self.fill_len}"
+        self.kv.check(table, page_size, self.cached_len)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output."""

@@ -17,10 +17,13 @@ import msgspec
 from engine.batch import ForwardBatch
 from engine.outputs import Delta, Output, TokenLogprob
 from engine.reasoning import Part
-from engine.request import Req
+from engine.request import Req, ReqState
 from engine.sampling import Logprobs
 
 log = logging.getLogger(__name__)
+
+Finish = Callable[[Req, str, "int | None", "TokenLogprob | None"], None]
+"""How a request ends: (request, finish reason, its last token and that token's log-probability, if sent)."""
 
 
 class OutputProcessor:
@@ -56,6 +59,22 @@ class OutputProcessor:
                                       logprobs=None if logprob is None else [logprob],
                                       prompt_logprobs=_first_prompt_logprobs(req), reasoning=reasoning))
         return reason
+
+    def deliver(self, batch: ForwardBatch, runs: list[tuple[int, list[int]]], tokens: list[int],
+                logprobs: dict[int, TokenLogprob], finish: Finish) -> None:
+        """Append each request's rows' tokens (`runs`: its index in the batch and its rows, cut to what verification
+        kept) until it ends; `finish` ends it (the scheduler's: out of every queue, then `final` for the output)."""
+        for index, rows in runs:
+            req = batch.reqs[index]
+            for row in rows:
+                if req.state is ReqState.FINISHED:
+                    break
+                if (reason := self.append(req, tokens[row], logprobs.get(row))) is None:
+                    continue
+                if req.params.max_tokens == 0:  # scoring only: the token was not appended, none goes with the Final
+                    finish(req, reason, None, None)
+                else:
+                    finish(req, reason, tokens[row], logprobs.get(row))
 
     def _stop(self, req: Req, token: int, part: Part) -> str | None:
         """Why `token` ends `req`, if it does; detokenises it otherwise (a stop string ends it there too)."""

@@ -217,24 +217,19 @@ class Scheduler:
             group.shared = True
 
     def _allocate_kv(self, reqs: list[Req]) -> None:
-        """Claim pages for the positions this step writes (room was made for them, so this cannot fail), after
-        giving back those a sliding window has passed."""
+        """Claim pages for the positions this step writes (room was made for them, so this cannot fail), after giving
+        back those every layer's sliding window has passed: this step's first query (position cached_len) reads keys
+        from cached_len - window + 1 on. A batch in flight may still write those, but runs before any step that
+        could reuse them."""
         for req in reqs:
             if self.kv_window is not None:
-                self._release_outside_window(req, self.kv_window)
+                passed = max(0, min(req.cached_len - self.kv_window + 1, req.total_len)) // self.page_size
+                req.kv.trim_front(self.cache, req.tokens(0, passed * self.page_size))
             req.kv.grow(self.cache, self.table, req.rid, req.cached_len + req.extend_len)
-
-    def _release_outside_window(self, req: Req, window: int) -> None:
-        """Give the cache the request's pages that every layer's window has passed: this step's first query
-        (position cached_len) reads keys from cached_len - window + 1 on, and later ones read later keys. A batch
-        still in flight may write them, but runs before any step that could reuse them."""
-        passed = min(req.cached_len - window + 1, req.total_len) // self.page_size
-        if passed > 0:
-            req.kv.trim_front(self.cache, req.tokens(0, passed * self.page_size))
 
     # -- process ----------------------------------------------------------------------------------
     def process(self, batch: ForwardBatch, output: ForwardOutput) -> StepResult:
-        """Append each sampled token, detokenise, finish (EOS, stop string, length) and free.
+        """Verify drafts, append each sampled token (output.py: stops, text, outputs), finish and free.
 
         A request that finished after this batch was scheduled (EOS seen in the previous step, or an
         abort) drops its token here; its slot and pages are released once no batch uses them."""
@@ -244,57 +239,37 @@ class Scheduler:
         for req in batch.reqs:
             req.inflight -= 1
         self.outputs.prompt_logprobs(batch, output.prompt_logprobs)
-        logprobs = self.outputs.token_logprobs(batch, tokens, output.logprobs)
-        generated = accepted_drafts = 0  # tokens the decoding requests' rows kept; drafts accepted
-        for index, rows in _runs(batch.sample_rows):
-            req, drafts = batch.reqs[index], batch.drafts.get(index)
-            if drafts is not None:
-                kept = self._verify(req, drafts, [tokens[row] for row in rows])
-                accepted_drafts += kept
-                rows = rows[: kept + 1]
-            if index < batch.num_decode or drafts is not None:
-                generated += len(rows)
-            for row in rows:
-                if req.state is ReqState.FINISHED:
-                    break
-                self._append_token(req, tokens[row], logprobs.get(row))
-            if drafts is not None and req.state is not ReqState.FINISHED:
-                self.decode_manager.filter_reqs([req])
+        runs, accepted = _runs(batch.sample_rows), 0
+        if batch.drafts:
+            assert self.speculator is not None  # drafts come from it
+            runs, accepted = speculation.verify_batch(self.speculator, batch, runs, tokens, self.cache, self.counters)
+        self.outputs.deliver(batch, runs, tokens, self.outputs.token_logprobs(batch, tokens, output.logprobs),
+                             self._finish)
+        for index in batch.drafts:  # verified: back in the running set, unless it ended
+            if batch.reqs[index].state is not ReqState.FINISHED:
+                self.decode_manager.filter_reqs([batch.reqs[index]])
         for req in batch.reqs:
             if req in self._unreleased and req.inflight == 0:
                 self._release(req)
         self.cache.processed(self.processed.advance())  # what it wrote is final: the tiers may copy it
+        generated = sum(len(rows) for index, rows in runs if index < batch.num_decode or index in batch.drafts)
+        return self._count(batch, generated, accepted, batch.schedule_time + output.run_time
+                           + time.perf_counter() - start)
+
+    def _count(self, batch: ForwardBatch, generated: int, accepted: int, duration: float) -> StepResult:
+        """Count the processed step (its decoded tokens teach admission and the speculator) and say what it did."""
         self.counters["steps"] += 1
         decode_queries = batch.num_decode + batch.num_verify_tokens
         if decode_queries:
             self.admission.decoded()
         self.counters["decode_tokens"] += generated
         self.counters["prefill_tokens"] += batch.num_tokens - decode_queries
-        duration = batch.schedule_time + output.run_time + time.perf_counter() - start
         if self.speculator is not None and decode_queries == batch.num_tokens:
             self.speculator.record_step(batch.num_tokens, duration - batch.propose_time)
         return self._result(StepResult(
             kind=batch.kind, rids=[r.rid for r in batch.reqs], num_tokens=batch.num_tokens, duration=duration,
             num_decode_tokens=generated, num_prefill_tokens=batch.num_tokens - decode_queries,
-            num_draft_tokens=sum(len(d) for d in batch.drafts.values()), num_accepted_tokens=accepted_drafts))
-
-    def _verify(self, req: Req, drafts: list[int], sampled: list[int]) -> int:
-        """How many of `req`'s drafts its rows' samples accept; the rest roll back (engine/speculative/steps.py)."""
-        assert self.speculator is not None  # drafts come from it
-        kept = speculation.verify(self.speculator, req, drafts, sampled, self.cache)
-        self.counters["spec_drafts"] += 1
-        self.counters["spec_draft_tokens"] += len(drafts)
-        self.counters["spec_accepted_tokens"] += kept
-        return kept
-
-    def _append_token(self, req: Req, token: int, logprob: TokenLogprob | None = None) -> None:
-        reason = self.outputs.append(req, token, logprob)
-        if reason is None:
-            return
-        if req.params.max_tokens == 0:  # scoring only: the token was not appended, nothing to send with the Final
-            self._finish(req, reason)
-        else:
-            self._finish(req, reason, last_token=token, logprob=logprob)
+            num_draft_tokens=sum(len(d) for d in batch.drafts.values()), num_accepted_tokens=accepted))
 
     def _finish(self, req: Req, reason: str, last_token: int | None = None,
                 logprob: TokenLogprob | None = None) -> None:
@@ -325,14 +300,10 @@ class Scheduler:
         req.kv.release(self.cache, self.table, req.tokens(0, min(req.cached_len, req.total_len)))
 
     def check_requests(self) -> None:
-        """Raise AssertionError unless every live request with no batch in flight is consistent: the host has seen
-        every token it scheduled, nothing is cached past what it will feed, and its KV is exactly what that holds."""
+        """Raise AssertionError unless every live request with no batch in flight keeps its invariant."""
         for req in self.reqs.values():
-            if req.inflight:
-                continue
-            assert len(req.output_ids) == req.sampled, f"{req.rid}: {req.sampled} sampled, {len(req.output_ids)} seen"
-            assert req.cached_len <= req.fill_len, f"{req.rid}: {req.cached_len} cached of {req.fill_len}"
-            req.kv.check(self.table, self.page_size, req.cached_len)
+            if not req.inflight:
+                req.check(self.table, self.page_size)
 
     def _result(self, result: StepResult) -> StepResult:
         """`result` with the outputs made since the last one (a Final names its request as finished)."""

@@ -1,5 +1,6 @@
 """A step's drafts, as the scheduler takes them: proposed within the free pages and what grammars allow
-(`propose`), then cut back to what verification accepted (`verify`). speculator.py says why that is exact."""
+(`propose`), then cut back to what verification accepted (`verify`, a batch's with `verify_batch`). speculator.py says
+why that is exact."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from engine.scheduler.budget import next_pages
 from engine.speculative.speculator import Speculator, accepted
 
 if TYPE_CHECKING:
+    from engine.batch import ForwardBatch
     from engine.kv.cache import CacheManager
     from engine.request import Req
 
@@ -35,6 +37,25 @@ def propose(speculator: Speculator, decoding: list[Req], running: Iterable[Req],
         else:
             speculator.cut(req, proposal, 0)
     return [r for r in decoding if r not in resting], kept
+
+
+def verify_batch(speculator: Speculator, batch: ForwardBatch, runs: list[tuple[int, list[int]]], tokens: list[int],
+                 cache: CacheManager, counters: dict[str, int]) -> tuple[list[tuple[int, list[int]]], int]:
+    """Each request's sampled rows (`runs`: its index in the batch and its rows), a verifying request's cut to the
+    drafts its samples accept (`verify`); and how many drafts were accepted. Counts them in the scheduler's
+    `counters`."""
+    kept_runs, accepted = [], 0
+    for index, rows in runs:
+        drafts = batch.drafts.get(index)
+        if drafts is not None:
+            kept = verify(speculator, batch.reqs[index], drafts, [tokens[r] for r in rows], cache)
+            counters["spec_drafts"] += 1
+            counters["spec_draft_tokens"] += len(drafts)
+            counters["spec_accepted_tokens"] += kept
+            accepted += kept
+            rows = rows[: kept + 1]
+        kept_runs.append((index, rows))
+    return kept_runs, accepted
 
 
 def verify(speculator: Speculator, req: Req, drafts: list[int], sampled: list[int], cache: CacheManager) -> int:
