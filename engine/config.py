@@ -60,6 +60,8 @@ class ExecutionConfig:
                                        "F.linear at every row count measured).")
     cpu_kernels: bool = knob(True, "On CPU, RMSNorm, RoPE, attention and the MLP activation in minichat's C kernels "
                                    "(built with cc; where none builds, the torch paths run).")
+    one_call: bool = knob(True, "On CPU, steps of few rows run every layer in one C call (kernels/cpu/decode.c) where "
+                                "the model allows it; off: layer by layer (the same products).")
     attention_backend: str = knob("auto", "Attention kernels: torch, cpu, triton, flashinfer, or auto (the best "
                                           "available).")
     cuda_graph: bool = knob(True, "Replay decode steps from CUDA graphs (triton and flashinfer backends on CUDA, "

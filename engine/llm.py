@@ -173,7 +173,7 @@ class LLM:
             self.workers.expect("ready")
         backend = make_backend(run.attention_backend, run.device, run.dtype, run.cpu_kernels, spec.full_attention)
         backend.setup(attention_shape(self.model, run.dtype), self.device)
-        self.model.use_attention_backend(backend)
+        self.model.use_attention_backend(backend, run.one_call)
         # Worker ranks run every step eagerly, so under tensor parallelism decode is never graphed.
         use_graphs = run.cuda_graph and backend.supports_cuda_graph and self.workers is None
         # CUDA graphs pad decode batches with dummy requests writing to a scratch page no request owns.
@@ -252,7 +252,7 @@ class LLM:
                               model.spec.vocab_size)
             backend = make_backend(run.attention_backend, run.device, run.dtype, run.cpu_kernels)
             backend.setup(attention_shape(model, run.dtype), self.device)
-            model.use_attention_backend(backend)
+            model.use_attention_backend(backend, run.one_call)
             proposer = DraftModel(model, backend, num_pages + cfg.request_slots, cfg.kv.page_size, cfg.request_slots,
                                   self.max_seq_len, self.device, self.model.spec.vocab_size,
                                   cfg.scheduler.max_prefill_tokens)

@@ -524,8 +524,7 @@ def build_llm(args: argparse.Namespace, output_budget: int) -> LLM:
               num_pages=largest * (pages_for(length, args.page_size) + 1), max_running_requests=largest,
               max_prefill_tokens=args.max_prefill_tokens or max(2048, largest * args.prompt_len),
               max_model_len=length + args.page_size, overlap=False,
-              kv_disk_gib=0, **options)  # no disk tier: a rerun's prompts would be loaded, not computed
-    llm.model.one_call = args.one_call
+              kv_disk_gib=0, one_call=args.one_call, **options)  # no disk tier: a rerun's prompts would be loaded
     return llm
 
 

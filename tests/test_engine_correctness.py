@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, RequestOutput, SamplingParams
 from engine.model.decoder import ROWS_ONE_CALL_CACHED
+from engine.model.executor import OneCall
 from tests.checkpoints import with_eos
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
@@ -177,13 +178,15 @@ def test_small_float32_models_decode_few_rows_in_one_c_call(checkpoints, hf, fam
     params = [SamplingParams(max_tokens=2 + i, logprobs=0, ignore_eos=True) for i in range(len(prompts))]
     runs = []
     for one_call, most in ((True, None), (True, 8), (False, None)):
-        llm = LLM(str(path))
-        assert llm.model.float_rows_most == ROWS_ONE_CALL_CACHED
-        llm.model.one_call = one_call
-        llm.model.float_rows_most = most or llm.model.float_rows_most
-        assert llm.model.float_rows is not None and llm.model.runs_one_call == one_call
+        llm = LLM(str(path), one_call=one_call)
+        executor = llm.model.executor
+        assert llm.model.float_rows_most == ROWS_ONE_CALL_CACHED and llm.model.float_rows is not None
+        assert isinstance(executor, OneCall) == one_call
+        if isinstance(executor, OneCall):
+            assert executor.most_rows == ROWS_ONE_CALL_CACHED
+            executor.most_rows = most or executor.most_rows
         outs = llm.generate(prompts, params)
-        assert (llm.model._fused is not None) == one_call
+        assert (isinstance(executor, OneCall) and executor.built is not None) == one_call
         runs.append(outs)
     layered = runs[-1]
     for ours in runs[:-1]:
@@ -221,7 +224,7 @@ def test_a_bfloat16_checkpoint_keeps_bfloat16_rows_and_decodes_like_transformers
     params = [SamplingParams(max_tokens=3 + i % 5, ignore_eos=True) for i in range(len(prompts))]
     for prompt, p, out in zip(prompts, params, llm.generate(prompts, params), strict=True):
         hf.check_greedy(out.token_ids, path, prompt, p.max_tokens)
-    assert model._fused is not None  # the decode steps ran in one C call
+    assert isinstance(model.executor, OneCall) and model.executor.built is not None  # decode steps ran in one call
     assert LLM(str(llama_ckpt)).model.float_rows[0][0].formats == ["F32"]  # float32 values stay float32 rows
 
 

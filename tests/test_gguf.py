@@ -20,6 +20,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import QUANTIZATIONS
+from engine.model.executor import OneCall
 from engine.model.loader import resolve_checkpoint
 from engine.model.quantized import weight_footprint
 from tests.checkpoints import make_checkpoint
@@ -286,12 +287,11 @@ def test_layers_in_one_call_compute_what_the_layer_by_layer_path_does(mixed_file
     path = mixed_files[family]
     results = []
     for one_call in (True, False):
-        llm = LLM(str(path), max_prefill_tokens=64)
-        llm.model.one_call = one_call
+        llm = LLM(str(path), max_prefill_tokens=64, one_call=one_call)
         assert llm.execution["layers"] == ("one C call a step" if one_call else "one call each")
         ids = torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(3)).tolist()
         out = llm.generate([ids, ids[:7]], SamplingParams(max_tokens=8, prompt_logprobs=0, logprobs=0))
-        assert (llm.model._fused is not None) == one_call
+        assert (isinstance(llm.model.executor, OneCall) and llm.model.executor.built is not None) == one_call
         results.append([(o.token_ids, [p.logprob for p in o.prompt_logprobs[1:]], [p.logprob for p in o.logprobs])
                         for o in out])
     assert results[0] == results[1]

@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.model.executor import OneCall
 from tests.checkpoints import WINDOW
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_prefix_cache import greedy, ids
@@ -178,12 +179,11 @@ def test_windows_in_the_one_call_layers(checkpoints):
     layer's window in its plan): the same log-probabilities as layer by layer, bit for bit, past several windows."""
     results = []
     for one_call in (True, False):
-        llm = LLM(str(checkpoints["mistral_window"]), quantization="int8", max_prefill_tokens=16)
-        llm.model.one_call = one_call
+        llm = LLM(str(checkpoints["mistral_window"]), quantization="int8", max_prefill_tokens=16, one_call=one_call)
         assert llm.execution["layers"] == ("one C call a step" if one_call else "one call each")
         prompt = ids(40, 3)
         out = llm.generate([prompt, prompt[:7]], SamplingParams(max_tokens=20, prompt_logprobs=0, logprobs=0))
-        assert (llm.model._fused is not None) == one_call
+        assert (isinstance(llm.model.executor, OneCall) and llm.model.executor.built is not None) == one_call
         results.append([(o.token_ids, [p.logprob for p in o.prompt_logprobs[1:]], [p.logprob for p in o.logprobs])
                         for o in out])
     assert results[0] == results[1]

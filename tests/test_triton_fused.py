@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
 from engine import LLM, SamplingParams
+from engine.model.executor import LayerByLayer
+from engine.model.layer_ops import EAGER_OPS
 from kernels.attention import build_metadata, make_backend
 from kernels.attention.base import AttentionShape
 from kernels.attention.triton import TritonBackend
@@ -227,7 +229,9 @@ def test_engine_runs_the_fused_kernels_and_matches_transformers(checkpoints, hf,
     path = checkpoints[family]
     llm = LLM(str(path), attention_backend="triton", max_prefill_tokens=12, page_size=4, max_running_requests=4)
     assert_matches_hf(llm, path, hf, mixed_prompts(5, seed=3, max_len=20), max_tokens=4)
-    assert llm.model.triton is not None and llm.model.triton.backend is llm.runner.backend
+    executor = llm.model.executor
+    assert isinstance(executor, LayerByLayer) and executor.triton is not None
+    assert executor.triton.backend is llm.runner.backend
 
 
 def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
@@ -246,8 +250,7 @@ def test_fused_path_rounds_as_the_eager_path_in_bf16(checkpoints):
     path, prompt = checkpoints["qwen3"], mixed_prompts(1, seed=6, max_len=30)[0]
     fused_llm, eager_llm = (LLM(str(path), dtype="bfloat16", linear_dtype="model", attention_backend="triton")
                             for _ in range(2))
-    eager_llm.model.use_attention_backend(eager_llm.runner.backend)
-    eager_llm.model.triton = None  # the eager ops, over the same backend
+    eager_llm.model.executor = LayerByLayer([EAGER_OPS] * len(eager_llm.model.layers))  # over the same backend
     fused = prefill_logits(fused_llm, prompt)
-    assert fused_llm.model.triton is not None
+    assert isinstance(fused_llm.model.executor, LayerByLayer) and fused_llm.model.executor.triton is not None
     assert torch.equal(fused, prefill_logits(eager_llm, prompt))

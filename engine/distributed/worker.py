@@ -79,7 +79,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     backend = make_backend(spec.run.attention_backend, spec.run.device, spec.run.dtype, spec.run.cpu_kernels,
                            spec.model.full_attention)
     backend.setup(attention_shape(model, spec.run.dtype), device)
-    model.use_attention_backend(backend)
+    model.use_attention_backend(backend, spec.run.one_call)
     conn.send(("ready",))
     steps = 0
     while (message := conn.recv()) is not None:

@@ -9,7 +9,6 @@ concatenated) and reads/writes K/V through an attention backend over the paged p
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, cast
@@ -20,7 +19,8 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.kv.pool import KVPool
-from engine.model.layer_ops import BLOCK_OPS, EAGER_OPS, LayerOps, LayerStep, TritonOps
+from engine.model.executor import Executor, OneCall, choose_executor
+from engine.model.layer_ops import LayerOps, LayerStep
 from engine.model.ops import fuses_add, gemm_dtype, linear
 from engine.model.parallel import (
     ColumnParallelLinear,
@@ -34,15 +34,12 @@ from engine.model.parallel import (
 )
 from engine.model.quantized import finish_block_weights
 from kernels.attention.base import AttentionBackend
-from kernels.attention.cpu import PagedStep
 from kernels.quant import QTYPES, BlockMatrix, QType
 
 if TYPE_CHECKING:  # transformers is imported only where a config is read, not by tensor-parallel workers
     from transformers import PretrainedConfig
 
-    from kernels.attention.triton import TritonBackend
     from kernels.cpu import CpuKernels
-    from kernels.cpu.decode import FusedLayers
 
 DENSE_BUFFER = 4 * 2**20
 """Float32 values a block-format model expands its weights into, a chunk of rows at a time, for steps of
@@ -322,17 +319,11 @@ class DecoderLayer(nn.Module):
         """The activations' dtype (the model's)."""
         return self.input_layernorm.weight.dtype
 
-    def ops(self, step: LayerStep) -> LayerOps:
-        """The kernels this step's pieces run on (engine/model/layer_ops.py)."""
-        if step.triton is not None:
-            return step.triton
-        return EAGER_OPS if self.block_kernels is None else BLOCK_OPS
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, index: int,
+    def forward(self, ops: LayerOps, x: torch.Tensor, residual: torch.Tensor | None, index: int,
                 step: LayerStep) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This block (layer `index`) over the residual stream, in and out as `x` + `residual`. The ops decide
-        where each residual add runs: at once, inside the product, or in the next norm's kernel."""
-        ops = self.ops(step)
+        """This block (layer `index`) over the residual stream, in and out as `x` + `residual`, on the kernels the
+        executor chose for it (engine/model/executor.py). The ops decide where each residual add runs: at once,
+        inside the product, or in the next norm's kernel."""
         x, res = self.attention_block(ops, x, residual, index, step)
         return self.mlp_block(ops, x, res)
 
@@ -435,10 +426,8 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         self.cos_sin: list[torch.Tensor] = []  # a RoPE table per `spec.ropes`: cos, signed sin (layer_ops.apply_rope)
         self.kernels: CpuKernels | None = None
-        self.backend: AttentionBackend | None = None  # the backend the layers' path was chosen for
-        self.triton: TritonOps | None = None  # the fused Triton kernels, on the Triton backend
-        self._fused: tuple[KVPool, FusedLayers] | None = None  # the layers as one C call, for the pool it was built on
-        self.one_call = True  # run the layers as one C call where `_fused_layers` can (off: layer by layer, as tested)
+        self.backend: AttentionBackend | None = None  # the backend the executor was chosen for
+        self.executor: Executor | None = None  # how the layers run a step (engine/model/executor.py)
         self.float_rows: list[list[BlockMatrix]] | None = None  # per layer, its projections' rows (keep_float_rows)
         self.float_rows_most = ROWS_ONE_CALL  # the most rows a step runs in one C call on them
         self.head_rows: BlockMatrix | None = None  # the output head's bfloat16 rows, kept with bfloat16 float_rows
@@ -522,12 +511,13 @@ class CausalLM(nn.Module):
                 dense = torch.empty(DENSE_BUFFER, dtype=torch.float32, device=device)
             layer.use_cpu_kernels(kernels, scratch, dense)
 
-    def use_attention_backend(self, backend: AttentionBackend) -> None:
-        """Choose the layers' path for `backend`, once: on the Triton backend (the GPU path) the fused Triton
-        kernels (`TritonOps`); on any other the eager ops or minichat's C kernels. The engine calls this once
-        it has built its backend (after the model); `forward` calls it for a caller that did not."""
+    def use_attention_backend(self, backend: AttentionBackend, one_call: bool = True) -> None:
+        """Choose how the layers run on `backend`, once (engine/model/executor.py): on the Triton backend (the GPU
+        path) the fused Triton kernels; on any other every layer in one C call where the model allows it and
+        `one_call` does, else layer by layer on the eager ops or minichat's C kernels. The engine calls this once
+        its backend is built (after the model took its kernels); `forward` calls it for a caller that did not."""
         self.backend = backend
-        self.triton = TritonOps(cast("TritonBackend", backend)) if backend.name == "triton" else None
+        self.executor = choose_executor(self, backend, one_call)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of the step's tokens, in the model dtype (a tied embedding may be stored upcast)."""
@@ -548,53 +538,26 @@ class CausalLM(nn.Module):
             self.use_attention_backend(backend)
         if not self.cos_sin:
             raise RuntimeError("CausalLM.load_weights() must run before the first step")
-        residual: torch.Tensor | None = None
-        most = self.float_rows_most if self.float_rows is not None else self._block_rows_most()
-        few_rows = isinstance(meta, PagedStep) and x.shape[0] <= most
-        fused = self._fused_layers(kv) if few_rows and self.triton is None else None
-        if fused is not None and isinstance(meta, PagedStep):  # every layer in one C call (decode.c), x in place
-            x = x.contiguous()
-            fused(x, positions, meta.table, meta.rows, meta.kv_lens, meta.out_locs)
-        else:
-            step = LayerStep(positions, kv, backend, meta, self.cos_sin, self.kernels, self.triton)
-            for i, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, i, step)
+        assert self.executor is not None
+        x, residual = self.executor.run(self, x, positions, kv, backend, meta)
         if logits_index.numel() != x.shape[0]:  # as many sampled rows as tokens: every row, in order
             x = x[logits_index]
             residual = None if residual is None else residual[logits_index]
-        h, _ = (self.triton or EAGER_OPS).norm(x, residual, self.norm)
+        h, _ = self.executor.final.norm(x, residual, self.norm)
         return self.logits(h)
-
-    def _block_rows_most(self) -> int:
-        """The most rows a block-format model's step runs in one C call: below the kernels' `dense_rows` (from there
-        each layer expands its weights for torch's GEMM), or any number where the integer kernel always wins."""
-        kernels = self.layers[0].block_kernels
-        return sys.maxsize if kernels is None or kernels.dense_rows is None else kernels.dense_rows - 1
 
     def execution(self) -> dict[str, str]:
         """How this model's layers run here, beyond the engine's options (LLM.execution): `layers`, and what a
         family's layers run otherwise than the shared decoder's (`DecoderLayer.execution`)."""
-        layers = "one C call a step" if self.runs_one_call else "one call each"
-        if self.runs_one_call and self.float_rows is not None:
+        layers = self.executor.describe() if self.executor is not None else "not chosen yet"
+        if isinstance(self.executor, OneCall) and self.float_rows is not None:
             kept = "bfloat16" if self.float_rows[0][0].formats == ["BF16"] else "float32"
-            layers = f"one C call a step of up to {self.float_rows_most} rows ({kept} rows kept), oneDNN layer by " \
-                "layer above"
-        if self.one_call and not all(layer.in_one_call for layer in self.layers) and \
-                all(layer.block_kernels is not None for layer in self.layers):
-            layers += " (the one-call path runs Llama-shaped dense layers; this model's are not)"
+            layers = f"one C call a step of up to {self.executor.most_rows} rows ({kept} rows kept), oneDNN layer " \
+                "by layer above"
         entries = {"layers": layers}
         for layer in self.layers:
             entries |= layer.execution()
         return entries
-
-    @property
-    def runs_one_call(self) -> bool:
-        """Whether steps the CPU attention kernel takes whole run every layer in one C call (`_fused_layers`):
-        every layer Llama-shaped (`DecoderLayer.in_one_call`) with its products in block formats, or with its
-        float32 rows kept (`keep_float_rows`, then for steps of at most `float_rows_most` rows)."""
-        in_blocks = all(layer.block_kernels is not None for layer in self.layers)
-        return self.one_call and all(layer.in_one_call for layer in self.layers) and \
-            (in_blocks or (self.float_rows is not None and self.kernels is not None))
 
     def keep_float_rows(self, kernels: CpuKernels) -> None:
         """For a float32 model on one rank, its layers Llama-shaped, before its weights are prepacked: each
@@ -631,34 +594,6 @@ class CausalLM(nn.Module):
         if self.head_rows is not None and h.shape[0] <= self.float_rows_most:
             return linear(h, self.head_rows)
         return self.lm_head(h)
-
-    def _fused_layers(self, kv: KVPool) -> FusedLayers | None:
-        """The layers as one C call, for a model whose every layer runs its products in block formats
-        (`DecoderLayer.block_kernels`) or keeps their float32 rows, on steps the CPU attention kernel takes
-        whole; built once per pool."""
-        kernels = self.layers[0].block_kernels or self.kernels
-        if not self.runs_one_call or kernels is None or not self.cos_sin:
-            return None
-        if self._fused is None or self._fused[0] is not kv:
-            from kernels.cpu.decode import FusedLayers, LayerWeights
-
-            def product(i: int, layer: DecoderLayer, j: int) -> tuple[BlockMatrix, torch.Tensor | None]:
-                """The layer's j-th projection (projections() order) as decode.c multiplies by it, and its bias."""
-                p = layer.projections()[j]
-                weight = self.float_rows[i][j] if self.float_rows is not None else p.weight
-                return cast(BlockMatrix, weight), cast("torch.Tensor | None", p.bias)
-
-            tables = [(table[0].contiguous(), table[1].contiguous()) for table in self.cos_sin]
-            layers = [LayerWeights(
-                *layer.one_call_norms(), None if layer.q_norm is None else layer.q_norm.gain,
-                None if layer.k_norm is None else layer.k_norm.gain, *layer.one_call_output_norms(),
-                *tables[layer.rope_index], product(i, layer, 0), product(i, layer, 1), product(i, layer, 2),
-                product(i, layer, 3), kv.k(i), kv.v(i), layer.window or 0)
-                for i, layer in enumerate(self.layers)]
-            first = self.layers[0]
-            self._fused = (kv, FusedLayers(kernels, layers, first.num_heads, self.num_kv_heads, self.spec.head_dim,
-                                           self.spec.rms_norm_eps, first.scale, first.activation))
-        return self._fused[1]
 
 
 def _bf16_exact(w: torch.Tensor) -> bool:

@@ -59,7 +59,6 @@ class LayerStep:
     meta: object  # the backend's prepared state for this step
     cos_sin: list[torch.Tensor]  # the RoPE tables of every position: cos, signed sin (see `apply_rope`)
     kernels: CpuKernels | None  # minichat's C kernels, for RoPE on the CPU
-    triton: TritonOps | None  # the fused Triton kernels, on the Triton backend
     ropes: dict[int, Rope] = field(default_factory=dict)
 
     def rope(self, table: int) -> Rope:
