@@ -46,17 +46,14 @@ DENSE_BUFFER = 4 * 2**20
 DENSE_ROWS tokens or more (16 MiB: 1,024 rows of a 4,096-wide projection)."""
 ROWS_ONE_CALL = 8
 """A float32 model keeping its projections' rows (`CausalLM.keep_float_rows`) runs steps of at most this many
-rows in one C call, more through oneDNN layer by layer: on the demo model a decode step of one stream took
-1.2 ms one-call against 3.3 ms layer by layer (oneDNN and the calls around it; 2026-12-04, in one process).
-The C call reads the weights again for every few rows, oneDNN once: past a few rows a model whose weights do
-not stay in the CPU's cache is better off in oneDNN."""
+rows in one C call, more through oneDNN layer by layer: the C call reads the weights again for every few rows,
+oneDNN once, so past a few rows a model whose weights do not stay in the CPU's cache is better off in oneDNN
+(measured: docs/benchmarks.md, "Rows per one C call")."""
 ROWS_ONE_CALL_CACHED = 32
 CACHED_ROWS_BYTES = 32 << 20
 """A model keeping at most CACHED_ROWS_BYTES of rows (they stay in cache as the C call reads them again) runs
-steps of up to ROWS_ONE_CALL_CACHED rows in one C call: on the demo model (18.6 MiB) whole decode steps of 12,
-24 and 32 rows took 1.8-2.0, 3.1 and 3.5-4.2 ms so, against 2.7-3.7, 3.7-5.2 and 4.3-5.8 ms with oneDNN layer by
-layer (`python scripts/gpu_profile.py engine/demo_model --batches 12,24,32`, two alternating runs each,
-2026-12-06): the GEMMs are a small part of such a step, the calls between them most of the rest."""
+steps of up to ROWS_ONE_CALL_CACHED rows in one C call: for such a model the GEMMs are a small part of a step and
+the calls between them most of the rest (docs/benchmarks.md, "Rows per one C call")."""
 FLOAT_ROWS_MAX_BYTES = 1 << 30
 """The rows a float32 model keeps a second copy of, at most (float32 or bfloat16, see `keep_float_rows`): a decode
 step reads them at a higher rate in the one C call than oneDNN reads its packed weights for one row (SmolLM2-135M
