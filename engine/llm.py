@@ -53,6 +53,7 @@ from engine.request import Group, PromptTooLong, Reply, Req
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.scheduler.snapshot import RequestDetail, SchedulerSnapshot
+from engine.scheduler.views import SchedulerView
 from engine.speculative.draft import DraftModel, check_same_tokens
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.speculator import Proposer, Speculator
@@ -192,6 +193,7 @@ class LLM:
         self.scheduler = Scheduler(self.runner, self.cache, self.table, self.eos_ids, cfg.scheduler, self._token_text,
                                    self._speculator(num_pages), kv_window=spec.kv_window)
         self.loop = StepLoop(self.scheduler, self.runner)
+        self.view = SchedulerView(self.scheduler)  # what stats and request details read
         # requests without a seed draw one from here: from `seed` (reproducible runs), else from the OS, so
         # replicas behind a gateway do not sample in lockstep
         self._rng = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))
@@ -421,7 +423,7 @@ class LLM:
 
     def describe(self, rid: str, text_from: int = 0) -> RequestDetail[tuple[int, ...]] | None:
         """One live request in detail (Scheduler.describe); None when it is not live."""
-        return self.scheduler.describe(rid, text_from)
+        return self.view.describe(rid, text_from)
 
     def request(self, rid: str) -> Req | None:
         """A live (not yet finished) request, for inspection."""
@@ -497,11 +499,11 @@ class LLM:
     def stats(self, changed_pages: set[int] | None = None) -> SchedulerSnapshot:
         """A read-only snapshot of the scheduler: waiting queue, running set, slots, pages, counters; every
         page, or only those in `changed_pages` (a set from `watch_pages`)."""
-        return self.scheduler.snapshot(changed_pages)
+        return self.view.snapshot(changed_pages)
 
     def watch_pages(self) -> set[int]:
         """A set each `stats()` adds the KV pages whose state changed to (the caller empties it)."""
-        return self.scheduler.watch_pages()
+        return self.view.watch_pages()
 
     def check_integrity(self) -> None:
         """At idle every page is free or cached and every slot free; raise AssertionError otherwise.

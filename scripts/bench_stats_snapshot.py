@@ -33,6 +33,7 @@ from engine.params import SamplingParams
 from engine.request import Req
 from engine.scheduler.admission import FLOOR
 from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.views import SchedulerView
 from engine.service import protocol
 from engine.service import stats as stats_module
 from engine.service.stats import StatsRecorder
@@ -122,8 +123,9 @@ def main() -> None:
           f"{'full (fragmented)':^28}| runs listed")
     for num_pages in args.pages:
         pool = Pool(num_pages, args.decode_pages, 2 * args.repeat)
-        llm = SimpleNamespace(stats=pool.scheduler.snapshot, watch_pages=getattr(pool.scheduler, "watch_pages", None),
-                              model_path="synthetic")
+        view = SchedulerView(pool.scheduler)
+        llm = SimpleNamespace(stats=view.snapshot, watch_pages=view.watch_pages,
+                              checkpoint=SimpleNamespace(name="synthetic"))
         recorder = StatsRecorder(llm)  # type: ignore[arg-type]  # all it asks of an LLM is these
         recorder.snapshot()  # the first one lists every page
         steady = timed(recorder, pool, args.repeat)

@@ -19,6 +19,7 @@ from engine.kv import make_cache_manager
 from engine.kv.table import RequestTable
 from engine.request import Req, ReqState
 from engine.scheduler import Scheduler
+from engine.scheduler.views import SchedulerView
 from tests.checkpoints import make_tokenizer
 from tests.test_engine_correctness import FAMILIES, mixed_prompts
 
@@ -245,7 +246,7 @@ def test_the_scheduler_schedules_without_a_model():
     batch = scheduler.schedule()
     assert batch is not None and batch.kind == "prefill" and [r.rid for r in batch.reqs] == ["r0", "r1"]
     assert batch.num_tokens == 8 and reqs[1].extend_len == 3  # the budget chunks r1
-    assert [w.reason for w in scheduler.snapshot().waiting] == ["slot"]
+    assert [w.reason for w in SchedulerView(scheduler).snapshot().waiting] == ["slot"]
 
     result = scheduler.process(batch, ForwardOutput(next_tokens=torch.tensor([7] * len(batch.sample_rows))))
     assert [o.rid for o in result.outputs] == ["r0"] and reqs[0].output_ids == [7]

@@ -1,21 +1,14 @@
-"""The scheduler's three phases: `schedule()` -> ForwardBatch, (the runner's `run`), `process()` -> StepResult.
+"""The scheduler's phases: `schedule()` -> ForwardBatch, (the runner's `run`), `process()` -> StepResult.
 
-`step()` is one iteration of the engine loop, the three in sequence, minus message receiving (the server
-does that between steps). Each phase hands its details to a module of its own:
+- `schedule()`: make room for the running set (retraction.py), decide who runs (policy.py, with drafts from
+  engine/speculative/steps.py), claim their KV pages (RequestKV), build the tensors (batch_builder.py), commit;
+- `process()`: verify drafts, append tokens, check stops and detokenize (output.py), finish and release.
 
-- `schedule()`: make room for the running set (retraction.py), decide who runs (policy.py, with drafts
-  from engine/speculative/steps.py), claim their KV pages, build the tensors (batch_builder.py), commit;
-- `process()`: verify drafts, turn sampled tokens into outputs and stops (output.py), finish and release;
-- `snapshot()` / `describe()`: the state as the console sees it (views.py).
-
-The overlap loop (engine/loop.py) calls `schedule()` for step N+1 before `process()` of step N, so
-scheduling works only from what it decided itself (`cached_len`, `sampled`), never from tokens the host has
-not seen yet. Every way a request can end -- EOS, length, stop string, abort -- goes through `_finish`.
-Resources have one cleanup path, `_release` (slot back to the table, pages to the cache manager): `_finish`
-reaches it once no scheduled batch still uses the request, and so does a retraction.
-
-The `n` choices of a request (engine/request.py's Group) are requests of their own that share the leader's
-prompt pages through the prefix cache once the leader has scheduled them.
+The overlap loop (engine/loop.py) calls `schedule()` for step N+1 before `process()` of step N, so scheduling works
+only from what it decided itself (`cached_len`, `sampled`), never from tokens the host has not seen yet. Every end
+(EOS, length, stop string, abort) goes through `_finish`; `_release` is the one cleanup path (a retraction's too).
+What the console sees of this state is views.py's. A request's `n` choices (engine/request.py's Group) share the
+leader's prompt pages through the prefix cache once the leader has scheduled them.
 """
 
 from __future__ import annotations
@@ -28,10 +21,9 @@ from engine.config import SchedulerConfig
 from engine.kv.cache import CacheManager
 from engine.kv.table import RequestTable
 from engine.outputs import StepResult, TokenLogprob
-from engine.pages import PageMap
 from engine.request import Group, Req, ReqState
 from engine.runner import ModelRunner
-from engine.scheduler import constraints, views
+from engine.scheduler import constraints
 from engine.scheduler.admission import Admission
 from engine.scheduler.batch_builder import build_batch
 from engine.scheduler.constraints import ProcessedSteps
@@ -40,7 +32,6 @@ from engine.scheduler.output import OutputProcessor
 from engine.scheduler.policy import StepPolicy
 from engine.scheduler.prefill import PrefillManager
 from engine.scheduler.retraction import Retraction
-from engine.scheduler.snapshot import RequestDetail, SchedulerSnapshot
 from engine.speculative import steps as speculation
 from engine.speculative.speculator import Speculator
 from engine.structured import GrammarCompiler
@@ -81,7 +72,6 @@ class Scheduler:
         self._scheduled_count = 0
         self._unreleased: set[Req] = set()  # finished, but a batch in flight still uses their slot/pages
         self.inflight_batches = 0
-        self.pages: PageMap | None = None  # what each KV page is, for snapshots (made by the first one)
         self._propose_time = 0.0  # of the step being scheduled, seconds the proposer took
 
     # -- public -----------------------------------------------------------------------------------
@@ -111,26 +101,6 @@ class Scheduler:
         for req in reqs:
             self._finish(req, "abort")
         return bool(reqs)
-
-    def watch_pages(self) -> set[int]:
-        """A set each snapshot from now on adds the pages whose state changed to; its holder empties it,
-        and gives it to `snapshot` to have only those pages listed."""
-        return self._page_map().watch()
-
-    def _page_map(self) -> PageMap:
-        """Made at the first snapshot: until then nobody asks, and the allocator notes nothing."""
-        if self.pages is None:
-            self.pages = PageMap(self.cache)
-        return self.pages
-
-    def snapshot(self, changed: set[int] | None = None) -> SchedulerSnapshot:
-        """A read-only picture of queues, slots, pages and counters (engine/scheduler/views.py): every page,
-        or with `changed` (from `watch_pages`) only those."""
-        return views.snapshot(self, self._page_map(), changed)
-
-    def describe(self, rid: str, text_from: int = 0) -> RequestDetail[tuple[int, ...]] | None:
-        """One live request in detail, by the client's rid or a choice's own; None when it is not live."""
-        return views.describe(self, rid, text_from)
 
     def step(self) -> StepResult:
         """One step in sequence: schedule, run, process."""

@@ -1,7 +1,7 @@
 """The scheduler's state as the console and the wire see it: functions of that state, changing none of it.
 
-`snapshot` is the whole picture (queues, slots, pages, counters; the row types are in snapshot.py, which
-the clients import without torch); `describe` is one live request in detail.
+`SchedulerView.snapshot` is the whole picture (queues, slots, pages, counters; the row types are in snapshot.py,
+which the clients import without torch); `describe` is one live request in detail.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from engine.pages import PageMap
 from engine.request import Req, ReqState
 from engine.scheduler.snapshot import (
     PROMPT_ENDS,
@@ -22,8 +23,34 @@ from engine.scheduler.snapshot import (
 )
 
 if TYPE_CHECKING:
-    from engine.pages import PageMap
     from engine.scheduler.scheduler import Scheduler
+
+
+class SchedulerView:
+    """What the engine's stats and request details read of `scheduler`. It keeps the KV page map, made at the first
+    snapshot (until then nobody asks, and the allocator notes nothing)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.pages: PageMap | None = None
+
+    def page_map(self) -> PageMap:
+        if self.pages is None:
+            self.pages = PageMap(self.scheduler.cache)
+        return self.pages
+
+    def watch_pages(self) -> set[int]:
+        """A set each snapshot from now on adds the pages whose state changed to; its holder empties it,
+        and gives it to `snapshot` to have only those pages listed."""
+        return self.page_map().watch()
+
+    def snapshot(self, changed: set[int] | None = None) -> SchedulerSnapshot:
+        """Queues, slots, pages and counters: every page, or with `changed` (from `watch_pages`) only those."""
+        return snapshot(self.scheduler, self.page_map(), changed)
+
+    def describe(self, rid: str, text_from: int = 0) -> RequestDetail[tuple[int, ...]] | None:
+        """One live request in detail, by the client's rid or a choice's own; None when it is not live."""
+        return describe(self.scheduler, rid, text_from)
 
 
 def snapshot(s: Scheduler, page_map: PageMap, changed: set[int] | None = None) -> SchedulerSnapshot:
