@@ -29,7 +29,7 @@ _SIGNATURES = {
 
 
 _QUANT_SIGNATURES = {
-    "q_linear": [_P, _I, _P, _I, _I, _I, ctypes.c_int32, _P, _F, _P, _I, _P, _P, _I],
+    "q_linear": [ctypes.c_void_p],  # a pointer to a _Linear
     "q_dequantize": [_P, _P, _I, _P, _I, ctypes.c_int32],
     "q_repack": [_P, _P, _I, _I, _I, ctypes.c_int32],
     "q_quantize_act": [_P, _P, _I, _I],
@@ -53,6 +53,15 @@ class _Segment(ctypes.Structure):
 
     _fields_ = [("type", ctypes.c_int32), ("data", ctypes.c_void_p), ("rows", ctypes.c_int64),
                 ("col", ctypes.c_int64)]
+
+
+class _Linear(ctypes.Structure):
+    """quant.h's `linear_call`: one q_linear product's arguments by name."""
+
+    _fields_ = [("out", _P), ("out_stride", _I), ("x", _P), ("x_stride", _I), ("m", _I), ("k", _I),
+                ("input", ctypes.c_int32), ("norm_weight", _P), ("eps", _F), ("segs", ctypes.POINTER(_Segment)),
+                ("nseg", _I),
+                ("bias", _P), ("add", _P), ("add_stride", _I)]
 
 
 class _Attention(ctypes.Structure):
@@ -104,6 +113,7 @@ class CpuKernels:
         lib.struct_bytes.argtypes, lib.struct_bytes.restype = [ctypes.c_char_p], _I
         self.check_struct("segment", _Segment)
         self.check_struct("attention_call", _Attention)
+        self.check_struct("linear_call", _Linear)
         self.act_block_bytes = int(lib.struct_bytes(b"act_block"))
         self.isa = ("C", "AVX2", "AVX2+VNNI", "AVX-512+VNNI")[lib.q_isa()]
         """The instructions the quantized products run on here."""
@@ -273,11 +283,12 @@ class CpuKernels:
         if dense is not None and self.dense_rows is not None and rows >= self.dense_rows:
             return self._dense_linear(x, w, bias, add, norm, gated, dense)
         out = torch.empty((rows, n), dtype=torch.float32)
-        status = self._q_linear(out.data_ptr(), n, x.data_ptr(), x.stride(0), rows, k,
-                                INPUT_RMS_NORM if norm else GATED_INPUTS[gated],
-                                None if weight is None else weight.data_ptr(), norm[1] if norm else 0.0,
-                                self.segments(w), len(w.segments), None if bias is None else bias.data_ptr(),
-                                None if add is None else add.data_ptr(), 0 if add is None else add.stride(0))
+        call = _Linear(out=out.data_ptr(), out_stride=n, x=x.data_ptr(), x_stride=x.stride(0), m=rows, k=k,
+                       input=INPUT_RMS_NORM if norm else GATED_INPUTS[gated],
+                       norm_weight=None if weight is None else weight.data_ptr(), eps=norm[1] if norm else 0.0,
+                       segs=self.segments(w), nseg=len(w.segments), bias=None if bias is None else bias.data_ptr(),
+                       add=None if add is None else add.data_ptr(), add_stride=0 if add is None else add.stride(0))
+        status = self._q_linear(ctypes.byref(call))
         if status:
             raise MemoryError(f"q_linear: no memory for the quantized input of {rows} rows")
         return out

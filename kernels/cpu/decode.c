@@ -155,6 +155,7 @@ done:
 int64_t struct_bytes(const char *name) {
     if (strcmp(name, "attention_call") == 0) return (int64_t)sizeof(attention_call);
     if (strcmp(name, "segment") == 0) return (int64_t)sizeof(segment);
+    if (strcmp(name, "linear_call") == 0) return (int64_t)sizeof(linear_call);
     if (strcmp(name, "act_block") == 0) return (int64_t)sizeof(act_block);
     if (strcmp(name, "product") == 0) return (int64_t)sizeof(product);
     if (strcmp(name, "layer_plan") == 0) return (int64_t)sizeof(layer_plan);

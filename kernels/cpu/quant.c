@@ -865,11 +865,15 @@ void q_panel(const segment *segs, int64_t p, const act_block *scratch, const flo
     panel_columns(&segs[s], p - first, scratch, xs, xs_stride, m, k, out, out_stride, bias, add, add_stride);
 }
 
-/* out[m, N] = f(x)[m, k] W^T (+ bias) (+ add), f as `input` says (quant.h), W the row-wise concatenation of
- * `nseg` segments. `add` may be `out` (a residual added in place). Returns 0, or -1 where memory ran out. */
-int32_t q_linear(float *out, int64_t out_stride, const float *x, int64_t x_stride, int64_t m, int64_t k,
-                 int32_t input, const float *norm_weight, float eps, const segment *segs, int64_t nseg,
-                 const float *bias, const float *add, int64_t add_stride) {
+/* The product a linear_call describes (quant.h). Returns 0, or -1 where memory ran out. */
+int32_t q_linear(const linear_call *c) {
+    float *out = c->out;
+    const float *x = c->x, *norm_weight = c->norm_weight, *bias = c->bias, *add = c->add;
+    const int64_t out_stride = c->out_stride, x_stride = c->x_stride, m = c->m, k = c->k, nseg = c->nseg;
+    const int64_t add_stride = c->add_stride;
+    const int32_t input = c->input;
+    const float eps = c->eps;
+    const segment *segs = c->segs;
     int64_t n_total = 0;
     for (int64_t s = 0; s < nseg; s++) n_total += segs[s].rows;
     const int64_t panels = q_panels(segs, nseg);

@@ -24,6 +24,25 @@ typedef struct {
  * GELU's tanh form for Gemma). */
 enum { INPUT_AS_IS = 0, INPUT_RMS_NORM = 1, INPUT_SILU_MUL = 2, INPUT_GELU_MUL = 3 };
 
+/* One product of q_linear, its arguments by name (kernels/cpu/__init__.py mirrors it, checked by size):
+ * out[m, n] = f(x)[m, k] W^T (+ bias) (+ add), f as `input` says, W the row-wise concatenation of `nseg` segments.
+ * `add` may be `out` (a residual added in place). */
+typedef struct {
+    float *out;
+    int64_t out_stride;
+    const float *x;
+    int64_t x_stride;
+    int64_t m, k;
+    int32_t input;
+    const float *norm_weight; /* INPUT_RMS_NORM's weight, with eps */
+    float eps;
+    const segment *segs;
+    int64_t nseg;
+    const float *bias;        /* or NULL */
+    const float *add;         /* or NULL; its row stride add_stride */
+    int64_t add_stride;
+} linear_call;
+
 /* Rows [r0, r1) of the product's input: transformed as `input` says (into `rows`, [m, k], unless AS_IS) and
  * quantized into `scratch` ([m, k / 32] blocks). */
 void q_prepare_rows(int32_t input, const float *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t k,
