@@ -7,7 +7,7 @@
  * At load the rows are repacked, losslessly, into panels of 8 rows (`q_repack`). A panel holds, per 32
  * values, one tile: the 8 rows' integers interleaved four at a time (for the 4-bit part: byte
  * [p][row][i] holds value 4p+i in its low nibble and 16+4p+i in its high one; a 5th or 5th-6th bit in a
- * plane of its own; Q8_0 signed bytes [g][row][i]), then the 8 rows' scale fields as the file has them
+ * plane of its own; Q8_0 bytes q + 128 [g][row][i]), then the 8 rows' scale fields as the file has them
  * (f16 d and m; the K formats' 6-bit sc and m unpacked to bytes, their f16 d and dmin once per 256
  * values). So one 32-byte vector of a tile is four consecutive values of each of the 8 rows, and one
  * dot-product instruction (AVX2's maddubs + madd, or VNNI's dpbusd) against four values of x broadcast
@@ -18,8 +18,11 @@
  * The product y = x W^T quantizes each row of x to 8 bits per 32 values first (one float scale per
  * block, as ggml's q8_1), so inner products are integer: y += da * (S * dot + M * sum(a)), with the sum
  * of a kept per half in the block. Unsigned integers stay below 64, so maddubs' 16-bit pair sums never
- * saturate (63 * 127 * 2 < 32767); Q8_0's signed ones go in as |q| against a with q's sign. Rows of x
- * are taken four at a time per unpacked tile. Without AVX2 the same arithmetic runs as plain C.
+ * saturate (63 * 127 * 2 < 32767). Q8_0's signed bytes are stored as q + 128, a zero point like Q4_0's 8:
+ * VNNI's dpbusd (32-bit sums: nothing to saturate) multiplies them as they are, two instructions per four
+ * values where taking |q| against a with q's sign took four; AVX2's maddubs, whose pair sums they would
+ * overflow, flips them back to q and takes that way. Rows of x are taken four at a time per unpacked tile.
+ * Without AVX2 the same arithmetic runs as plain C.
  *
  * `q_dequantize` reads the repacked rows back and rounds where gguf's dequantization rounds (S * q is
  * exact in float32), so the two agree bit for bit.
@@ -238,7 +241,7 @@ static inline const uint8_t *tile_at(int type, const uint8_t *panel, int64_t c, 
 static inline int has_min(int type) { return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K; }
 
 static inline int32_t zero_point(int type) {
-    return type == T_Q4_0 ? 8 : (type == T_Q5_0 ? 16 : (type == T_Q6_K ? 32 : 0));
+    return type == T_Q4_0 ? 8 : (type == T_Q5_0 ? 16 : (type == T_Q6_K ? 32 : (type == T_Q8_0 ? 128 : 0)));
 }
 
 /* Scale and offset of each half of the tile's values in row `lane`. */
@@ -270,8 +273,8 @@ static void tile_ints(int type, const uint8_t *tile, int lane, int32_t q[32]) {
     const uint8_t *plane = tile + tile_q_bytes(type);
     for (int v = 0; v < 32; v++) {
         const int g = v / 4, i = v & 3;
-        if (type == T_Q8_0) {
-            q[v] = ((const int8_t *)tile)[g * 32 + lane * 4 + i];
+        if (type == T_Q8_0) { /* q + 128, as stored */
+            q[v] = tile[g * 32 + lane * 4 + i];
             continue;
         }
         q[v] = (tile[q_offset(v, lane)] >> (v < 16 ? 0 : 4)) & 0xF;
@@ -320,7 +323,7 @@ void q_repack(uint8_t *out, const uint8_t *w, int64_t row_bytes, int64_t rows, i
                     for (int v = 0; v < 32; v++) {
                         const int g = v / 4, i = v & 3;
                         if (type == T_Q8_0) {
-                            tile[g * 32 + lane * 4 + i] = (uint8_t)q[v];
+                            tile[g * 32 + lane * 4 + i] = (uint8_t)(q[v] + zero_point(T_Q8_0));
                             continue;
                         }
                         tile[q_offset(v, lane)] |= (uint8_t)((q[v] & 0xF) << (v < 16 ? 0 : 4));
@@ -454,6 +457,13 @@ static void quantize_act_block(const float *x, act_block *a) {
 /* -- the product ------------------------------------------------------------------------------------ */
 
 #ifdef QUANT_AVX2
+/* Whether Q8_0's stored q + 128 go into the dot products as they are (VNNI), the zero point taken off after. */
+#ifdef QUANT_VNNI
+#define Q8_BIASED_DOT 1
+#else
+#define Q8_BIASED_DOT 0
+#endif
+
 /* Eight int32 sums, each += four adjacent products u[i] * s[i] (u unsigned, s signed). */
 static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
@@ -567,17 +577,18 @@ static inline __attribute__((always_inline)) void panel_dots(int type, const uin
             __m256i iq = _mm256_setzero_si256(), ir = _mm256_setzero_si256();
             for (int g = 0; g < 8; g++) {
                 const __m256i xq = bcast4(ab->q + 4 * g), xr = bcast4(ab->r + 4 * g);
-                if (type == T_Q8_0) {
-                    const __m256i u = _mm256_sign_epi8(w[g], w[g]);
-                    iq = dot_acc(iq, u, _mm256_sign_epi8(xq, w[g]));
-                    ir = dot_acc(ir, u, _mm256_sign_epi8(xr, w[g]));
+                if (type == T_Q8_0 && !Q8_BIASED_DOT) { /* q back from q + 128: |q| against x with q's sign */
+                    const __m256i q = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+                    const __m256i u = _mm256_sign_epi8(q, q);
+                    iq = dot_acc(iq, u, _mm256_sign_epi8(xq, q));
+                    ir = dot_acc(ir, u, _mm256_sign_epi8(xr, q));
                 } else {
                     iq = dot_acc(iq, w[g], xq);
                     ir = dot_acc(ir, w[g], xr);
                 }
             }
             acc[r] = _mm256_fmadd_ps(combine(iq, ir), _mm256_mul_ps(S, d), acc[r]);
-            if (type != T_Q8_0) acc[r] = _mm256_fmadd_ps(M, _mm256_set1_ps(ab->s), acc[r]);
+            if (type != T_Q8_0 || Q8_BIASED_DOT) acc[r] = _mm256_fmadd_ps(M, _mm256_set1_ps(ab->s), acc[r]);
         }
     }
 }
@@ -616,7 +627,7 @@ static inline __attribute__((always_inline)) void panel_dense(int type, const ui
             _mm256_storeu_si256((__m256i *)bytes, w[g]);
             for (int p = 0; 2 * p < width; p++) { /* rows 2p and 2p + 1: four values each */
                 const __m128i raw = _mm_loadl_epi64((const __m128i *)(bytes + 8 * p));
-                const __m256i ints = type == T_Q8_0 ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+                const __m256i ints = _mm256_cvtepu8_epi32(raw);
                 const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_permutevar8x32_ps(S[g / 4], pairs[p]),
                                                  _mm256_permutevar8x32_ps(M[g / 4], pairs[p]));
                 _mm_storeu_ps(out + (2 * p) * k + c * 32 + 4 * g, _mm256_castps256_ps128(v));
