@@ -158,27 +158,20 @@ def test_cache_aware_smg_sends_a_shared_prefix_to_the_replica_that_cached_it(pai
 ROUTE_AROUND = ("--cb-failure-threshold", "1")
 
 
-AFTER_KILL = 20
-"""Chunks a survivor's stream must still bring after the kill before its client closes it."""
-
-
-def stream(client: openai.OpenAI, i: int, relaying: threading.Event, killed: threading.Event) -> str:
-    """One streamed request long enough to outlast the test (1,000 tokens of the demo model's 1,024): "continued"
-    once AFTER_KILL chunks came after the kill (its client then closes it), "early" if it finished before the
-    kill, else the SDK's error; one that ends quietly, a silently truncated reply, is "truncated". `relaying` is
-    set once its first chunk is in: the gateway has its worker's response, and can no longer retry it."""
+def stream(client: openai.OpenAI, i: int, relaying: threading.Event) -> str:
+    """One streamed request of 1,000 tokens (of the demo model's 1,024), read to its end: "complete" when its last
+    chunk carries a finish reason, else the SDK's error; one that ends quietly, a silently truncated reply, is
+    "truncated". `relaying` is set once its first chunk is in: the gateway has its worker's response, and can no
+    longer retry it. Read to the end, not for a number of chunks after the kill: a victim's stream may have many
+    chunks still buffered on the way (a loaded machine's client reads behind), which would look like going on."""
     try:
         chunks = client.completions.create(model="demo_model", prompt=f"Request {i} reads", max_tokens=1000,
                                            stream=True, extra_body={"ignore_eos": True})
-        after = 0
         with chunks:
             for chunk in chunks:
                 relaying.set()
                 if any(c.finish_reason for c in chunk.choices):
-                    return "early" if not killed.is_set() else "truncated"
-                after += killed.is_set()
-                if after == AFTER_KILL:
-                    return "continued"
+                    return "complete"
         return "truncated"
     except openai.APIError as e:
         return f"error: {e.message}"
@@ -188,9 +181,9 @@ def stream(client: openai.OpenAI, i: int, relaying: threading.Event, killed: thr
 
 def test_smg_routes_around_a_sigkilled_replica(pair, smg):
     """12 streams over a survivor and a victim; once every one is relaying, the victim's `serve --http` is
-    SIGKILLed (its engine child follows it). Every stream the survivor had goes on, every one the victim
-    had fails with an error, none is cut short quietly; new requests all go to the survivor and complete;
-    the survivor ends with every page and slot free (its streams closed by their clients)."""
+    SIGKILLed (its engine child follows it). Every stream the survivor had completes, every one the victim had
+    fails with an error (or had left it whole), none is cut short quietly; new requests all go to the survivor
+    and complete; the survivor ends with every page and slot free."""
     survivor = pair[0]
     with replica() as victim, gateway(smg, [survivor, victim], "round_robin", *ROUTE_AROUND) as url:
         pong = probe(victim.address, 5.0)
@@ -198,21 +191,18 @@ def test_smg_routes_around_a_sigkilled_replica(pair, smg):
         before = submitted(survivor)
         client = sdk(url)
         relaying = [threading.Event() for _ in range(12)]
-        killed = threading.Event()
         with ThreadPoolExecutor(12) as pool:
-            futures = [pool.submit(stream, client, i, r, killed) for i, r in enumerate(relaying)]
+            futures = [pool.submit(stream, client, i, r) for i, r in enumerate(relaying)]
             assert all(r.wait(60) for r in relaying)
             victim.process.kill()
-            killed.set()
             outcomes = [f.result() for f in futures]
         assert victim.process.wait(30) == -9
         wait_until(lambda: gone(pong.pid), "the victim's engine to exit with its parent")
-        assert all(o in ("continued", "early") or o.startswith("error: ") for o in outcomes), outcomes
+        assert all(o == "complete" or o.startswith("error: ") for o in outcomes), outcomes  # none cut quietly
         theirs = submitted(survivor) - before  # round robin: 6 each
-        errors = sum(o.startswith("error: ") for o in outcomes)
-        # the survivor's streams all go on (or had ended), the victim's all fail (or had ended)
-        assert 0 < errors <= 12 - theirs and outcomes.count("continued") <= theirs, outcomes
-        assert outcomes.count("continued") + outcomes.count("early") >= theirs, outcomes
+        # the survivor's streams all complete; the victim's fail with an error, unless every chunk of one had left
+        # the victim before the kill (then it completes: nothing was lost)
+        assert theirs == 6 and outcomes.count("complete") >= theirs, outcomes
         before = submitted(survivor)
         for i in range(6):
             out = client.completions.create(model="demo_model", prompt=f"After {i}", max_tokens=4)
