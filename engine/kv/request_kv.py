@@ -7,6 +7,7 @@ one class. Every operation is given the cache manager (and the request table whe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -66,11 +67,12 @@ class RequestKV:
         table.write_pages(self.slot, len(self.pages), new, cache.page_size)
         self.pages += new
 
-    def trim_front(self, cache: CacheManager, passed: list[int]) -> None:
-        """Give the cache the pages holding `passed` (the leading tokens every layer's window has gone past) beyond
-        those the prefix covers already; they keep their places in `pages`, covered by the prefix now."""
-        if len(passed) // cache.page_size > len(self.prefix.pages):
-            self.prefix = cache.release_front(passed, self.pages, self.prefix)
+    def trim_front(self, cache: CacheManager, passed: int, tokens: Callable[[int, int], list[int]]) -> None:
+        """Give the cache the first `passed` pages (every layer's window has gone past them) beyond those the prefix
+        covers already; they keep their places in `pages`, covered by the prefix now. `tokens(start, end)`: the
+        request's token ids, read only when there are pages to give (a step's usual case is none)."""
+        if passed > len(self.prefix.pages):
+            self.prefix = cache.release_front(tokens(0, passed * cache.page_size), self.pages, self.prefix)
 
     def truncate(self, cache: CacheManager, tokens: int) -> None:
         """Free the pages past position `tokens` (they held only rejected speculative positions)."""

@@ -194,7 +194,7 @@ class Scheduler:
         for req in reqs:
             if self.kv_window is not None:
                 passed = max(0, min(req.cached_len - self.kv_window + 1, req.total_len)) // self.page_size
-                req.kv.trim_front(self.cache, req.tokens(0, passed * self.page_size))
+                req.kv.trim_front(self.cache, passed, req.tokens)
             req.kv.grow(self.cache, self.table, req.rid, req.cached_len + req.extend_len)
 
     # -- process ----------------------------------------------------------------------------------
