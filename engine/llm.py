@@ -364,7 +364,7 @@ class LLM:
             reply = Reply(IncrementalDetokenizer(self.tokenizer, params.stop), scored=1 if index == 0 else len(ids),
                           think=think)
             req = Req(rid=rid if index == 0 else f"{rid}#{index}", uid=self._uid, input_ids=ids, params=params,
-                      max_output=max_output, seed=seed + index, group=group, index=index, client=client, reply=reply,
+                      max_output=max_output, seed=seed + index, group=group, client=client, reply=reply,
                       grammar=self._matcher(compiled, think))
             if arrival_time is not None:
                 req.times.arrival = arrival_time

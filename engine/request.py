@@ -17,6 +17,7 @@ from engine.structured import GrammarMatcher
 from engine.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from engine.kv.cache import CacheManager
     from engine.kv.table import RequestTable
 
 
@@ -47,6 +48,13 @@ class Group:
     @property
     def open(self) -> list[Req]:
         return [r for r in self.members if r.state is not ReqState.FINISHED]
+
+    def share(self, req: Req, cache: CacheManager) -> None:
+        """Once the leader `req` has its prompt cached, share it: the other choices, held until then
+        (`Req.held`), match it instead of computing it again."""
+        if req.index == 0 and not self.shared and req.cached_len >= req.input_len:
+            req.kv.share(cache, req.input_ids)
+            self.shared = True
 
 
 @dataclass
@@ -97,8 +105,7 @@ class Req:
     params: SamplingParams
     max_output: int
     seed: int = 0
-    group: Group | None = None  # n > 1: the choices this one belongs to
-    index: int = 0  # which of the group's choices
+    group: Group | None = None  # n > 1: the choices this one belongs to (in order: `index`)
     client: str = ""  # who sent it, in a few words ("bench", "client 3"): what an operator sees it by
     state: ReqState = ReqState.WAITING
     finish_reason: str | None = None
@@ -118,6 +125,11 @@ class Req:
     def ttft(self) -> float | None:
         """Seconds from arrival to the first output token; None before it."""
         return None if self.times.first_token is None else self.times.first_token - self.times.arrival
+
+    @property
+    def index(self) -> int:
+        """Which of its group's choices this is (0 without a group)."""
+        return 0 if self.group is None else self.group.members.index(self)
 
     @property
     def client_rid(self) -> str:

@@ -145,3 +145,15 @@ def _first_prompt_logprobs(req: Req) -> list[TokenLogprob] | None:
     if req.params.prompt_logprobs is None or len(req.output_ids) > 1:
         return None
     return req.reply.prompt_logprobs
+
+
+def sample_runs(rows: list[int]) -> list[tuple[int, list[int]]]:
+    """Each request's sampled rows: (its index in the batch, the rows), in row order (a verifying request's
+    rows are consecutive)."""
+    runs: list[tuple[int, list[int]]] = []
+    for row, index in enumerate(rows):
+        if runs and runs[-1][0] == index:
+            runs[-1][1].append(row)
+        else:
+            runs.append((index, [row]))
+    return runs

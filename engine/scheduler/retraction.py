@@ -1,5 +1,5 @@
 """Room for the running set's next tokens, made before anyone is admitted: by dropping waiting requests'
-tier loads, else by retracting running requests.
+tier loads, else by retracting running requests; then the pages each scheduled request writes, claimed.
 
 Retraction (optimistic admission, engine/scheduler/admission.py): when the running set's next tokens need
 more pages than are free or evictable, running requests go back to the front of the waiting queue in
@@ -21,6 +21,7 @@ from engine.scheduler.budget import next_pages
 
 if TYPE_CHECKING:
     from engine.kv.cache import CacheManager
+    from engine.kv.table import RequestTable
     from engine.scheduler.admission import Admission
     from engine.scheduler.decode import DecodeManager
     from engine.scheduler.prefill import PrefillManager
@@ -59,6 +60,18 @@ class Retraction:
                 need -= next_pages(victim, page_size)
             self.retract(victim)
         return True
+
+    def claim(self, reqs: list[Req], table: RequestTable, window: int | None) -> None:
+        """Claim pages for the positions this step writes (room was made for them, so this cannot fail), after
+        giving back those every layer's sliding `window` has passed: this step's first query (position cached_len)
+        reads keys from cached_len - window + 1 on. A batch in flight may still write those, but runs before any
+        step that could reuse them."""
+        page_size = self.cache.page_size
+        for req in reqs:
+            if window is not None:
+                passed = max(0, min(req.cached_len - window + 1, req.total_len)) // page_size
+                req.kv.trim_front(self.cache, passed, req.tokens)
+            req.kv.grow(self.cache, table, req.rid, req.cached_len + req.extend_len)
 
     def retract(self, req: Req) -> None:
         """Back to the front of the waiting queue, holding nothing; its written pages go to the cache."""

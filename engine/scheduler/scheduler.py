@@ -28,7 +28,7 @@ from engine.scheduler.admission import Admission
 from engine.scheduler.batch_builder import build_batch
 from engine.scheduler.constraints import ProcessedSteps
 from engine.scheduler.decode import DecodeManager
-from engine.scheduler.output import OutputProcessor
+from engine.scheduler.output import OutputProcessor, sample_runs
 from engine.scheduler.policy import StepPolicy
 from engine.scheduler.prefill import PrefillManager
 from engine.scheduler.retraction import Retraction
@@ -139,7 +139,7 @@ class Scheduler:
         plan = self.step_policy.plan(self.counters["steps"], self._propose) if room else None
         if plan is None:
             return None
-        self._allocate_kv(plan.reqs)
+        self.retraction.claim(plan.reqs, self.table, self.kv_window)
         batch = build_batch(plan, self.table, self.eos_ids)
         self._scheduled_count += 1
         constraints.attach(batch, self.grammar, self.processed, self._scheduled_count - 1)
@@ -168,7 +168,8 @@ class Scheduler:
         for req in batch.reqs:
             req.cached_len += req.extend_len
             req.inflight += 1
-            self._share_prompt(req)
+            if req.group is not None:
+                req.group.share(req, self.cache)
         sampled = batch.sampled_reqs
         for req in sampled:
             req.sampled += 1
@@ -177,25 +178,6 @@ class Scheduler:
         for index in batch.drafts:  # back in the running set once its verification is processed
             self.decode_manager.remove_req(batch.reqs[index])
         self.inflight_batches += 1
-
-    def _share_prompt(self, req: Req) -> None:
-        """A group's leader whose prompt is now cached shares it: its siblings, held until then
-        (`Req.held`), match it instead of computing it again."""
-        group = req.group
-        if group is not None and req.index == 0 and not group.shared and req.cached_len >= req.input_len:
-            req.kv.share(self.cache, req.input_ids)
-            group.shared = True
-
-    def _allocate_kv(self, reqs: list[Req]) -> None:
-        """Claim pages for the positions this step writes (room was made for them, so this cannot fail), after giving
-        back those every layer's sliding window has passed: this step's first query (position cached_len) reads keys
-        from cached_len - window + 1 on. A batch in flight may still write those, but runs before any step that
-        could reuse them."""
-        for req in reqs:
-            if self.kv_window is not None:
-                passed = max(0, min(req.cached_len - self.kv_window + 1, req.total_len)) // self.page_size
-                req.kv.trim_front(self.cache, passed, req.tokens)
-            req.kv.grow(self.cache, self.table, req.rid, req.cached_len + req.extend_len)
 
     # -- process ----------------------------------------------------------------------------------
     def process(self, batch: ForwardBatch, output: ForwardOutput) -> StepResult:
@@ -209,7 +191,7 @@ class Scheduler:
         for req in batch.reqs:
             req.inflight -= 1
         self.outputs.prompt_logprobs(batch, output.prompt_logprobs)
-        runs, accepted = _runs(batch.sample_rows), 0
+        runs, accepted = sample_runs(batch.sample_rows), 0
         if batch.drafts:
             assert self.speculator is not None  # drafts come from it
             runs, accepted = speculation.verify_batch(self.speculator, batch, runs, tokens, self.cache, self.counters)
@@ -281,14 +263,3 @@ class Scheduler:
         result.finished = [o.rid for o in result.outputs if o.finished]
         return result
 
-
-def _runs(rows: list[int]) -> list[tuple[int, list[int]]]:
-    """Each request's sampled rows: (its index in the batch, the rows), in row order (a verifying request's
-    rows are consecutive)."""
-    runs: list[tuple[int, list[int]]] = []
-    for row, index in enumerate(rows):
-        if runs and runs[-1][0] == index:
-            runs[-1][1].append(row)
-        else:
-            runs.append((index, [row]))
-    return runs
