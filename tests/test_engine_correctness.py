@@ -160,8 +160,9 @@ def test_prepacked_weights(checkpoints, hf, family, prepack):
     llm = LLM(str(path), prepack_weights=prepack)
     model = llm.model
     assert model.layers[0].qkv_proj.weight.is_mkldnn == prepack and model.lm_head.weight.is_mkldnn == prepack
-    assert all(layer.residual_in_gemm == prepack for layer in model.layers)
-    assert all(layer.mlp_kernels is not None for layer in model.layers)
+    assert model.executor is not None
+    assert all(k.residual_in_gemm == prepack for k in model.executor.kernels())
+    assert all(k.activation is not None for k in model.executor.kernels())
     assert not model.embed_tokens.weight.is_mkldnn
     assert_matches_hf(llm, path, hf, mixed_prompts(6, seed=9), max_tokens=8)
 
@@ -236,7 +237,8 @@ def test_cpu_kernels(checkpoints, hf, family, cpu_kernels):
     path = checkpoints[family]
     llm = LLM(str(path), cpu_kernels=cpu_kernels)
     assert (llm.model.kernels is not None) == cpu_kernels
-    assert all((layer.mlp_kernels is not None) == cpu_kernels for layer in llm.model.layers)
+    assert llm.model.executor is not None
+    assert all((k.activation is not None) == cpu_kernels for k in llm.model.executor.kernels())
     assert type(llm.runner.backend).__name__ == ("CpuBackend" if cpu_kernels else "TorchRefBackend")
     assert_matches_hf(llm, path, hf, mixed_prompts(8, seed=11), max_tokens=12)
 
@@ -251,9 +253,11 @@ def test_bfloat16_logprobs_close_to_transformers(llama_ckpt, linear_dtype):
     llm = LLM(str(llama_ckpt), dtype="bfloat16", linear_dtype=linear_dtype)
     weight_dtype = llm.model.layers[0].qkv_proj.weight.dtype
     assert weight_dtype == (torch.bfloat16 if linear_dtype == "model" else torch.float32)
-    assert not llm.model.layers[0].residual_in_gemm  # bf16 activations round before the residual add
+    assert llm.model.executor is not None
+    chosen = llm.model.executor.kernels()[0]
+    assert not chosen.residual_in_gemm  # bf16 activations round before the residual add
     # with float32 GEMMs the activation between them runs in one C pass (kernels/cpu/activation.c)
-    assert (llm.model.layers[0].mlp_kernels is not None) == (linear_dtype == "float32")
+    assert (chosen.activation is not None) == (linear_dtype == "float32")
     llm.add_request(prompt, SamplingParams(max_tokens=1))
     ours = torch.log_softmax(llm.runner.forward(llm.scheduler.schedule())[0], -1)
     ref_model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.bfloat16).eval()

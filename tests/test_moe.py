@@ -82,7 +82,8 @@ def test_experts_in_block_formats(checkpoints, hf, tmp_path, family):
     llm = LLM(str(checkpoints[family]), quantization="int8", max_prefill_tokens=512)
     moe = llm.model.layers[0].moe
     assert all(isinstance(p.weight, BlockMatrix) for e in moe.all_experts() for p in (e.gate_up_proj, e.down_proj))
-    assert isinstance(moe.gate.weight, torch.Tensor) and moe.block_kernels is not None
+    assert llm.model.executor is not None and llm.model.executor.kernels()[0].expert_blocks is not None
+    assert isinstance(moe.gate.weight, torch.Tensor)
     assert llm.execution["experts"] == ("grouped by expert, one GEMM per expert over its tokens (Q8_0 blocks, SiLU * "
                                         "up in the down product)")
     ids = torch.randint(0, 384, (300,), generator=torch.Generator().manual_seed(11)).tolist()

@@ -17,7 +17,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_
 
 from engine import LLM, SamplingParams
 from engine.model.executor import LayerByLayer
-from engine.model.layer_ops import EAGER_OPS
+from engine.model.layer_ops import EagerOps, LayerKernels, TritonOps
 from kernels.attention import build_metadata, make_backend
 from kernels.attention.base import AttentionShape
 from kernels.attention.triton import TritonBackend
@@ -230,8 +230,8 @@ def test_engine_runs_the_fused_kernels_and_matches_transformers(checkpoints, hf,
     llm = LLM(str(path), attention_backend="triton", max_prefill_tokens=12, page_size=4, max_running_requests=4)
     assert_matches_hf(llm, path, hf, mixed_prompts(5, seed=3, max_len=20), max_tokens=4)
     executor = llm.model.executor
-    assert isinstance(executor, LayerByLayer) and executor.triton is not None
-    assert executor.triton.backend is llm.runner.backend
+    assert isinstance(executor, LayerByLayer) and isinstance(executor.final, TritonOps)
+    assert all(ops is executor.final for ops in executor.ops) and executor.final.backend is llm.runner.backend
 
 
 def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
@@ -250,7 +250,8 @@ def test_fused_path_rounds_as_the_eager_path_in_bf16(checkpoints):
     path, prompt = checkpoints["qwen3"], mixed_prompts(1, seed=6, max_len=30)[0]
     fused_llm, eager_llm = (LLM(str(path), dtype="bfloat16", linear_dtype="model", attention_backend="triton")
                             for _ in range(2))
-    eager_llm.model.executor = LayerByLayer([EAGER_OPS] * len(eager_llm.model.layers))  # over the same backend
+    layers = len(eager_llm.model.layers)  # the eager ops over the same backend
+    eager_llm.model.executor = LayerByLayer([EagerOps()] * layers, [LayerKernels()] * layers, EagerOps())
     fused = prefill_logits(fused_llm, prompt)
-    assert isinstance(fused_llm.model.executor, LayerByLayer) and fused_llm.model.executor.triton is not None
+    assert isinstance(fused_llm.model.executor, LayerByLayer) and isinstance(fused_llm.model.executor.final, TritonOps)
     assert torch.equal(fused, prefill_logits(eager_llm, prompt))

@@ -20,7 +20,7 @@ from torch import nn
 from engine.distributed import TensorParallel
 from engine.kv.pool import KVPool
 from engine.model.executor import Executor, OneCall, choose_executor
-from engine.model.layer_ops import LayerOps, LayerStep
+from engine.model.layer_ops import LayerKernels, LayerOps, LayerStep, Scratch
 from engine.model.ops import fuses_add, gemm_dtype, linear
 from engine.model.parallel import (
     ColumnParallelLinear,
@@ -41,9 +41,6 @@ if TYPE_CHECKING:  # transformers is imported only where a config is read, not b
 
     from kernels.cpu import CpuKernels
 
-DENSE_BUFFER = 4 * 2**20
-"""Float32 values a block-format model expands its weights into, a chunk of rows at a time, for steps of
-DENSE_ROWS tokens or more (16 MiB: 1,024 rows of a 4,096-wide projection)."""
 ROWS_ONE_CALL = 8
 """A float32 model keeping its projections' rows (`CausalLM.keep_float_rows`) runs steps of at most this many
 rows in one C call, more through oneDNN layer by layer: the C call reads the weights again for every few rows,
@@ -62,22 +59,6 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 Targets = dict[str, tuple[WeightTarget, ...]]
 """Checkpoint tensor name -> where this rank's slices of it go (a fused tensor feeds several parts)."""
-
-
-class Scratch:
-    """One float32 buffer the layers take in turn for an intermediate they consume at once (the MLP activation),
-    grown to the largest step's need. A fresh tensor over glibc's mmap threshold (32 MiB) is fresh pages, each
-    faulted in on every call: Qwen2.5-0.5B's activation at 2,048 rows (39 MiB) took 19 ms fresh and 7.5 ms
-    reused, 24 times a prefill step."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._buffer = torch.empty(0, dtype=torch.float32, device=device)
-
-    def take(self, rows: int, cols: int) -> torch.Tensor:
-        """A [rows, cols] view of the buffer; valid until the next `take`."""
-        if self._buffer.numel() < rows * cols:
-            self._buffer = torch.empty(rows * cols, dtype=torch.float32, device=self._buffer.device)
-        return self._buffer[:rows * cols].view(rows, cols)
 
 
 @dataclass
@@ -228,24 +209,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels: CpuKernels | None = None  # the one-pass C kernel, same roundings (CausalLM.use_cpu_kernels)
 
     @property
     def gain(self) -> torch.Tensor:
         """What multiplies the normalised row: the weight (Gemma's norm: 1 + weight)."""
         return self.weight
 
+    @property
+    def c_exact(self) -> bool:
+        """Whether minichat's one-pass C norm (layer_ops.EagerOps.normed) computes the same numbers: it rounds where
+        this norm rounds."""
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dim() == 2:
-            return self.kernels.rms_norm(x, self.weight, self.eps)
         shape = (x.shape[-1],)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
-
-    def use_kernels(self, kernels: CpuKernels) -> None:
-        """Run through the C kernel (one pass, the same roundings)."""
-        self.kernels = kernels
 
     def finish_loading(self) -> None:
         """After the checkpoint's values are in (Gemma's norm folds its 1 + weight here)."""
@@ -299,11 +279,6 @@ class DecoderLayer(nn.Module):
         self.rope_index = spec.layer_ropes[index]
         self.tp = tp
         self.build_mlp(spec, tp)
-        self.residual_in_gemm = False  # both residual adds as oneDNN post-ops (see fuse_residual_adds)
-        self.mlp_kernels: CpuKernels | None = None  # C activation between float32 GEMMs (use_cpu_kernels)
-        self.scratch: Scratch | None = None  # where that activation goes (shared by the layers)
-        self.block_kernels: CpuKernels | None = None  # every projection in block formats (use_cpu_kernels)
-        self.dense_buffer: torch.Tensor | None = None  # where block weights expand for steps of many rows (shared)
 
     def build_mlp(self, spec: ModelSpec, tp: TensorParallel) -> None:
         """The dense MLP: one fused gate/up projection and the down projection."""
@@ -373,36 +348,36 @@ class DecoderLayer(nn.Module):
         """The projections whose output `add_linear` adds into the stream (the MoE layer's are attention's only)."""
         return [self.o_proj, self.down_proj]
 
-    def fuse_residual_adds(self) -> None:
-        """Run the residual adds as binary post-ops of the o and down GEMMs (engine/model/ops.py), once
-        their weights are prepacked: for float32 activations (a half-precision model rounds the GEMM's
-        output before adding, as transformers does), one rank (a row-parallel output is all-reduced
-        before the add) and no biases."""
+    def in_blocks(self) -> bool:
+        """Whether every projection is in block formats with float32 activations on one rank: the block kernels
+        then run the layer, its norms, activation and residual adds inside the products."""
+        return self.tp.size == 1 and self.dtype == torch.float32 and \
+            all(isinstance(p.weight, BlockMatrix) for p in self.projections())
+
+    def mlp_in_float32(self) -> bool:
+        """Whether the MLP's GEMMs compute in float32 (the C activation between them then rounds as transformers)."""
+        return gemm_dtype(self.gate_up_proj.weight) == torch.float32
+
+    def kernels(self, kernels: CpuKernels | None, scratch: Scratch, dense: torch.Tensor) -> LayerKernels:
+        """What this layer runs on besides torch (engine/model/executor.py chooses it once): with minichat's C
+        `kernels`, its norms; on one rank the MLP's SiLU * up between float32 GEMMs (into `scratch`); where
+        `in_blocks`, the block kernels (expanding weights into `dense` for steps of many rows). Without them too,
+        the residual adds as binary post-ops of the o and down GEMMs once their weights are prepacked: for float32
+        activations (a half-precision model rounds the GEMM's output before adding, as transformers does), one
+        rank (a row-parallel output is all-reduced before the add) and no biases."""
         adds = self.residual_projections()
-        self.residual_in_gemm = bool(adds) and all(fuses_add(p.weight) and p.bias is None for p in adds) \
+        in_gemm = bool(adds) and all(fuses_add(p.weight) and p.bias is None for p in adds) \
             and self.dtype == torch.float32 and self.tp.size == 1
+        if kernels is None:
+            return LayerKernels(residual_in_gemm=in_gemm)
+        activation = self.tp.size == 1 and self.activation == "silu" and self.mlp_in_float32()
+        return LayerKernels(norms=kernels, activation=kernels if activation else None, scratch=scratch,
+                            blocks=kernels if self.in_blocks() else None, dense=dense if self.in_blocks() else None,
+                            residual_in_gemm=in_gemm)
 
-    def use_cpu_kernels(self, kernels: CpuKernels, scratch: Scratch, dense: torch.Tensor) -> None:
-        """Take minichat's C kernels where this layer can (see CausalLM.use_cpu_kernels): its norms; the MLP's
-        SiLU * up between float32 GEMMs on one rank; with every projection in block formats (one rank, float32),
-        the block kernels that fuse norms, activation (SiLU or GELU) and residual adds into the products."""
-        for norm in self.norms().values():
-            norm.use_kernels(kernels)
-        if self.tp.size != 1:
-            return
-        if self.activation == "silu":
-            self.use_mlp_kernels(kernels, scratch)
-        if self.dtype == torch.float32 and all(isinstance(p.weight, BlockMatrix) for p in self.projections()):
-            self.block_kernels, self.dense_buffer = kernels, dense
-
-    def execution(self) -> dict[str, str]:
+    def execution(self, kernels: LayerKernels) -> dict[str, str]:
         """What this layer runs otherwise than the shared decoder's kernels would, for the engine's `execution`."""
         return {}
-
-    def use_mlp_kernels(self, kernels: CpuKernels, scratch: Scratch) -> None:
-        """The C activation between float32 GEMMs."""
-        if gemm_dtype(self.gate_up_proj.weight) == torch.float32:
-            self.mlp_kernels, self.scratch = kernels, scratch
 
 
 class CausalLM(nn.Module):
@@ -490,23 +465,15 @@ class CausalLM(nn.Module):
             self.cos_sin.append((torch.stack((emb.cos(), signed_sin)) * rope.scaling).to(dtype))
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
-        """Run RMSNorm and RoPE through minichat's C kernels (kernels/cpu): one pass each instead of five
-        and four eager ops, rounding where transformers rounds, so greedy output stays token-identical.
-        A model whose GEMMs run in float32 (on one rank: a row-parallel down projection is summed across
-        ranks before rounding) also gets the MLP activation in C: for float32 one pass that beat oneDNN's
-        SiLU and multiply post-ops, for bf16 one pass that rounds where transformers' four ops round.
-        A layer whose projections are all in block formats (one rank, float32) runs its norms, the activation
-        and the residual adds inside the quantized products: four C calls a layer besides RoPE and attention
-        (its output is approximate anyway: the products quantize their input). Each layer takes what it can
-        (`DecoderLayer.use_cpu_kernels`)."""
+        """Run on minichat's C kernels (kernels/cpu) where each layer can (`DecoderLayer.kernels`, taken when the
+        executor is chosen): RMSNorm and RoPE in one pass each instead of five and four eager ops, rounding where
+        transformers rounds, so greedy output stays token-identical. A model whose GEMMs run in float32 (on one
+        rank: a row-parallel down projection is summed across ranks before rounding) also gets the MLP activation in
+        C: for float32 one pass that beat oneDNN's SiLU and multiply post-ops, for bf16 one pass that rounds where
+        transformers' four ops round. A layer whose projections are all in block formats (one rank, float32) runs
+        its norms, the activation and the residual adds inside the quantized products: four C calls a layer
+        besides RoPE and attention (its output is approximate anyway: the products quantize their input)."""
         self.kernels = kernels
-        device = self.norm.weight.device
-        scratch, dense = Scratch(device), torch.empty(0, dtype=torch.float32, device=device)
-        self.norm.use_kernels(kernels)
-        for layer in self.layers:
-            if dense.numel() == 0 and all(isinstance(p.weight, BlockMatrix) for p in layer.projections()):
-                dense = torch.empty(DENSE_BUFFER, dtype=torch.float32, device=device)
-            layer.use_cpu_kernels(kernels, scratch, dense)
 
     def use_attention_backend(self, backend: AttentionBackend, one_call: bool = True) -> None:
         """Choose how the layers run on `backend`, once (engine/model/executor.py): on the Triton backend (the GPU
@@ -552,8 +519,8 @@ class CausalLM(nn.Module):
             layers = f"one C call a step of up to {self.executor.most_rows} rows ({kept} rows kept), oneDNN layer " \
                 "by layer above"
         entries = {"layers": layers}
-        for layer in self.layers:
-            entries |= layer.execution()
+        for layer, kernels in zip(self.layers, self.executor.kernels() if self.executor else [], strict=False):
+            entries |= layer.execution(kernels)
         return entries
 
     def keep_float_rows(self, kernels: CpuKernels) -> None:

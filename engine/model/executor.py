@@ -16,13 +16,17 @@ team starts between them.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from engine.model.layer_ops import BLOCK_OPS, EAGER_OPS, LayerOps, LayerStep, TritonOps
+from engine.model.layer_ops import BlockOps, EagerOps, LayerKernels, LayerOps, LayerStep, Scratch, TritonOps
 from kernels.attention.cpu import PagedStep
+
+DENSE_BUFFER = 4 * 2**20
+"""Float32 values a block-format model expands its weights into, a chunk of rows at a time, for steps of
+DENSE_ROWS tokens or more (16 MiB: 1,024 rows of a 4,096-wide projection)."""
 
 if TYPE_CHECKING:
     from engine.kv.pool import KVPool
@@ -35,7 +39,10 @@ if TYPE_CHECKING:
 
 
 class Executor(Protocol):
-    final: LayerOps  # what runs the final norm (it adds the last residual where the layers leave it beside x)
+    @property
+    def final(self) -> LayerOps:
+        """What runs the final norm (it adds the last residual where the layers leave it beside x)."""
+        ...
 
     def run(self, model: CausalLM, x: torch.Tensor, positions: torch.Tensor, kv: KVPool, backend: AttentionBackend,
             meta: object) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -46,18 +53,19 @@ class Executor(Protocol):
         """How the layers run, for the engine's `execution` ("layers")."""
         ...
 
+    def kernels(self) -> list[LayerKernels]:
+        """What each layer runs on besides torch."""
+        ...
+
 
 @dataclass
 class LayerByLayer:
-    """Each layer on its own kernels (`ops[i]`); `triton` the Triton backend's fused kernels, where it runs."""
+    """Each layer on its own ops (`ops[i]`, over the kernels `chosen[i]`); `final` runs the final norm."""
 
     ops: list[LayerOps]
-    triton: TritonOps | None = None
+    chosen: list[LayerKernels]
+    final: LayerOps
     note: str = ""  # why the one-call path does not run this model, where it might have
-    final: LayerOps = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.final = self.triton or EAGER_OPS
 
     def run(self, model: CausalLM, x: torch.Tensor, positions: torch.Tensor, kv: KVPool, backend: AttentionBackend,
             meta: object) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -70,24 +78,30 @@ class LayerByLayer:
     def describe(self) -> str:
         return "one call each" + self.note
 
+    def kernels(self) -> list[LayerKernels]:
+        return self.chosen
+
 
 @dataclass
 class OneCall:
     """Every layer in one C call for steps of at most `most_rows` rows that the CPU attention kernel takes whole,
     `layered` for the rest; the call is built once per KV pool (it holds the pool's pointers)."""
 
-    kernels: CpuKernels
+    c: CpuKernels
     most_rows: int
     layered: LayerByLayer
-    final: LayerOps = EAGER_OPS
     built: tuple[KVPool, FusedLayers] | None = None
+
+    @property
+    def final(self) -> LayerOps:
+        return self.layered.final
 
     def run(self, model: CausalLM, x: torch.Tensor, positions: torch.Tensor, kv: KVPool, backend: AttentionBackend,
             meta: object) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not isinstance(meta, PagedStep) or x.shape[0] > self.most_rows:
             return self.layered.run(model, x, positions, kv, backend, meta)
         if self.built is None or self.built[0] is not kv:
-            self.built = (kv, _fused_layers(model, self.kernels, kv))
+            self.built = (kv, _fused_layers(model, self.c, kv))
         x = x.contiguous()  # the call works on it in place
         self.built[1](x, positions, meta.table, meta.rows, meta.kv_lens, meta.out_locs)
         return x, None
@@ -95,25 +109,33 @@ class OneCall:
     def describe(self) -> str:
         return "one C call a step"
 
+    def kernels(self) -> list[LayerKernels]:
+        return self.layered.chosen
+
 
 def choose_executor(model: CausalLM, backend: AttentionBackend, one_call: bool = True) -> Executor:
     """The executor for `model` on `backend`: the one C call where it can run the model (and `one_call` allows it),
-    else layer by layer on the kernels each layer took."""
-    triton = TritonOps(cast("TritonBackend", backend)) if backend.name == "triton" else None
-    ops: list[LayerOps] = [triton or (EAGER_OPS if layer.block_kernels is None else BLOCK_OPS)
-                           for layer in model.layers]
-    layered = LayerByLayer(ops, triton)
-    in_blocks = all(layer.block_kernels is not None for layer in model.layers)
-    if triton is not None or not one_call:
+    else layer by layer, each layer on what it can take of minichat's C kernels (`DecoderLayer.kernels`)."""
+    if backend.name == "triton":
+        triton = TritonOps(cast("TritonBackend", backend))
+        return LayerByLayer([triton] * len(model.layers), [LayerKernels()] * len(model.layers), triton)
+    device = model.norm.weight.device
+    blocks = any(layer.in_blocks() for layer in model.layers) and model.kernels is not None
+    dense = torch.empty(DENSE_BUFFER if blocks else 0, dtype=torch.float32, device=device)
+    scratch = Scratch(device)  # one buffer the layers take in turn
+    chosen = [layer.kernels(model.kernels, scratch, dense) for layer in model.layers]
+    ops: list[LayerOps] = [EagerOps(k) if k.blocks is None else BlockOps(k) for k in chosen]
+    layered = LayerByLayer(ops, chosen, EagerOps(LayerKernels(norms=model.kernels)))
+    in_blocks = all(k.blocks is not None for k in chosen)
+    if not one_call:
         return layered
     if not all(layer.in_one_call for layer in model.layers):
         if in_blocks:
             layered.note = " (the one-call path runs Llama-shaped dense layers; this model's are not)"
         return layered
-    if in_blocks:
-        kernels = cast("CpuKernels", model.layers[0].block_kernels)
-        dense = kernels.dense_rows  # from there each layer expands its weights for torch's GEMM
-        return OneCall(kernels, sys.maxsize if dense is None else dense - 1, layered)
+    if in_blocks and model.kernels is not None:
+        dense_rows = model.kernels.dense_rows  # from there each layer expands its weights for torch's GEMM
+        return OneCall(model.kernels, sys.maxsize if dense_rows is None else dense_rows - 1, layered)
     if model.float_rows is not None and model.kernels is not None:
         return OneCall(model.kernels, model.float_rows_most, layered)
     return layered

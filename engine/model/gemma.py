@@ -28,13 +28,11 @@ from engine.model.decoder import (
     require_activation,
     rope_frequencies,
 )
-from engine.model.layer_ops import LayerOps, LayerStep
+from engine.model.layer_ops import LayerKernels, LayerOps, LayerStep
 from engine.model.parallel import RowParallelLinear
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from kernels.cpu import CpuKernels
 
 
 @dataclass
@@ -60,15 +58,13 @@ class OffsetRMSNorm(RMSNorm):
     def finish_loading(self) -> None:
         self._gain = 1.0 + self.weight.float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dim() == 2:  # float32 models: one rounding either way
-            return self.kernels.rms_norm(x, self.gain, self.eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.gain, self.eps).to(x.dtype)
-
-    def use_kernels(self, kernels: CpuKernels) -> None:
+    @property
+    def c_exact(self) -> bool:
         """The C kernel rounds the normalised row before scaling: the same numbers only in float32."""
-        if self.weight.dtype == torch.float32:
-            self.kernels = kernels
+        return self.weight.dtype == torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.gain, self.eps).to(x.dtype)
 
 
 class GemmaLayer(DecoderLayer):
@@ -97,7 +93,7 @@ class GemmaLayer(DecoderLayer):
     def residual_projections(self) -> list[RowParallelLinear]:
         return []  # both halves' outputs are normalised before they are added
 
-    def execution(self) -> dict[str, str]:
+    def execution(self, kernels: LayerKernels) -> dict[str, str]:
         return {"activation": "GELU (tanh): minichat's C where the layers run in one call or in block formats, "
                               "else torch"}
 

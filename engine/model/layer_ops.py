@@ -26,7 +26,7 @@ from kernels.quant import BlockMatrix
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from engine.model.decoder import DecoderLayer, RMSNorm, Scratch
+    from engine.model.decoder import DecoderLayer, RMSNorm
     from engine.model.moe import SparseMoE
     from kernels.attention.triton import TritonBackend, TritonStep
     from kernels.cpu import CpuKernels
@@ -75,25 +75,48 @@ class LayerStep:
         return self.ropes[table]
 
 
-class Activated(Protocol):
-    """What runs an MLP's activation: a layer, or a layer's experts."""
+class Scratch:
+    """One float32 buffer the layers take in turn for an intermediate they consume at once (the MLP activation),
+    grown to the largest step's need. A fresh tensor over glibc's mmap threshold (32 MiB) is fresh pages, each
+    faulted in on every call: Qwen2.5-0.5B's activation at 2,048 rows (39 MiB) took 19 ms fresh and 7.5 ms
+    reused, 24 times a prefill step."""
 
-    @property
-    def activation(self) -> str: ...  # "silu" or "gelu_tanh"
+    def __init__(self, device: torch.device) -> None:
+        self._buffer = torch.empty(0, dtype=torch.float32, device=device)
 
-    mlp_kernels: CpuKernels | None  # the C SiLU * up between float32 GEMMs, where taken
-    scratch: Scratch | None  # the buffer it writes into
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        """A [rows, cols] view of the buffer; valid until the next `take`."""
+        if self._buffer.numel() < rows * cols:
+            self._buffer = torch.empty(rows * cols, dtype=torch.float32, device=self._buffer.device)
+        return self._buffer[:rows * cols].view(rows, cols)
 
 
-def activate(layer: Activated, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+@dataclass(frozen=True)
+class LayerKernels:
+    """What one layer runs on besides torch, decided once when the executor is chosen (`DecoderLayer.kernels`) and
+    held by the layer's ops, so that the layer itself stays a plain module of weights."""
+
+    norms: CpuKernels | None = None  # its RMSNorms in one C pass (where the C kernel rounds as the norm does)
+    activation: CpuKernels | None = None  # the C SiLU * up between float32 GEMMs (one rank)
+    scratch: Scratch | None = None  # where that activation writes (one buffer shared by the layers)
+    blocks: CpuKernels | None = None  # every projection in block formats: norms, activation, adds inside them
+    dense: torch.Tensor | None = None  # where block weights expand for steps of many rows (shared)
+    expert_blocks: CpuKernels | None = None  # every expert in block formats: SiLU * up inside the down product
+    residual_in_gemm: bool = False  # both residual adds as oneDNN post-ops of the prepacked o and down GEMMs
+
+
+NO_KERNELS = LayerKernels()
+
+
+def activate(kernels: LayerKernels, activation: str, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The MLP's act(gate) * up of a [rows, 2 * inter] gate/up output, in `dtype`: SiLU (in one C pass into the
     layers' shared buffer, with the roundings of `dtype`, where the layer has the C activation) or GELU's tanh
     form (Gemma)."""
-    if layer.mlp_kernels is not None and layer.scratch is not None:
-        return layer.mlp_kernels.silu_mul(gate_up, dtype, out=layer.scratch.take(gate_up.shape[0],
-                                                                                 gate_up.shape[1] // 2))
+    if kernels.activation is not None and kernels.scratch is not None:
+        return kernels.activation.silu_mul(gate_up, dtype, out=kernels.scratch.take(gate_up.shape[0],
+                                                                                   gate_up.shape[1] // 2))
     gate, up = gate_up.chunk(2, dim=-1)
-    if layer.activation == "gelu_tanh":
+    if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up
 
@@ -133,17 +156,26 @@ class LayerOps(Protocol):
 
 
 class EagerOps:
-    """torch's ops, with minichat's C kernels where `CausalLM.use_cpu_kernels` gave the layer them (the norms and
-    RoPE; SiLU * up between float32 GEMMs) and the residual adds inside oneDNN's GEMM where `residual_in_gemm`."""
+    """torch's ops, with minichat's C kernels where the layer's `kernels` have them (the norms; SiLU * up between
+    float32 GEMMs) and the residual adds inside oneDNN's GEMM where `residual_in_gemm`."""
+
+    def __init__(self, kernels: LayerKernels = NO_KERNELS) -> None:
+        self.kernels = kernels
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """norm(x), through the C kernel for rows of a 2-D x where it rounds as `norm` does."""
+        if self.kernels.norms is not None and x.dim() == 2 and norm.c_exact:
+            return self.kernels.norms.rms_norm(x, norm.gain, norm.eps)
+        return norm(x)
 
     def norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         stream = x if residual is None else residual + x
-        return norm(stream), stream
+        return self.normed(norm, stream), stream
 
     def norm_linear(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                     proj: Projection, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         h, stream = self.norm(x, residual, norm)
-        if gated and layer.mlp_kernels is not None:  # float32 into the C activation, which rounds as
+        if gated and self.kernels.activation is not None:  # float32 into the C activation, which rounds as
             return linear(h, proj.weight, proj.bias, torch.float32), stream  # transformers does
         return proj(h), stream
 
@@ -157,9 +189,10 @@ class EagerOps:
             q, k = qk[:, : layer.num_heads], qk[:, layer.num_heads :]
         else:  # Qwen3 (and Gemma 3) normalise q and k per head, with separate weights, before RoPE
             rows = self._head_rows(tokens, spec.head_dim)
-            q = layer.q_norm(qkv[:, : layer.q_size].reshape(rows)).view(tokens, layer.num_heads, spec.head_dim)
-            k = layer.k_norm(qkv[:, layer.q_size : qk_size].reshape(rows)).view(tokens, layer.num_kv_heads,
-                                                                                spec.head_dim)
+            q = self.normed(layer.q_norm, qkv[:, : layer.q_size].reshape(rows)).view(tokens, layer.num_heads,
+                                                                                     spec.head_dim)
+            k = self.normed(layer.k_norm, qkv[:, layer.q_size : qk_size].reshape(rows)).view(
+                tokens, layer.num_kv_heads, spec.head_dim)
             q, k = rope(q), rope(k)
         out = step.backend.forward(q, k, v, step.kv.k(index), step.kv.v(index), step.meta, layer.scale,
                                    window=layer.window, softcap=layer.softcap)
@@ -174,28 +207,28 @@ class EagerOps:
         """residual + proj(x), rounded to the residual's dtype first (x may be a float32 activation of a bf16
         model); inside the GEMM where `residual_in_gemm` allows."""
         if gated:
-            x = activate(layer, x, residual.dtype)
-        if layer.residual_in_gemm:
+            x = activate(self.kernels, layer.activation, x, residual.dtype)
+        if self.kernels.residual_in_gemm:
             return linear_add(x, residual, proj.weight), None
         return residual + proj(x).to(residual.dtype), None
 
     def linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, gated: bool = False) -> torch.Tensor:
-        return proj(activate(layer, x, layer.dtype) if gated else x).to(layer.dtype)
+        return proj(activate(self.kernels, layer.activation, x, layer.dtype) if gated else x).to(layer.dtype)
 
     def experts(self, moe: SparseMoE, h: torch.Tensor) -> torch.Tensor:
-        return moe.grouped(h)
+        return moe.grouped(h, self.kernels)
 
 
 class BlockOps(EagerOps):
-    """A layer whose projections are all in block formats (`DecoderLayer.block_kernels`, one rank, float32): the
+    """A layer whose projections are all in block formats (`LayerKernels.blocks`, one rank, float32): the
     norms, SiLU * up and the residual adds run inside minichat's quantized products, four C calls a layer
     besides RoPE and attention."""
 
     def norm_linear(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                     proj: Projection, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         stream = x if residual is None else residual + x
-        out = self._kernels(layer).q_linear(stream, cast(BlockMatrix, proj.weight), proj.bias,
-                                            norm=(norm.gain, norm.eps), dense=layer.dense_buffer)
+        out = self._blocks.q_linear(stream, cast(BlockMatrix, proj.weight), proj.bias,
+                                            norm=(norm.gain, norm.eps), dense=self.kernels.dense)
         return out, stream
 
     def _head_rows(self, tokens: int, head_dim: int) -> tuple[int, ...]:
@@ -204,24 +237,19 @@ class BlockOps(EagerOps):
 
     def add_linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, residual: torch.Tensor,
                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self._kernels(layer).q_linear(x, cast(BlockMatrix, proj.weight), proj.bias, add=residual,
-                                            gated=layer.activation if gated else None, dense=layer.dense_buffer)
+        out = self._blocks.q_linear(x, cast(BlockMatrix, proj.weight), proj.bias, add=residual,
+                                            gated=layer.activation if gated else None, dense=self.kernels.dense)
         return out, None
 
     def linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, gated: bool = False) -> torch.Tensor:
         """Gemma's products whose output is normalised before it joins the stream: the activation inside the
         product too (the one-call layers compute the same)."""
-        return self._kernels(layer).q_linear(x, cast(BlockMatrix, proj.weight), proj.bias,
-                                             gated=layer.activation if gated else None, dense=layer.dense_buffer)
+        return self._blocks.q_linear(x, cast(BlockMatrix, proj.weight), proj.bias,
+                                             gated=layer.activation if gated else None, dense=self.kernels.dense)
 
-    @staticmethod
-    def _kernels(layer: DecoderLayer) -> CpuKernels:
-        return cast("CpuKernels", layer.block_kernels)  # chosen only for a layer that has them
-
-
-EAGER_OPS = EagerOps()
-BLOCK_OPS = BlockOps()
-"""Stateless: one of each serves every layer (what they read is the layer's)."""
+    @property
+    def _blocks(self) -> CpuKernels:
+        return cast("CpuKernels", self.kernels.blocks)  # chosen only for a layer that has them
 
 
 class TritonOps:
@@ -275,6 +303,7 @@ class TritonOps:
         weights are float tensors; block-format experts go one by one."""
         stacked = moe.stacked()
         if stacked is None:
-            return moe.grouped(h)
+            return moe.grouped(h, NO_KERNELS)
         weights, experts = moe.route(h)
-        return moe.finish(h, self.fused_moe(h, stacked[0], stacked[1], weights, experts, moe.activation))
+        return moe.finish(h, self.fused_moe(h, stacked[0], stacked[1], weights, experts, moe.activation),
+                          NO_KERNELS)

@@ -208,8 +208,6 @@ def build_model(spec: ModelSpec, checkpoint: Checkpoint, options: ExecutionConfi
         model.keep_float_rows(load_cpu_kernels())  # decode steps in one C call (before prepacking replaces the rows)
     if options.prepack_weights:
         prepack_linear_weights(model)
-        for layer in model.layers:
-            layer.fuse_residual_adds()
     if options.cpu_kernels and supported(options.device, dtype):
         try:
             model.use_cpu_kernels(load_cpu_kernels())

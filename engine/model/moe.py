@@ -14,7 +14,7 @@ The families that use it (qwen_moe.py, mixtral.py) only name their tensors and r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
@@ -25,12 +25,11 @@ from engine.model.decoder import (
     CausalLM,
     DecoderLayer,
     ModelSpec,
-    Scratch,
     Targets,
     column_targets,
     row_targets,
 )
-from engine.model.layer_ops import LayerOps, activate
+from engine.model.layer_ops import LayerKernels, LayerOps, Scratch, activate
 from engine.model.ops import gemm_dtype, linear
 from engine.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Split
 from kernels.quant import BlockMatrix
@@ -85,13 +84,15 @@ class Expert(nn.Module):
         return column_targets(prefix, self.gate_up_proj, (gate, up), False) | \
             row_targets(prefix, self.down_proj, down, False)
 
-    def run(self, x: torch.Tensor, moe: SparseMoE) -> torch.Tensor:
-        """This rank's part of down(act(gate(x)) * up(x)) for x [rows, hidden], in x's dtype."""
-        if moe.block_kernels is not None:  # block formats: SiLU * up inside the down product (float32 model)
-            gate_up = moe.block_kernels.q_linear(x, cast(BlockMatrix, self.gate_up_proj.weight))
-            return moe.block_kernels.q_linear(gate_up, cast(BlockMatrix, self.down_proj.weight), gated="silu")
-        gate_up = linear(x, self.gate_up_proj.weight, None, torch.float32 if moe.mlp_kernels else x.dtype)
-        return linear(activate(moe, gate_up, x.dtype), self.down_proj.weight, None, x.dtype)
+    def run(self, x: torch.Tensor, activation: str, kernels: LayerKernels) -> torch.Tensor:
+        """This rank's part of down(act(gate(x)) * up(x)) for x [rows, hidden], in x's dtype, on the layer's
+        `kernels`."""
+        blocks = kernels.expert_blocks
+        if blocks is not None:  # block formats: SiLU * up inside the down product (float32 model)
+            gate_up = blocks.q_linear(x, cast(BlockMatrix, self.gate_up_proj.weight))
+            return blocks.q_linear(gate_up, cast(BlockMatrix, self.down_proj.weight), gated="silu")
+        gate_up = linear(x, self.gate_up_proj.weight, None, torch.float32 if kernels.activation else x.dtype)
+        return linear(activate(kernels, activation, gate_up, x.dtype), self.down_proj.weight, None, x.dtype)
 
 
 class SparseMoE(nn.Module):
@@ -112,9 +113,6 @@ class SparseMoE(nn.Module):
             shared = Split(spec.shared_expert_size, 1, "shared expert intermediate size")
             self.shared_expert = Expert(spec.hidden_size, shared, tp)
             self.shared_expert_gate = ReplicatedLinear(spec.hidden_size, 1)
-        self.mlp_kernels: CpuKernels | None = None  # the C SiLU * up between float32 GEMMs (use_cpu_kernels)
-        self.scratch: Scratch | None = None  # where it writes (the model's shared buffer)
-        self.block_kernels: CpuKernels | None = None  # every expert in block formats (use_cpu_kernels)
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def targets(self, prefix: str, names: ExpertNames) -> Targets:
@@ -137,7 +135,7 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights.to(h.dtype) if self.cast_weights else weights), experts
 
-    def grouped(self, h: torch.Tensor) -> torch.Tensor:
+    def grouped(self, h: torch.Tensor, kernels: LayerKernels) -> torch.Tensor:
         """The layer's MoE output for h [rows, hidden]: the rows sorted by expert, one GEMM per projection of each
         expert over its rows, weighted and added in expert order (transformers' order), all-reduced across ranks."""
         weights, experts = self.route(h)
@@ -151,15 +149,16 @@ class SparseMoE(nn.Module):
                                  strict=True):
             if count:
                 index = rows[start : start + count]
-                y = expert.run(h.index_select(0, index), self)
+                y = expert.run(h.index_select(0, index), self.activation, kernels)
                 out.index_add_(0, index, (y * pair_weights[start : start + count, None]).to(out.dtype))
                 start += count
-        return self.finish(h, out)
+        return self.finish(h, out, kernels)
 
-    def finish(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def finish(self, h: torch.Tensor, out: torch.Tensor, kernels: LayerKernels) -> torch.Tensor:
         """The routed experts' output plus the gated shared expert (Qwen2-MoE), summed across ranks."""
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert.run(h, self)
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert.run(h, self.activation,
+                                                                                          kernels)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -178,27 +177,21 @@ class SparseMoE(nn.Module):
             self._stacked = (w1, w2)
         return self._stacked
 
-    def execution(self) -> str:
+    def execution(self, kernels: LayerKernels) -> str:
         """Where the experts run: the fused Triton kernel, or a GEMM per expert over its tokens, and on what."""
         if self._stacked is not None:
             return "fused Triton MoE kernel, tokens sorted by expert"
         weight = self.experts[0].down_proj.weight
         if isinstance(weight, BlockMatrix):
-            how = f"{'+'.join(weight.formats)} blocks" + (", SiLU * up in the down product" if self.block_kernels
+            how = f"{'+'.join(weight.formats)} blocks" + (", SiLU * up in the down product" if kernels.expert_blocks
                                                          else "")
         else:
             how = f"{gemm_dtype(weight)}".removeprefix("torch.") + (" prepacked" if weight.is_mkldnn else "")
         return f"grouped by expert, one GEMM per expert over its tokens ({how})"
 
-    def use_cpu_kernels(self, kernels: CpuKernels, scratch: Scratch, dtype: torch.dtype) -> None:
-        """The C activation between float32 GEMMs (its layer calls this on one rank, for SiLU); with every expert in
-        block formats and float32 activations, the block kernels' fused SiLU * up."""
-        experts = self.all_experts()
-        if all(gemm_dtype(e.gate_up_proj.weight) == torch.float32 for e in experts):
-            self.mlp_kernels, self.scratch = kernels, scratch
-        if dtype == torch.float32 and all(isinstance(p.weight, BlockMatrix) for e in experts
-                                          for p in (e.gate_up_proj, e.down_proj)):
-            self.block_kernels = kernels
+    def in_blocks(self) -> bool:
+        """Whether every expert (and the shared one) is in block formats."""
+        return all(isinstance(p.weight, BlockMatrix) for e in self.all_experts() for p in (e.gate_up_proj, e.down_proj))
 
 
 class MoELayer(DecoderLayer):
@@ -225,11 +218,18 @@ class MoELayer(DecoderLayer):
     def residual_projections(self) -> list[RowParallelLinear]:
         return [self.o_proj]  # the experts' output is added by the next norm
 
-    def use_mlp_kernels(self, kernels: CpuKernels, scratch: Scratch) -> None:
-        self.moe.use_cpu_kernels(kernels, scratch, self.dtype)
+    def mlp_in_float32(self) -> bool:
+        return all(gemm_dtype(e.gate_up_proj.weight) == torch.float32 for e in self.moe.all_experts())
 
-    def execution(self) -> dict[str, str]:
-        return {"experts": self.moe.execution()}
+    def kernels(self, kernels: CpuKernels | None, scratch: Scratch, dense: torch.Tensor) -> LayerKernels:
+        """The shared decoder's choice, and with every expert in block formats (float32, one rank, SiLU) the block
+        kernels' fused SiLU * up for them."""
+        experts = kernels is not None and self.tp.size == 1 and self.activation == "silu" and \
+            self.dtype == torch.float32 and self.moe.in_blocks()
+        return replace(super().kernels(kernels, scratch, dense), expert_blocks=kernels if experts else None)
+
+    def execution(self, kernels: LayerKernels) -> dict[str, str]:
+        return {"experts": self.moe.execution(kernels)}
 
 
 class MoELM(CausalLM):
