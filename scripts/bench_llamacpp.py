@@ -171,20 +171,28 @@ def make_files(names: list[str], bin_dir: Path | None, work: Path) -> dict[str, 
     return {n: files[n] for n in names}
 
 
-def llama_bench(bin_dir: Path, path: Path, threads: int) -> dict[str, float]:
-    """llama-bench's tg128 and pp512 tok/s (its own averages over 3 repetitions). Where its default (weights
-    repacked for its wide kernels) crashes, as its prefill does on some CPUs, the run is retried with `--repack 0`
-    and the figures say so (key "repack": 0)."""
-    base = [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "512", "-n", "128", "-r", "3",
-            "-o", "json"]
-    for repack in (None, 0):
-        done = subprocess.run(base + ([] if repack is None else ["--repack", "0"]), capture_output=True, text=True)
-        if done.returncode == 0:
-            figures = {("decode" if r["n_gen"] else "prefill"): r["avg_ts"] for r in json.loads(done.stdout)}
-            return figures if repack is None else {**figures, "repack": 0}
-        log(f"llama-bench exited {done.returncode} on {path.name}" + ("; again with --repack 0" if repack is None
-                                                                       else ""))
-    raise SystemExit(f"llama-bench failed on {path.name}: {done.stderr.strip()[-500:]}")
+def llama_bench(bin_dir: Path, path: Path, threads: int) -> tuple[dict[str, float], list[str]]:
+    """llama-bench's tg128 and pp512 tok/s (its own averages over 3 repetitions), each run on its own. Where its
+    default (weights repacked for its wide kernels: AMX tiles for a build on a CPU that names AMX) crashes, as its
+    prefill does on a VM that names AMX but faults on its tile instructions, that run is retried with `--repack 0`
+    and the figures say so: the second value names the runs that took it."""
+    figures: dict[str, float] = {}
+    repacked_off: list[str] = []
+    for kind, args in (("decode", ["-p", "0", "-n", "128"]), ("prefill", ["-p", "512", "-n", "0"])):
+        base = [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), *args, "-r", "3", "-o", "json"]
+        for repack in (None, 0):
+            done = subprocess.run(base + ([] if repack is None else ["--repack", "0"]), capture_output=True,
+                                  text=True)
+            if done.returncode == 0:
+                figures[kind] = json.loads(done.stdout)[0]["avg_ts"]
+                if repack == 0:
+                    repacked_off.append(kind)
+                break
+            log(f"llama-bench {kind} exited {done.returncode} on {path.name}" +
+                ("; again with --repack 0" if repack is None else ""))
+        else:
+            raise SystemExit(f"llama-bench failed on {path.name}: {done.stderr.strip()[-500:]}")
+    return figures, repacked_off
 
 
 IN_PROCESS = """
@@ -216,17 +224,28 @@ def minichat_in_process(path: Path, threads: int) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def llama_server(bin_dir: Path, path: Path, threads: int, slots: int) -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process, log_file = launch([str(bin_dir / "llama-server"), "-m", str(path), "-t", str(threads), "-np", str(slots),
-                                "-c", str(slots * 512), "--port", str(port), "--host", "127.0.0.1"], "llama-server")
-    try:
-        wait_up(process, lambda: httpx.get(url + "/health", timeout=2.0).status_code == 200,
-                f"llama-server (log: {log_file})", log_tail(log_file))
-        yield url
-    finally:
-        stop(process)
+def llama_server(bin_dir: Path, path: Path, threads: int, slots: int) -> Iterator[tuple[str, bool]]:
+    """A llama-server on `path` and whether it runs with `--no-repack` (taken where its default exits at start, as
+    its AMX-repacked warm-up does on a VM that faults on tile instructions)."""
+    for no_repack in (False, True):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        process, log_file = launch([str(bin_dir / "llama-server"), "-m", str(path), "-t", str(threads), "-np",
+                                    str(slots), "-c", str(slots * 512), "--port", str(port), "--host", "127.0.0.1",
+                                    *(["--no-repack"] if no_repack else [])], "llama-server")
+        try:
+            try:
+                wait_up(process, lambda url=url: httpx.get(url + "/health", timeout=2.0).status_code == 200,
+                        f"llama-server (log: {log_file})", log_tail(log_file))
+            except RuntimeError as e:
+                if no_repack or process.poll() is None:
+                    raise
+                log(f"llama-server exited at start ({str(e).splitlines()[0]}); again with --no-repack")
+                continue
+            yield url, no_repack
+            return
+        finally:
+            stop(process)
 
 
 def served(url: str, path: Path, concurrency: int) -> float:
@@ -298,17 +317,22 @@ def table(report: dict) -> str:
     for name, entry in report["files"].items():
         med = {k: statistics.median(v) for k, v in entry["runs"].items()}
         fl = entry["floors"]
+        off = entry.get("llama.cpp repack 0", [])
 
-        def pair(key: str, med: dict[str, float] = med) -> str:
+        def pair(key: str, med: dict[str, float] = med, off: list[str] = off) -> str:
             if f"minichat {key}" not in med:
                 return "-"
             if f"llama.cpp {key}" not in med:
                 return f"{med[f'minichat {key}']:.1f} / -"
             ours, theirs = med[f"minichat {key}"], med[f"llama.cpp {key}"]
-            return f"{ours:.1f} / {theirs:.1f} (**{ours / theirs:.2f}x**)"
+            mark = " †" if (key if key in ("decode", "prefill") else "served") in off else ""
+            return f"{ours:.1f} / {theirs:.1f}{mark} (**{ours / theirs:.2f}x**)"
 
         lines.append(f"| {name} ({fl['bytes'] / 2**20:.0f} MiB) | {entry.get('weights', '-')} | {pair('decode')} | "
                      f"{fl['memory']:.0f} / {fl['compute']:.0f} | {pair('prefill')} | {pair('c=1')} | {pair('c=32')} |")
+    if any(entry.get("llama.cpp repack 0") for entry in report["files"].values()):
+        lines += ["", "† llama.cpp with its weight repacking off (`--repack 0`, `--no-repack`): its default exited "
+                      "on this CPU."]
     return "\n".join(lines)
 
 
@@ -353,17 +377,20 @@ def main() -> None:
             for key in ("decode", "prefill"):
                 add(name, f"minichat {key}", ours[key])
             if bin_dir is not None:
-                theirs = llama_bench(bin_dir, path, args.threads)
-                if "repack" in theirs:
-                    report["files"][name]["llama.cpp repack"] = 0
+                theirs, repacked_off = llama_bench(bin_dir, path, args.threads)
+                if repacked_off:
+                    report["files"][name]["llama.cpp repack 0"] = repacked_off
                 for key in ("decode", "prefill"):
                     add(name, f"llama.cpp {key}", theirs[key])
             if args.skip_served:
                 continue
             for concurrency in (1, 32):
                 if bin_dir is not None:
-                    with llama_server(bin_dir, path, args.threads, 32) as url:
+                    with llama_server(bin_dir, path, args.threads, 32) as (url, no_repack):
                         add(name, f"llama.cpp c={concurrency}", served(url, path, concurrency))
+                    if no_repack:
+                        report["files"][name]["llama.cpp repack 0"] = sorted(
+                            {*report["files"][name].get("llama.cpp repack 0", []), "served"})
                 with replica("--model", str(path), "--threads", str(args.threads), "--kv-disk-gib", "0") as rep:
                     add(name, f"minichat c={concurrency}", served(rep.url, path, concurrency))
     report["finished"] = time.strftime("%F %T %Z")
