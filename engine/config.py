@@ -15,6 +15,7 @@ from typing import Any
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", *DTYPES, "int8", "fp8")
 LINEAR_DTYPES = ("auto", "model", "float32")
 ADMISSIONS = ("optimistic", "reserve")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
@@ -129,9 +130,16 @@ class KVConfig:
                                           "in the user's cache directory).")
     kv_disk_gib: float | None = knob(None, "Cap on the disk KV tier's directory, least recently used pages deleted "
                                            "first (default: 8 GiB, at most half the free space; 0: no disk tier).")
+    kv_cache_dtype: str = knob("auto", "What the KV pages hold: auto (the model dtype), float32, bfloat16, float16 "
+                                       "(the model dtype named), int8 (per token and head, a scale each: a quarter "
+                                       "of float32's bytes; cpu and torch attention backends) or fp8 (not yet).")
 
     def __post_init__(self) -> None:
         _one_of(self, "prefix_cache", ("radix", "naive"))
+        _one_of(self, "kv_cache_dtype", KV_DTYPES)
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype 'fp8': minichat's attention kernels do not read fp8 pages yet; int8 "
+                             "gives the same memory on every CPU backend")
         _at_least(self, 1, "page_size")
         _at_least(self, 1, "num_pages", none=" (or None to size the pool automatically)")
         _at_least(self, 2, "max_model_len")
@@ -229,6 +237,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "reasoning_budget", none=" (or None: unbounded)")
+        kv, dtype = self.kv.kv_cache_dtype, self.execution.dtype
+        if kv in DTYPES and kv != dtype:
+            raise ValueError(f"kv_cache_dtype {kv!r} with dtype {dtype!r}: float KV pages are the activations' dtype "
+                             f"(auto), or int8")
+        if kv == "int8" and self.execution.attention_backend in ("triton", "flashinfer"):
+            raise ValueError(f"kv_cache_dtype 'int8' with attention_backend {self.execution.attention_backend!r}: "
+                             f"int8 KV pages are read by the cpu and torch backends")
         if self.kv.tiers_asked and not self.kv_tiers_possible:
             raise ValueError(f"{', '.join(self.kv.tiers_asked)}: the KV tiers go under the radix prefix cache of a "
                              f"single rank; this engine has prefix_cache {self.kv.prefix_cache!r} and "
@@ -251,6 +266,11 @@ class EngineConfig:
         for name in PARTS:
             flat.update(dataclasses.asdict(getattr(self, name)))
         return flat
+
+    @property
+    def kv_dtype(self) -> str:
+        """What the KV pages hold: "int8" or a float dtype's name (auto: the model's)."""
+        return self.execution.dtype if self.kv.kv_cache_dtype == "auto" else self.kv.kv_cache_dtype
 
     @property
     def kv_tiers_possible(self) -> bool:

@@ -34,7 +34,7 @@ from engine.kv.tiers import open_tiers
 from engine.loop import StepLoop
 from engine.model.families import describe
 from engine.model.loader import (
-    TORCH_DTYPES,
+    KV_TORCH_DTYPES,
     attention_shape,
     check_shardable,
     load_hf_config,
@@ -161,9 +161,10 @@ class LLM:
         if kv.max_model_len is not None:
             context = min(context, kv.max_model_len)
         num_pages = kv.num_pages
+        kv_dtype = KV_TORCH_DTYPES[cfg.kv_dtype]
         if num_pages is None:
             per_page = KVPool.bytes_per_page(spec.num_layers, kv.page_size, self.model.num_kv_heads, spec.head_dim,
-                                             TORCH_DTYPES[run.dtype])
+                                             kv_dtype)
             demand = cfg.request_slots * pages_for(context, kv.page_size)
             num_pages = max(1, min(demand, _kv_budget_bytes(cfg) // per_page))
         self.num_pages = num_pages
@@ -173,13 +174,16 @@ class LLM:
             self.workers.send(num_pages)
             self.workers.expect("ready")
         backend = make_backend(run.attention_backend, run.device, run.dtype, run.cpu_kernels, spec.full_attention)
+        if kv_dtype == torch.int8 and backend.name not in ("cpu", "torch"):
+            raise ValueError(f"kv_cache_dtype 'int8': the {backend.name} attention backend reads float pages only "
+                             f"(int8 pages are read by the cpu and torch backends)")
         backend.setup(attention_shape(self.model, run.dtype), self.device)
         self.model.use_attention_backend(backend, run.one_call)
         # Worker ranks run every step eagerly, so under tensor parallelism decode is never graphed.
         use_graphs = run.cuda_graph and backend.supports_cuda_graph and self.workers is None
         # CUDA graphs pad decode batches with dummy requests writing to a scratch page no request owns.
         self.kv = KVPool(spec.num_layers, num_pages + int(use_graphs), kv.page_size, self.model.num_kv_heads,
-                         spec.head_dim, TORCH_DTYPES[run.dtype], self.device)
+                         spec.head_dim, kv_dtype, self.device)
         self.table = RequestTable(cfg.request_slots, self.max_seq_len, self.device)
         self.cache = make_cache_manager(kv.prefix_cache, num_pages, kv.page_size, self._kv_tiers(backend.name))
         graphs = None

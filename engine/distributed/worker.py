@@ -30,7 +30,7 @@ from engine.distributed.node import Meeting
 from engine.distributed.step import StepInputs
 from engine.kv.pool import KVPool
 from engine.model.decoder import ModelSpec
-from engine.model.loader import TORCH_DTYPES, attention_shape, build_model, resolve_checkpoint
+from engine.model.loader import KV_TORCH_DTYPES, attention_shape, build_model, resolve_checkpoint
 from engine.threads import wait_policy
 from kernels.attention import make_backend
 
@@ -46,6 +46,7 @@ class WorkerSpec:
     model_path: str
     run: ExecutionConfig  # the engine's, with this rank's device
     page_size: int
+    kv_dtype: str  # what the KV pages hold (EngineConfig.kv_dtype)
     threads: int
     timeout: float
     host: str = LOOPBACK  # where rank 0's store listens (the nodes' meeting host when they span machines)
@@ -75,7 +76,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     conn.send(("loaded",))
     num_pages = conn.recv()
     kv = KVPool(model.spec.num_layers, num_pages, spec.page_size, model.num_kv_heads, model.spec.head_dim,
-                TORCH_DTYPES[spec.run.dtype], device)
+                KV_TORCH_DTYPES[spec.kv_dtype], device)
     backend = make_backend(spec.run.attention_backend, spec.run.device, spec.run.dtype, spec.run.cpu_kernels,
                            spec.model.full_attention)
     backend.setup(attention_shape(model, spec.run.dtype), device)

@@ -290,7 +290,7 @@ def launch(config: EngineConfig, spec: ModelSpec, model_path: str, threads: int,
     def spec_for(r: int) -> WorkerSpec:  # a rank's device counts from the first one on its own node
         return WorkerSpec(rank=r, size=size, port=store.port, model=spec, model_path=model_path,
                           run=replace(run, device=rank_device(run.device, r % per_node)),
-                          page_size=config.kv.page_size, threads=threads,
+                          page_size=config.kv.page_size, kv_dtype=config.kv_dtype, threads=threads,
                           timeout=timeout, host=host)
 
     pool = WorkerPool([spec_for(r) for r in range(1, per_node)])

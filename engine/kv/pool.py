@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention.int8_kv import row_bytes
+
 
 class KVPool:
-    """Physical KV storage. Shape per layer: [num_pages * page_size, num_kv_heads, head_dim].
+    """Physical KV storage. Shape per layer: [num_pages * page_size, num_kv_heads, head_dim] of `dtype`; with
+    `dtype` torch.int8, [..., row_bytes(head_dim)]: int8 rows with their scales (kernels/attention/int8_kv.py).
 
     The tiers under the prefix cache (engine/kv/tiers.py) move whole pages in and out: `read_pages` copies
     pages into host memory as one tensor [pages, layers, 2, page_size, kv_heads, head_dim] (each page
@@ -16,8 +19,13 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_pages * page_size, num_kv_heads, row_width(head_dim, dtype))
         self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def dtype_name(self) -> str:
+        """What the pages hold: "int8", or the float dtype's name."""
+        return str(self.buffer.dtype).removeprefix("torch.")
 
     def k(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 0]
@@ -59,4 +67,10 @@ class KVPool:
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
-        return num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * page_size * num_kv_heads * row_width(head_dim, dtype) * \
+            torch.empty((), dtype=dtype).element_size()
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one token's row for one KV head: head_dim, or for int8 pages its bytes with the scale."""
+    return row_bytes(head_dim) if dtype == torch.int8 else head_dim

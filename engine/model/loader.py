@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
+KV_TORCH_DTYPES = {**TORCH_DTYPES, "int8": torch.int8}
+"""What KV pages are stored as, by EngineConfig.kv_dtype (int8: rows and their scales, kernels/attention/int8_kv)."""
 
 
 def resolve_model_path(model: str) -> Path:

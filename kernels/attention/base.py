@@ -8,6 +8,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from kernels.attention.int8_kv import is_int8, quantize_rows
+
 StateT = TypeVar("StateT")
 """A backend's per-step state: what `prepare` (or `capture_state`) builds and every layer's `forward` reads."""
 
@@ -151,6 +153,8 @@ class AttentionBackend(ABC, Generic[StateT]):
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              out_locs: torch.Tensor) -> None:
-    """Scatter this step's K/V into their KV locations."""
+    """Scatter this step's K/V into their KV locations (quantized as they go, into int8 pages)."""
+    if is_int8(k_cache):
+        k, v = quantize_rows(k), quantize_rows(v)
     k_cache.index_copy_(0, out_locs, k)
     v_cache.index_copy_(0, out_locs, v)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape, StateT, store_kv
+from kernels.attention.int8_kv import dequantize_rows, is_int8, quantize_rows
 from kernels.gemm import has_native_half_gemm
 
 
@@ -163,10 +164,16 @@ class ReferenceLayout(AttentionBackend[StateT], Generic[StateT, DecodeT]):
     @staticmethod
     def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: PaddedMeta, scale: float, softcap: float | None) -> torch.Tensor:
-        qp, kp, vp = (gather(x, meta.q_index, meta.batch_size) for x in (q, k, v))
+        dtype, int8 = q.dtype, is_int8(k_cache)
         if meta.kv_index is not None:
             kp, vp = gather(k_cache, meta.kv_index, meta.batch_size), gather(v_cache, meta.kv_index, meta.batch_size)
-        dtype = q.dtype
+            if int8:
+                kp, vp = dequantize_rows(kp, q.shape[-1], dtype), dequantize_rows(vp, q.shape[-1], dtype)
+        else:
+            if int8:  # the step's own keys and values as the pool holds them, as every later step reads them
+                k, v = (dequantize_rows(quantize_rows(x), x.shape[-1], dtype) for x in (k, v))
+            kp, vp = gather(k, meta.q_index, meta.batch_size), gather(v, meta.q_index, meta.batch_size)
+        qp = gather(q, meta.q_index, meta.batch_size)
         if not has_native_half_gemm(q.device, dtype):
             qp, kp, vp = qp.float(), kp.float(), vp.float()
         qt, kt, vt = qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2)
@@ -240,10 +247,11 @@ class TorchRefBackend(ReferenceLayout[TorchRefMeta[DecodeMeta], DecodeMeta]):
                 scale: float, softcap: float | None) -> torch.Tensor:
         """softmax(q K^T * scale + bias) V per request and KV head group, in float32 (scores capped with `softcap`)."""
         bsz, num_heads, dim = q.shape
-        kv_heads = k_cache.shape[1]
-        shape = (bsz, kv_heads, meta.max_kv, dim)
-        kp = k_cache.view(-1, dim).index_select(0, meta.head_rows).view(shape).float()
-        vp = v_cache.view(-1, dim).index_select(0, meta.head_rows).view(shape).float()
+        kv_heads, width = k_cache.shape[1], k_cache.shape[2]
+        shape = (bsz, kv_heads, meta.max_kv, width)
+        kp = k_cache.view(-1, width).index_select(0, meta.head_rows).view(shape)
+        vp = v_cache.view(-1, width).index_select(0, meta.head_rows).view(shape)
+        kp, vp = (dequantize_rows(kp, dim), dequantize_rows(vp, dim)) if is_int8(k_cache) else (kp.float(), vp.float())
         qg = q.float().reshape(bsz, kv_heads, num_heads // kv_heads, dim) * scale
         scores = torch.matmul(qg, kp.transpose(-1, -2))  # [B, kv_heads, group, max_kv]
         if softcap is not None:

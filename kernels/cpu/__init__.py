@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.attention.int8_kv import is_int8, row_bytes
 from kernels.cpu.build import KernelBuildError, chosen_isa, load_library
 from kernels.quant import PANEL, BlockMatrix, QType, Segment
 
@@ -70,7 +71,8 @@ class _Attention(ctypes.Structure):
     _fields_ = [("out", _P), ("q", _P), ("q_stride", _I), ("k_pool", _P), ("v_pool", _P), ("table", _P),
                 ("table_stride", _I), ("rows", _P), ("kv_lens", _P), ("batch", _I), ("num_heads", _I),
                 ("num_kv_heads", _I), ("head_dim", _I), ("scale", _F), ("window", _I), ("softcap", _F),
-                ("k_new", _P), ("v_new", _P), ("k_stride", _I), ("v_stride", _I), ("out_locs", _P)]
+                ("k_new", _P), ("v_new", _P), ("k_stride", _I), ("v_stride", _I), ("out_locs", _P),
+                ("kv_q8", ctypes.c_int32)]
 
 
 def supported(device: str, dtype: torch.dtype) -> bool:
@@ -189,14 +191,17 @@ class CpuKernels:
             raise ValueError("paged_attention needs q's heads contiguous and contiguous caches")
         if table.stride(1) != 1 or not (rows.is_contiguous() and kv_lens.is_contiguous()):
             raise ValueError("paged_attention needs unit-stride table rows and contiguous rows / kv_lens")
+        int8 = is_int8(k_cache)  # int8 rows with their scales (kernels/attention/int8_kv.py)
+        if k_cache.shape[2] != (row_bytes(dim) if int8 else dim):
+            raise ValueError(f"paged_attention: cache rows of {k_cache.shape[2]} for head_dim {dim}")
         for t, what in ((k_cache, "k cache"), (v_cache, "v cache")):
-            _check(t, q.dtype, what)
+            _check(t, torch.int8 if int8 else q.dtype, what)
         for t, what in ((table, "request table"), (rows, "rows"), (kv_lens, "kv_lens")):
             _check(t, torch.int64, what)
         call = _Attention(q=q.data_ptr(), q_stride=q.stride(0), k_pool=k_cache.data_ptr(), v_pool=v_cache.data_ptr(),
                           table=table.data_ptr(), table_stride=table.stride(0), rows=rows.data_ptr(),
                           kv_lens=kv_lens.data_ptr(), batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                          head_dim=dim, scale=scale, window=window or 0, softcap=softcap or 0.0)
+                          head_dim=dim, scale=scale, window=window or 0, softcap=softcap or 0.0, kv_q8=int(int8))
         if new is not None:
             k, v, out_locs = new
             if k.shape != (batch, num_kv_heads, dim) or v.shape != k.shape or k.stride()[1:] != (dim, 1) or \

@@ -3,8 +3,9 @@
  * each with its causal key count (kernels/attention/cpu.py).
  *
  * For item b and KV head h the keys are pool rows table[rows[b], 0 .. kv_lens[b]-1] (under a sliding window of
- * `window` positions only the last `window` of them), taken in blocks of KEY_BLOCK rows: float32 rows are read where they lie, bfloat16 rows are widened into a small buffer
- * first; each block serves every query head of h's group. Scores are eight keys at a time, softmax runs
+ * `window` positions only the last `window` of them), taken in blocks of KEY_BLOCK rows: float32 rows are read where
+ * they lie, bfloat16 rows are widened and int8 rows (kv_q8) scaled into a small buffer first; each block serves
+ * every query head of h's group. Scores are eight keys at a time, softmax runs
  * online across blocks in float32 (each score first capped as softcap * tanh(s / softcap) where softcap > 0, Gemma 2),
  * and the output is rounded to the activation dtype at the end.
  *
@@ -146,13 +147,42 @@ static inline const float *row_bf16(const uint16_t *src, float *buf, int64_t hea
     return buf;
 }
 
+/* Scales per int8 row: one per 32 values, or one for a head_dim that is not a multiple of 32. */
+static inline int64_t q8_blocks(int64_t head_dim) { return head_dim % 32 == 0 ? head_dim / 32 : 1; }
+
+int64_t kv_row_bytes_q8(int64_t head_dim) { return head_dim + 4 * q8_blocks(head_dim); }
+
+/* An int8 row (kernels/attention/int8_kv.py): q * s per block, the float32 scales after the head_dim values. */
+static inline const float *row_q8(const int8_t *src, float *buf, int64_t head_dim) {
+    const int64_t nb = q8_blocks(head_dim), per = head_dim / nb;
+    for (int64_t b = 0; b < nb; b++) {
+        float s;
+        memcpy(&s, src + head_dim + 4 * b, sizeof s);
+        for (int64_t d = b * per; d < (b + 1) * per; d++) buf[d] = (float)src[d] * s;
+    }
+    return buf;
+}
+
+void kv_store_q8(int8_t *dst, const float *x, int64_t head_dim) {
+    const int64_t nb = q8_blocks(head_dim), per = head_dim / nb;
+    for (int64_t b = 0; b < nb; b++) {
+        float amax = 0.0f;
+        for (int64_t d = b * per; d < (b + 1) * per; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        const float s = amax / 127.0f;
+        for (int64_t d = b * per; d < (b + 1) * per; d++) dst[d] = (int8_t)(s > 0.0f ? nearbyintf(x[d] / s) : 0.0f);
+        memcpy(dst + head_dim + 4 * b, &s, sizeof s);
+    }
+}
+
 /* One item: query token b's heads of KV head h's group, over keys 0..kv_lens[b]-1 of its request (the last
  * `window` of them where window > 0), scores capped where softcap > 0. */
 #define DEFINE_ATTEND_ITEM(NAME, T, LOAD, STORE, ROW)                                                     \
 void NAME(const attention_call *a, int64_t b, int64_t h) {                                               \
     const int64_t num_heads = a->num_heads, num_kv_heads = a->num_kv_heads, head_dim = a->head_dim;      \
     const int64_t group = num_heads / num_kv_heads;                                                      \
-    const T *q = a->q, *k_pool = a->k_pool, *v_pool = a->v_pool;                                         \
+    const T *q = a->q;                                                                                   \
+    const char *k_pool = a->k_pool, *v_pool = a->v_pool;                                                 \
+    const int64_t row_bytes = a->kv_q8 ? kv_row_bytes_q8(head_dim) : head_dim * (int64_t)sizeof(T);      \
     const int64_t *locs = a->table + a->rows[b] * a->table_stride;                                      \
     const int64_t len = a->kv_lens[b], window = a->window;                                               \
     const int64_t begin = window > 0 && len > window ? len - window : 0;                                 \
@@ -172,9 +202,14 @@ void NAME(const attention_call *a, int64_t b, int64_t h) {                      
         const int64_t n = len - j0 < KEY_BLOCK ? len - j0 : KEY_BLOCK;                                   \
         const int64_t n_pad = (n + LANES - 1) / LANES * LANES;                                           \
         for (int64_t j = 0; j < n; j++) {                                                                \
-            const int64_t row = (locs[j0 + j] * num_kv_heads + h) * head_dim;                           \
-            k[j] = ROW(k_pool + row, kbuf + j * head_dim, head_dim);                                     \
-            v[j] = ROW(v_pool + row, vbuf + j * head_dim, head_dim);                                     \
+            const int64_t row = (locs[j0 + j] * num_kv_heads + h) * row_bytes;                          \
+            if (a->kv_q8) {                                                                              \
+                k[j] = row_q8((const int8_t *)(k_pool + row), kbuf + j * head_dim, head_dim);            \
+                v[j] = row_q8((const int8_t *)(v_pool + row), vbuf + j * head_dim, head_dim);            \
+            } else {                                                                                     \
+                k[j] = ROW((const T *)(k_pool + row), kbuf + j * head_dim, head_dim);                    \
+                v[j] = ROW((const T *)(v_pool + row), vbuf + j * head_dim, head_dim);                    \
+            }                                                                                            \
         }                                                                                                \
         for (int64_t j = n; j < n_pad; j++) k[j] = zeros;                                                \
         for (int64_t g = 0; g < group; g++) {                                                            \
@@ -196,18 +231,31 @@ void NAME(const attention_call *a, int64_t b, int64_t h) {                      
  * With `k_new` the step's own keys and values (token t's at k_new + t * k_stride and v_new + t * v_stride, heads
  * contiguous) are first written to pool slots out_locs[t], in the same parallel region (no torch scatter per
  * layer). */
-#define DEFINE_PAGED_ATTENTION(NAME, ITEM, T)                                                                   \
+#define DEFINE_PAGED_ATTENTION(NAME, ITEM, T, LOAD)                                                        \
 void NAME(const attention_call *a) {                                                                      \
     const int64_t width = a->num_kv_heads * a->head_dim;                                                  \
-    T *k_pool = a->k_pool, *v_pool = a->v_pool;                                                           \
     const T *k_new = a->k_new, *v_new = a->v_new;                                                         \
     _Pragma("omp parallel")                                                                               \
     {                                                                                                     \
-        if (k_new) {                                                                                      \
+        if (k_new && !a->kv_q8) {                                                                         \
+            T *k_pool = a->k_pool, *v_pool = a->v_pool;                                                   \
             _Pragma("omp for schedule(static)")                                                           \
             for (int64_t t = 0; t < a->batch; t++) {                                                      \
                 memcpy(k_pool + a->out_locs[t] * width, k_new + t * a->k_stride, (size_t)width * sizeof(T)); \
                 memcpy(v_pool + a->out_locs[t] * width, v_new + t * a->v_stride, (size_t)width * sizeof(T)); \
+            }                                                                                             \
+        } else if (k_new) { /* one int8 row per token and KV head, quantized from its values */           \
+            const int64_t dim = a->head_dim, row = kv_row_bytes_q8(dim);                                  \
+            int8_t *k_pool = a->k_pool, *v_pool = a->v_pool;                                              \
+            _Pragma("omp for schedule(static)")                                                           \
+            for (int64_t i = 0; i < a->batch * a->num_kv_heads; i++) {                                    \
+                const int64_t t = i / a->num_kv_heads, h = i % a->num_kv_heads;                           \
+                const int64_t at = (a->out_locs[t] * a->num_kv_heads + h) * row;                          \
+                float x[dim];                                                                             \
+                for (int64_t d = 0; d < dim; d++) x[d] = LOAD(k_new[t * a->k_stride + h * dim + d]);     \
+                kv_store_q8(k_pool + at, x, dim);                                                         \
+                for (int64_t d = 0; d < dim; d++) x[d] = LOAD(v_new[t * a->v_stride + h * dim + d]);     \
+                kv_store_q8(v_pool + at, x, dim);                                                         \
             }                                                                                             \
         }                                                                                                 \
         _Pragma("omp for schedule(static, 1)")                                                            \
@@ -218,5 +266,5 @@ void NAME(const attention_call *a) {                                            
 
 DEFINE_ATTEND_ITEM(attention_item_f32, float, F32_LOAD, F32_STORE, row_f32)
 DEFINE_ATTEND_ITEM(attention_item_bf16, uint16_t, BF16_LOAD, BF16_STORE, row_bf16)
-DEFINE_PAGED_ATTENTION(paged_attention_f32, attention_item_f32, float)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, attention_item_bf16, uint16_t)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, attention_item_f32, float, F32_LOAD)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, attention_item_bf16, uint16_t, BF16_LOAD)

@@ -6,7 +6,8 @@
  * as long as the work of a 576-wide projection. Here the team starts once per step and the stages of every
  * layer are worksharing loops inside it, separated by their barriers:
  *   1. RMSNorm of x and its quantization, per row        2. the q/k/v product, per panel (+ bias)
- *   3. Qwen3's per-head q/k norms, then RoPE, per head    4. the step's K and V into the pool, per token
+ *   3. Qwen3's per-head q/k norms, then RoPE, per head    4. the step's K and V into the pool, per token (int8
+ *                                                            rows quantized per KV head, where the pool is int8)
  *   5. attention, per (token, KV head)                    6. quantization of the attention's output, per row
  *   7. x += the o product, per panel                      8. RMSNorm of x and its quantization, per row
  *   9. the gate/up product, per panel                    10. act(gate) * up and its quantization, per row
@@ -38,7 +39,7 @@ typedef struct { /* one layer's weights, its share of the KV pool and its attent
     const float *attn_out_norm, *mlp_out_norm;            /* Gemma's norms of each half's output; NULL elsewhere */
     const float *cos, *signed_sin;                        /* this layer's RoPE tables [positions, head_dim] */
     product qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache; /* float32, or int8 rows (kv_q8: attention.h) */
     int64_t window;
 } layer_plan;
 
@@ -46,6 +47,7 @@ typedef struct { /* the model's shape and what every layer shares */
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;   /* scale: of q . k */
     int32_t activation; /* INPUT_SILU_MUL or INPUT_GELU_MUL */
+    int32_t kv_q8;      /* 1: the pools hold int8 rows (attention.h) */
     const layer_plan *layers;
 } model_plan;
 
@@ -103,17 +105,29 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
             if (norm) rms_norm_row_f32(row, row, norm, head_dim, plan->eps);
             rope_token_f32(row, 1, positions[t], L->cos, L->signed_sin, head_dim);
         }
+        if (plan->kv_q8) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tokens; t++) {
-            memcpy(L->k_cache + out_locs[t] * kv_size, qkv + t * qkv_width + q_size, (size_t)kv_size * sizeof(float));
-            memcpy(L->v_cache + out_locs[t] * kv_size, qkv + t * qkv_width + q_size + kv_size,
-                   (size_t)kv_size * sizeof(float));
+            for (int64_t i = 0; i < tokens * plan->kv_heads; i++) {
+                const int64_t t = i / plan->kv_heads, h = i % plan->kv_heads;
+                const int64_t at = (out_locs[t] * plan->kv_heads + h) * kv_row_bytes_q8(head_dim);
+                const float *k = qkv + t * qkv_width + q_size + h * head_dim;
+                kv_store_q8((int8_t *)L->k_cache + at, k, head_dim);
+                kv_store_q8((int8_t *)L->v_cache + at, k + kv_size, head_dim);
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tokens; t++) {
+                memcpy((float *)L->k_cache + out_locs[t] * kv_size, qkv + t * qkv_width + q_size,
+                       (size_t)kv_size * sizeof(float));
+                memcpy((float *)L->v_cache + out_locs[t] * kv_size, qkv + t * qkv_width + q_size + kv_size,
+                       (size_t)kv_size * sizeof(float));
+            }
         }
         const attention_call call = {.out = attn, .q = qkv, .q_stride = qkv_width, .k_pool = L->k_cache,
                                      .v_pool = L->v_cache, .table = table, .table_stride = table_stride,
                                      .rows = rows, .kv_lens = kv_lens, .batch = tokens, .num_heads = plan->heads,
                                      .num_kv_heads = plan->kv_heads, .head_dim = head_dim, .scale = plan->scale,
-                                     .window = L->window};
+                                     .window = L->window, .kv_q8 = plan->kv_q8};
 #pragma omp for schedule(static, 1)
         for (int64_t item = 0; item < tokens * plan->kv_heads; item++)
             attention_item_f32(&call, item / plan->kv_heads, item % plan->kv_heads);

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention.int8_kv import is_int8
 from kernels.cpu import GATED_INPUTS, CpuKernels
 from kernels.quant import BlockMatrix
 
@@ -31,7 +32,8 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("inter", _I), ("eps", _F), ("scale", _F), ("activation", ctypes.c_int32), ("layers", _P)]
+                ("inter", _I), ("eps", _F), ("scale", _F), ("activation", ctypes.c_int32), ("kv_q8", ctypes.c_int32),
+                ("layers", _P)]
 
 
 Projection = tuple[BlockMatrix, torch.Tensor | None]
@@ -42,8 +44,8 @@ Projection = tuple[BlockMatrix, torch.Tensor | None]
 class LayerWeights:
     """What decode.c needs of one layer: float32 norm gains (the norm before attention, the one before the MLP,
     q/k norms or None, Gemma's norms of each half's output or None), its RoPE tables ([positions, head_dim]
-    float32 cos and signed sin), the four products, the layer's K and V pools ([locations, kv heads, head dim],
-    float32), its attention window (0: none)."""
+    float32 cos and signed sin), the four products, the layer's K and V pools ([locations, kv heads, head dim]
+    float32, or int8 rows: kernels/attention/int8_kv.py), its attention window (0: none)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -72,7 +74,7 @@ class FusedLayers:
         self._layers = (_Layer * len(views))(*views)
         hidden, inter = layers[0].qkv[0].in_features, layers[0].down[0].in_features
         self._model = _Model(len(views), hidden, heads, kv_heads, head_dim, inter, eps, scale,
-                             GATED_INPUTS[activation], ctypes.addressof(self._layers))
+                             GATED_INPUTS[activation], int(is_int8(layers[0].k_cache)), ctypes.addressof(self._layers))
         self.hidden = hidden
         for name, mirror in (("product", _Product), ("layer_plan", _Layer), ("model_plan", _Model)):
             kernels.check_struct(name, mirror)
@@ -101,7 +103,13 @@ class FusedLayers:
                       self._tensor(w.k_norm), self._tensor(w.attn_out_norm), self._tensor(w.mlp_out_norm),
                       self._tensor(w.cos), self._tensor(w.signed_sin), self._product(kernels, w.qkv),
                       self._product(kernels, w.o), self._product(kernels, w.gate_up), self._product(kernels, w.down),
-                      self._tensor(w.k_cache), self._tensor(w.v_cache), w.window)
+                      self._pool(w.k_cache), self._pool(w.v_cache), w.window)
+
+    def _pool(self, t: torch.Tensor) -> int:
+        if not t.is_contiguous() or t.dtype not in (torch.float32, torch.int8):
+            raise ValueError("the fused layers need contiguous float32 or int8 KV pools")
+        self._keep.append(t)
+        return t.data_ptr()
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                  kv_lens: torch.Tensor, out_locs: torch.Tensor) -> None:
