@@ -197,7 +197,7 @@ class LLM:
         self.scheduler = Scheduler(self.runner, self.cache, self.table, self.eos_ids, cfg.scheduler, self._token_text,
                                    self._speculator(num_pages), kv_window=spec.kv_window)
         self.loop = StepLoop(self.scheduler, self.runner)
-        self.view = SchedulerView(self.scheduler)  # what stats and request details read
+        self.view = SchedulerView(self.scheduler, self.kv.dtype_name, self.kv.page_bytes)  # what stats, details read
         # requests without a seed draw one from here: from `seed` (reproducible runs), else from the OS, so
         # replicas behind a gateway do not sample in lockstep
         self._rng = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))

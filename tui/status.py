@@ -40,8 +40,9 @@ def summary(stats: Stats, info: Info | None = None, verbose: bool = False) -> li
     return [
         *lines,
         f"request slots {busy}/{len(stats.slots)} busy; waiting {len(stats.waiting)}; running {len(stats.running)}",
-        f"KV pages ({p.page_size} tokens each): {p.free} free, {p.held} held, {p.cached} cached, "
-        f"{p.locked} locked, {p.total} total; {p.claimed} more counted for admitted requests; "
+        f"KV pages ({p.page_size} tokens each{pool_dtype(p)}): {p.free} free, {p.held} held, {p.cached} cached, "
+        f"{p.locked} locked, {p.total} total ({p.total * p.page_size:,} tokens); {p.claimed} more counted for "
+        f"admitted requests; "
         + "; ".join(kv_tiers(stats)),
         f"admission {stats.admission}; order {stats.policy}; {c.retractions} retractions",
         f"rates: prefill {c.prefill_tokens_per_s:.1f} tok/s, decode {c.decode_tokens_per_s:.1f} tok/s, "
@@ -61,6 +62,11 @@ def size(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}" if n < 10 * scale else f"{n / scale:.0f} {unit}"
     return f"{n:.0f} B"
+
+
+def pool_dtype(p: Pages) -> str:
+    """", int8 pages of 36 KiB": what the pool's pages hold and weigh, where the engine says."""
+    return f", {p.dtype} pages of {size(p.page_bytes)}" if p.dtype and p.page_bytes else ""
 
 
 def kv_tiers(stats: Stats, brief: bool = False) -> list[str]:

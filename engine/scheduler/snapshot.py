@@ -145,6 +145,8 @@ class PageSnapshot:
     owners: tuple[str, ...]
     complete: bool
     tiers: tuple[TierUse, ...] = ()
+    dtype: str = ""  # what the pages hold: "int8" or a float dtype's name
+    page_bytes: int = 0  # one page's bytes, every layer's K and V
 
 
 @dataclass(frozen=True)

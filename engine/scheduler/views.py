@@ -7,6 +7,7 @@ which the clients import without torch); `describe` is one live request in detai
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.pages import PageMap
@@ -30,8 +31,9 @@ class SchedulerView:
     """What the engine's stats and request details read of `scheduler`. It keeps the KV page map, made at the first
     snapshot (until then nobody asks, and the allocator notes nothing)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, kv_dtype: str = "", page_bytes: int = 0) -> None:
         self.scheduler = scheduler
+        self.kv_dtype, self.page_bytes = kv_dtype, page_bytes  # the pool's (engine/kv/pool.py), for the snapshots
         self.pages: PageMap | None = None
 
     def page_map(self) -> PageMap:
@@ -46,7 +48,8 @@ class SchedulerView:
 
     def snapshot(self, changed: set[int] | None = None) -> SchedulerSnapshot:
         """Queues, slots, pages and counters: every page, or with `changed` (from `watch_pages`) only those."""
-        return snapshot(self.scheduler, self.page_map(), changed)
+        snap = snapshot(self.scheduler, self.page_map(), changed)
+        return replace(snap, pages=replace(snap.pages, dtype=self.kv_dtype, page_bytes=self.page_bytes))
 
     def describe(self, rid: str, text_from: int = 0) -> RequestDetail[tuple[int, ...]] | None:
         """One live request in detail, by the client's rid or a choice's own; None when it is not live."""

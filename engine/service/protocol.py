@@ -243,6 +243,8 @@ class Pages(msgspec.Struct, kw_only=True):
     runs: list[PageRun] = msgspec.field(default_factory=list)
     owners: list[str] = msgspec.field(default_factory=list)  # the requests holding pages: PageRun.owner indexes this
     tiers: list[TierUse] = msgspec.field(default_factory=list)  # the tiers below the pool: host memory, disk
+    dtype: str = ""  # what the pages hold (--kv-cache-dtype): "int8" or a float dtype's name
+    page_bytes: int = 0  # one page's bytes, every layer's K and V
 
     @property
     def used(self) -> int:

@@ -129,4 +129,5 @@ class StatsRecorder:
     def _pages(self, pages: PageSnapshot) -> Pages:
         return Pages(page_size=pages.page_size, free=pages.free, held=pages.held, cached=pages.cached - pages.locked,
                      locked=pages.locked, total=pages.total, claimed=pages.claimed, base=self._full_seq,
-                     runs=list(pages.runs), owners=list(pages.owners), tiers=list(pages.tiers))
+                     runs=list(pages.runs), owners=list(pages.owners), tiers=list(pages.tiers), dtype=pages.dtype,
+                     page_bytes=pages.page_bytes)

@@ -137,7 +137,10 @@ class RequestDetailScreen(ModalScreen[None]):
                                         f"({share}){tiers}"))
             if d.slot is not None or d.pages:
                 slot = f"slot {d.slot} · " if d.slot is not None else ""
-                lines.append(("memory", f"{slot}{d.pages} KV pages held, {d.claimed_pages} more claimed"))
+                pool = self.link.stats.pages if self.link.stats is not None else None
+                kind = f" ({pool.dtype}, {d.pages * pool.page_bytes / 2**20:.1f} MiB)" \
+                    if pool is not None and pool.dtype and pool.page_bytes else ""
+                lines.append(("memory", f"{slot}{d.pages} KV pages held{kind}, {d.claimed_pages} more claimed"))
             output = f"{d.generated}/{d.max_tokens} tokens"
             if d.retractions:
                 output += f" · retracted ×{d.retractions}"

@@ -107,7 +107,7 @@ class PageGrid(CellGrid):
             return
         self._drawn = drawn
         header = [f"{p.held} held (+{p.claimed} claimed)", f"{p.locked} locked", f"{p.cached} cached",
-                  f"{p.free} free of {p.total} × {p.page_size} tok",
+                  f"{p.free} free of {p.total} × {p.page_size} tok" + (f" {p.dtype}" if p.dtype else ""),
                   *(part for part in (stats.admission and f"admission {stats.admission}",
                                       stats.policy and f"queue order {stats.policy}") if part),
                   *kv_tiers(stats, brief=True)]

@@ -66,6 +66,13 @@ class EngineStatsCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.pages.dtype:
+            dtype = GaugeMetricFamily("minichat_kv_cache_dtype", "1, labelled with what the KV pages hold "
+                                      "(--kv-cache-dtype: int8 or a float dtype).", labels=["dtype"])
+            dtype.add_metric([s.pages.dtype], 1)
+            yield dtype
+            yield GaugeMetricFamily("minichat_kv_page_bytes", "Bytes of one KV page (every layer's K and V).",
+                                    value=s.pages.page_bytes)
         c = s.counters
         totals = {
             "minichat_engine_requests_submitted": ("Requests the engine accepted.", c.submitted),
