@@ -280,14 +280,17 @@ of each half's output and a RoPE table per layer; Gemma 2's capped attention sco
 
 
 @pytest.mark.parametrize("family", ONE_CALL)
-def test_layers_in_one_call_compute_what_the_layer_by_layer_path_does(mixed_files, family):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_layers_in_one_call_compute_what_the_layer_by_layer_path_does(mixed_files, family, kv_cache_dtype):
     """kernels/cpu/decode.c runs every layer of a block-format model in one C call, from the same functions as
     the per-call path: the same log-probabilities bit for bit, prompt and decode alike (Qwen3's q/k norms
-    are torch's F.rms_norm layer by layer and the C row function in one call: equal to float32 rounding)."""
+    are torch's F.rms_norm layer by layer and the C row function in one call: equal to float32 rounding), on float
+    KV pages and on int8 ones (quantized by the same C function as they are stored)."""
     path = mixed_files[family]
     results = []
     for one_call in (True, False):
-        llm = LLM(str(path), max_prefill_tokens=64, one_call=one_call)
+        llm = LLM(str(path), max_prefill_tokens=64, one_call=one_call, kv_cache_dtype=kv_cache_dtype)
+        assert llm.kv.dtype_name == ("int8" if kv_cache_dtype == "int8" else "float32")
         assert llm.execution["layers"] == ("one C call a step" if one_call else "one call each")
         ids = torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(3)).tolist()
         out = llm.generate([ids, ids[:7]], SamplingParams(max_tokens=8, prompt_logprobs=0, logprobs=0))

@@ -44,6 +44,26 @@ def test_it_answers_the_question(llm: LLM) -> None:
     assert llm.default_system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
+def test_int8_kv_pages_agree_with_float32_pages_on_real_text(llm: LLM, gguf_file: Path) -> None:
+    """--kv-cache-dtype int8 against the same engine's float32 pages over the whole of tests/data/prose.txt (2,047
+    scored positions): the perplexity within 1% (measured: +0.05%), the top token the same at >= 98.5% of positions
+    (measured: 98.6%). The agreement is mostly near-ties of the float32 run, and moves by itself: computing the
+    scales as max / 127 instead of max * (1 / 127), one last bit, gave 99.2%; blocks of 16 instead of 32, 99.0%."""
+    text = (Path(__file__).parent / "data" / "prose.txt").read_text()
+    ids = llm.tokenizer.encode(text)[:2048]
+    assert len(ids) == 2048
+    params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    scored = []
+    for engine in (llm, LLM(str(gguf_file), max_prefill_tokens=4096, seed=0, kv_cache_dtype="int8")):
+        out = engine.generate([ids], params)[0].prompt_logprobs[1:]
+        scored.append((torch.tensor([p.top[0][0] for p in out]), torch.tensor([p.logprob for p in out])))
+    (top, logprob), (top8, logprob8) = scored
+    agree = (top == top8).float().mean().item()
+    ppl, ppl8 = math.exp(-logprob.mean().item()), math.exp(-logprob8.mean().item())
+    assert agree >= 0.985, agree
+    assert abs(ppl8 / ppl - 1) <= 0.01, (ppl8, ppl)
+
+
 def test_top1_and_perplexity_against_transformers_dequantized(llm: LLM, hf, gguf_file: Path) -> None:
     text = (Path(__file__).parent / "data" / "prose.txt").read_text()
     ids = llm.tokenizer.encode(text)[:PROSE_TOKENS]

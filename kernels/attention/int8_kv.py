@@ -18,6 +18,9 @@ BLOCK = 32
 """Values per scale."""
 SCALE_BYTES = 4
 """A scale, float32."""
+INV_127 = 1 / 127
+"""s = max|x| * INV_127 and q = round(x * (1 / s)), both in float32: multiplications, which the C kernels (built with
+fast math, which turns a division into one) compute bit for bit as torch does."""
 
 
 def blocks(head_dim: int) -> int:
@@ -32,12 +35,12 @@ def row_bytes(head_dim: int) -> int:
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., head_dim] (any float dtype) as int8 rows [..., row_bytes(head_dim)]: round(x / s) per block, s =
-    max|x| / 127 over the block (an all-zero block: s = 0 and zeros)."""
+    max|x| / 127 over the block (an all-zero block: s = 0 and zeros), as INV_127 says."""
     x = x.float()
     lead, dim = x.shape[:-1], x.shape[-1]
     per = x.reshape(*lead, blocks(dim), -1)
-    scale = per.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scale > 0, per / scale, 0.0).round().to(torch.int8).reshape(x.shape)
+    scale = per.abs().amax(-1, keepdim=True) * INV_127
+    q = torch.where(scale > 0, per * (1 / scale), 0.0).round().to(torch.int8).reshape(x.shape)
     return torch.cat((q, scale.reshape(*lead, -1).contiguous().view(torch.int8)), dim=-1)
 
 

@@ -168,8 +168,8 @@ void kv_store_q8(int8_t *dst, const float *x, int64_t head_dim) {
     for (int64_t b = 0; b < nb; b++) {
         float amax = 0.0f;
         for (int64_t d = b * per; d < (b + 1) * per; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
-        const float s = amax / 127.0f;
-        for (int64_t d = b * per; d < (b + 1) * per; d++) dst[d] = (int8_t)(s > 0.0f ? nearbyintf(x[d] / s) : 0.0f);
+        const float s = amax * (1.0f / 127.0f), inv = s > 0.0f ? 1.0f / s : 0.0f; /* as int8_kv.py's INV_127 */
+        for (int64_t d = b * per; d < (b + 1) * per; d++) dst[d] = (int8_t)nearbyintf(x[d] * inv);
         memcpy(dst + head_dim + 4 * b, &s, sizeof s);
     }
 }

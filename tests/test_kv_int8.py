@@ -1,0 +1,128 @@
+"""int8 KV pages (--kv-cache-dtype int8; kernels/attention/int8_kv.py): rows quantized once as they are written, read
+as they are by the cpu and torch backends, moved by the prefix cache, retraction and the tiers as bytes.
+
+Quantized pages cannot give transformers' tokens exactly, so what is asserted is what must hold exactly: a row reads
+back within half its block's scale; the C store and the torch store write the same rows; every path over int8 pages
+(a prefix-cache hit, a page from disk, a retraction, overlap) gives what a cold run over int8 pages gives, because
+attention reads what the pool holds everywhere, a prompt's own keys included; a pool of the same bytes holds as many
+more pages as the rows are smaller. The quality on the real model is tests/test_real_model.py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from kernels.attention.int8_kv import BLOCK, blocks, dequantize_rows, quantize_rows, row_bytes
+from kernels.cpu import load_cpu_kernels
+from tests.test_kv_tiers import greedy, hits, ids
+from tests.test_retraction import OUT, crowd, tight
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 96, 128])
+def test_a_row_reads_back_within_half_its_blocks_scale(head_dim: int) -> None:
+    x = torch.randn(50, 3, head_dim, generator=torch.Generator().manual_seed(head_dim)) * 3
+    x[0, 0, 1] = 80.0  # an outlier: only its own block's values lose precision to it
+    x[1, 2] = 0.0  # an all-zero row
+    rows = quantize_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == (50, 3, row_bytes(head_dim))
+    assert row_bytes(head_dim) == head_dim + 4 * (head_dim // BLOCK if head_dim % BLOCK == 0 else 1)
+    back = dequantize_rows(rows, head_dim)
+    per = x.reshape(50, 3, blocks(head_dim), -1)
+    half_scale = (per.abs().amax(-1, keepdim=True) / 127 / 2).expand_as(per).reshape(x.shape)
+    assert ((back - x).abs() <= half_scale * (1 + 1e-6) + 1e-30).all()
+    assert torch.equal(back[1, 2], torch.zeros(head_dim))
+    if head_dim >= 2 * BLOCK:  # the outlier's block alone is coarse
+        assert (back[0, 0, BLOCK:] - x[0, 0, BLOCK:]).abs().max() < 3 * 3 / 127
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_the_c_kernel_stores_and_reads_the_rows_the_torch_reference_does(head_dim: int) -> None:
+    """paged_attention with new keys and values writes the int8 rows quantize_rows writes, bit for bit, and attends
+    over them as the reference attends over their dequantized values."""
+    kernels = load_cpu_kernels()
+    g = torch.Generator().manual_seed(head_dim)
+    tokens, heads, kv_heads, slots = 6, 4, 2, 32
+    q, k, v = (torch.randn(tokens, h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    k_cache = torch.zeros(slots, kv_heads, row_bytes(head_dim), dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    out_locs = torch.tensor([3, 9, 10, 11, 20, 21])
+    table = torch.tensor([[3, 9, 10, 11, 20, 21]])
+    rows, kv_lens = torch.zeros(tokens, dtype=torch.int64), torch.arange(1, tokens + 1)
+    out = kernels.paged_attention(q, k_cache, v_cache, table, rows, kv_lens, 0.25, new=(k, v, out_locs))
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        assert torch.equal(cache[out_locs], quantize_rows(x))
+    keys, values = dequantize_rows(k_cache[out_locs], head_dim), dequantize_rows(v_cache[out_locs], head_dim)
+    group = heads // kv_heads
+    for t in range(tokens):
+        scores = torch.einsum("hd,khd->hk", q[t], keys[: t + 1].repeat_interleave(group, 1)) * 0.25
+        expected_out = torch.einsum("hk,khd->hd", scores.softmax(-1), values[: t + 1].repeat_interleave(group, 1))
+        assert torch.allclose(out[t], expected_out, atol=1e-5, rtol=1e-5)
+
+
+def test_the_same_bytes_hold_as_many_more_pages_as_the_rows_are_smaller(llama_ckpt: Path) -> None:
+    pools = {kv: LLM(str(llama_ckpt), kv_memory_gb=0.002, max_running_requests=64, kv_cache_dtype=kv, kv_disk_gib=0)
+             for kv in ("auto", "int8")}
+    head_dim = pools["auto"].model.spec.head_dim
+    ratio = head_dim * 4 / row_bytes(head_dim)
+    assert pools["int8"].num_pages == int(pools["auto"].num_pages * ratio) or \
+        abs(pools["int8"].num_pages / pools["auto"].num_pages - ratio) < 0.01
+    assert pools["int8"].kv.page_bytes * ratio == pytest.approx(pools["auto"].kv.page_bytes)
+    stats = pools["int8"].stats().pages
+    assert (stats.dtype, stats.page_bytes) == ("int8", pools["int8"].kv.page_bytes)
+    assert pools["auto"].stats().pages.dtype == "float32"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_every_path_over_int8_pages_gives_the_cold_runs_tokens(llama_ckpt: Path, tmp_path: Path, backend: str) -> None:
+    """A prefix-cache hit, the same prompt after a restart from the disk tier, and a retraction in a tight pool all
+    give the tokens a cold int8 run gives; a float32 engine on the same disk directory loads none of the int8 pages
+    (the fingerprint names the KV dtype)."""
+    prompt, other = ids(70, 1), ids(45, 2)
+    options = {"attention_backend": backend, "kv_cache_dtype": "int8", "kv_cache_dir": str(tmp_path)}
+    with LLM(str(llama_ckpt), **options) as cold:
+        first = cold.generate([prompt], greedy(12))[0].token_ids
+        again = cold.generate([prompt + first[:4]], greedy(8))[0]
+        assert again.usage.cached_tokens > 0
+        assert again.token_ids == first[4:]  # over the cached int8 prefix: what the cold run went on with
+        cold.check_integrity()
+    with LLM(str(llama_ckpt), **options) as restarted:
+        from_disk = restarted.generate([prompt], greedy(12))[0]
+        assert hits(restarted).hit_tokens_disk > 0 and from_disk.token_ids == first
+    with LLM(str(llama_ckpt), attention_backend=backend, kv_cache_dir=str(tmp_path)) as float_pages:
+        float_pages.generate([prompt], greedy(2))
+        assert hits(float_pages).hit_tokens_disk == 0
+    # a crowd in a pool it outgrows: retractions, each request resuming from the tokens it kept
+    prompts = crowd()
+    with tight(llama_ckpt, attention_backend=backend, kv_cache_dtype="int8", kv_disk_gib=0) as squeezed:
+        outs = squeezed.generate(prompts, SamplingParams(max_tokens=OUT))
+        assert squeezed.stats().counters.retractions >= 3
+        squeezed.check_integrity()
+    with LLM(str(llama_ckpt), attention_backend=backend, kv_cache_dtype="int8", page_size=4, kv_disk_gib=0) as roomy:
+        assert [o.token_ids for o in outs] == [o.token_ids for o in roomy.generate(prompts, SamplingParams(
+            max_tokens=OUT))]
+
+
+def test_the_cpu_and_torch_backends_agree_over_int8_pages(llama_ckpt: Path) -> None:
+    """Both read the same stored rows: their greedy tokens agree, and their log-probabilities to float32 summation."""
+    prompts = [ids(30, 5), ids(9, 6)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0)
+    outs = [LLM(str(llama_ckpt), attention_backend=b, kv_cache_dtype="int8", kv_disk_gib=0).generate(prompts, params)
+            for b in ("cpu", "torch")]
+    for a, b in zip(*outs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [p.logprob for p in a.logprobs] == pytest.approx([p.logprob for p in b.logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+    ({"kv_cache_dtype": "bfloat16"}, "kv_cache_dtype 'bfloat16' with dtype 'float32'"),
+    ({"kv_cache_dtype": "int8", "attention_backend": "triton"}, "int8 KV pages are read by the cpu and torch"),
+    ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
+])
+def test_what_cannot_be_honoured_is_refused_naming_it(llama_ckpt: Path, options: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(str(llama_ckpt), **options)
