@@ -81,7 +81,7 @@ def test_every_path_over_int8_pages_gives_the_cold_runs_tokens(llama_ckpt: Path,
     """A prefix-cache hit, the same prompt after a restart from the disk tier, and a retraction in a tight pool all
     give the tokens a cold int8 run gives; a float32 engine on the same disk directory loads none of the int8 pages
     (the fingerprint names the KV dtype)."""
-    prompt, other = ids(70, 1), ids(45, 2)
+    prompt = ids(70, 1)
     options = {"attention_backend": backend, "kv_cache_dtype": "int8", "kv_cache_dir": str(tmp_path)}
     with LLM(str(llama_ckpt), **options) as cold:
         first = cold.generate([prompt], greedy(12))[0].token_ids
