@@ -55,6 +55,10 @@ def test_status_is_short_unless_asked_for_more(engine: str) -> None:
             assert len(short) <= 8 and not any("page map" in line or "long-one" in line for line in short), short
             assert any(line.startswith("request slots ") and line.endswith("running 1") for line in short), short
             assert short[-1].startswith("totals: ")
+            kv = next(line for line in short if line.startswith("KV pages "))
+            weighs = size(pages.page_bytes)  # one page of float32 K and V, as the status says bytes
+            assert kv.startswith(f"KV pages ({pages.page_size} tokens each, float32 pages of {weighs}): "), kv
+            assert f"{pages.total} total ({pages.total * pages.page_size:,} tokens)" in kv, kv
             assert "model: family Llama; architecture LlamaForCausalLM; layers 2; " in short[1], short  # what it is
             assert short[1].endswith("; window none"), short
             running = next(line for line in short if line.startswith("running: "))

@@ -297,6 +297,7 @@ def test_metrics_parse_and_move_with_traffic(server):
                  "minichat_retractions_total"):
         assert name in before, name
     assert before["minichat_engine_up"] == 1
+    assert before['minichat_kv_cache_dtype{"dtype": "float32"}'] == 1 and before["minichat_kv_page_bytes"] > 0
     resp = server.sdk().chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True})
     assert list(resp)[-1].choices[0].finish_reason == "length"
