@@ -185,7 +185,7 @@ def test_kv_title_and_totals_are_whole_at_80_columns(engine: str) -> None:
             width = pages.size.width
             assert width <= 80
             title = str(pages.border_title)
-            assert title.startswith("KV pages ") and title.endswith(" used") and len(title) + 4 <= width
+            assert title.startswith("KV pages ") and title.endswith(" used · float32") and len(title) + 4 <= width
             header = str(pages.render()).splitlines()[:2]
             p = app.last_stats.pages  # type: ignore[union-attr]
             assert " locked · " in header[0] and f" free of {p.total} × {p.page_size} tok" in header[0]

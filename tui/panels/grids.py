@@ -107,7 +107,7 @@ class PageGrid(CellGrid):
             return
         self._drawn = drawn
         header = [f"{p.held} held (+{p.claimed} claimed)", f"{p.locked} locked", f"{p.cached} cached",
-                  f"{p.free} free of {p.total} × {p.page_size} tok" + (f" {p.dtype}" if p.dtype else ""),
+                  f"{p.free} free of {p.total} × {p.page_size} tok",
                   *(part for part in (stats.admission and f"admission {stats.admission}",
                                       stats.policy and f"queue order {stats.policy}") if part),
                   *kv_tiers(stats, brief=True)]
@@ -120,7 +120,7 @@ class PageGrid(CellGrid):
         states, holders = paint(p.total, p.runs, p.owners)
         self.set_items([("█", names.colour(holder)) if state == HELD else PAGE_STATES[state]
                         for state, holder in cells(states, holders, per_cell)])
-        set_titles(self, f"KV pages {p.held + p.locked}/{p.total} used",
+        set_titles(self, f"KV pages {p.held + p.locked}/{p.total} used" + (f" · {p.dtype}" if p.dtype else ""),
                    "█ held ▓ locked ▒ cached ░ free" + (f" · 1 cell = {per_cell} pages" if per_cell > 1 else ""))
 
     def header_lines(self, width: int) -> list[Text]:
