@@ -18,8 +18,10 @@ import torch
 from engine import LLM, SamplingParams
 from kernels.attention.int8_kv import BLOCK, blocks, dequantize_rows, quantize_rows, row_bytes
 from kernels.cpu import load_cpu_kernels
+from tests.checkpoints import FAMILIES
 from tests.test_kv_tiers import greedy, hits, ids
 from tests.test_retraction import OUT, crowd, tight
+from tests.test_speculative import prompts as repeating
 
 
 @pytest.mark.parametrize("head_dim", [8, 64, 96, 128])
@@ -126,3 +128,33 @@ def test_the_cpu_and_torch_backends_agree_over_int8_pages(llama_ckpt: Path) -> N
 def test_what_cannot_be_honoured_is_refused_naming_it(llama_ckpt: Path, options: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(str(llama_ckpt), **options)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_runs_on_int8_pages_alike_on_both_backends(checkpoints, family: str) -> None:
+    """Every family (windows, capped scores, per-head norms, experts) on int8 pages: the C kernel and the torch
+    reference attend over the same stored rows, so they decode the same tokens, and nothing is left held."""
+    prompts = [ids(37, 7), ids(12, 8)]
+    outs = []
+    for backend in ("cpu", "torch"):
+        with LLM(str(checkpoints[family]), attention_backend=backend, kv_cache_dtype="int8", kv_disk_gib=0,
+                 max_prefill_tokens=16) as llm:
+            assert llm.kv.dtype_name == "int8"
+            outs.append([o.token_ids for o in llm.generate(prompts, greedy(10))])
+            llm.check_integrity()
+    assert outs[0] == outs[1]
+
+
+def test_speculation_and_two_ranks_over_int8_pages(llama_ckpt: Path) -> None:
+    """Speculative decoding (drafts' rows written, rejected ones rolled back and written again) and two tensor-parallel
+    ranks (each quantizing its own KV heads' rows) decode what one plain rank decodes over int8 pages."""
+    prompts = repeating()  # phrases repeated, which prompt lookup proposes to continue
+    plain = LLM(str(llama_ckpt), kv_cache_dtype="int8", kv_disk_gib=0).generate(prompts, greedy(16))
+    expected = [o.token_ids for o in plain]
+    with LLM(str(llama_ckpt), kv_cache_dtype="int8", kv_disk_gib=0, speculative="ngram",
+             speculative_adaptive=False) as spec:
+        assert [o.token_ids for o in spec.generate(prompts, greedy(16))] == expected
+        assert spec.stats().counters.spec_drafts > 0
+    with LLM(str(llama_ckpt), kv_cache_dtype="int8", tensor_parallel_size=2) as ranks:
+        assert ranks.kv.dtype_name == "int8"
+        assert [o.token_ids for o in ranks.generate(prompts, greedy(16))] == expected
