@@ -72,7 +72,6 @@ class Scheduler:
         self._scheduled_count = 0
         self._unreleased: set[Req] = set()  # finished, but a batch in flight still uses their slot/pages
         self.inflight_batches = 0
-        self._propose_time = 0.0  # of the step being scheduled, seconds the proposer took
 
     # -- public -----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -132,11 +131,11 @@ class Scheduler:
         Before anyone is admitted, the running set's next tokens get their pages (engine/scheduler/retraction.py),
         or this returns None while a batch in flight holds pages they need."""
         start = time.perf_counter()
-        self._propose_time = 0.0
         self.cache.scheduling(self._scheduled_count + 1)
         self.cache.poll_loads()  # pages loaded since the last step join the prefix cache, for their requests
         room = self.retraction.make_room(self.reqs.values(), self.inflight_batches > 0)
-        plan = self.step_policy.plan(self.counters["steps"], self._propose) if room else None
+        proposer = speculation.Proposer(self.speculator, self.decode_manager.running.values(), self.cache)
+        plan = self.step_policy.plan(self.counters["steps"], proposer) if room else None
         if plan is None:
             return None
         self.retraction.claim(plan.reqs, self.table, self.kv_window)
@@ -145,18 +144,8 @@ class Scheduler:
         constraints.attach(batch, self.grammar, self.processed, self._scheduled_count - 1)
         self._commit(batch)
         batch.schedule_time = time.perf_counter() - start
-        batch.propose_time = self._propose_time
+        batch.propose_time = proposer.seconds
         return batch
-
-    def _propose(self, decoding: list[Req]) -> tuple[list[Req], dict[Req, list[int]]]:
-        """The requests decoding this step and the drafts some of them verify (engine/speculative/steps.py)."""
-        if self.speculator is None or not decoding:
-            return decoding, {}
-        start = time.perf_counter()
-        proposed = speculation.propose(self.speculator, decoding, self.decode_manager.running.values(),
-                                       self.cache.available_size, self.page_size)
-        self._propose_time = time.perf_counter() - start
-        return proposed
 
     def _commit(self, batch: ForwardBatch) -> None:
         """Advance the batch's requests as if it had run, so the next schedule (in the overlap loop,

@@ -4,7 +4,9 @@ why that is exact."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.scheduler.budget import next_pages
@@ -37,6 +39,25 @@ def propose(speculator: Speculator, decoding: list[Req], running: Iterable[Req],
         else:
             speculator.cut(req, proposal, 0)
     return [r for r in decoding if r not in resting], kept
+
+
+@dataclass
+class Proposer:
+    """The drafts of one scheduling, as the step policy asks for them (`propose` within the pages `cache` has free
+    after the `running` set's next tokens), and the seconds that took; without a `speculator`, none."""
+
+    speculator: Speculator | None
+    running: Iterable[Req]
+    cache: CacheManager
+    seconds: float = 0.0
+
+    def __call__(self, decoding: list[Req]) -> tuple[list[Req], dict[Req, list[int]]]:
+        if self.speculator is None or not decoding:
+            return decoding, {}
+        start = time.perf_counter()
+        proposed = propose(self.speculator, decoding, self.running, self.cache.available_size, self.cache.page_size)
+        self.seconds = time.perf_counter() - start
+        return proposed
 
 
 def verify_batch(speculator: Speculator, batch: ForwardBatch, runs: list[tuple[int, list[int]]], tokens: list[int],
