@@ -199,7 +199,9 @@ def test_cli_status_stop_and_serve_refusing_a_taken_address(runtime: Path, llama
         assert serve.returncode == 1 and f"already answers at {address}" in serve.stderr
         status = runner.invoke(app, ["status", "--address", address])
         assert status.exit_code == 0, status.output
-        assert "request slots 0/4 busy" in status.output and "KV pages (16 tokens each): 64 free" in status.output
+        assert "request slots 0/4 busy" in status.output
+        assert "KV pages (16 tokens each, float32 pages of " in status.output and "): 64 free" in status.output
+        assert "64 total (1,024 tokens)" in status.output
         # what `auto` resolved to here: the C kernels build on this machine (tests/test_cpu_kernels.py)
         assert "running: request slots 4, attention backend cpu, weights float32, " in status.output
         assert f"gemm float32 prepacked, cpu kernels on ({load_cpu_kernels().isa}), layers one C call a step of up " \
