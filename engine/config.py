@@ -131,8 +131,8 @@ class KVConfig:
     kv_disk_gib: float | None = knob(None, "Cap on the disk KV tier's directory, least recently used pages deleted "
                                            "first (default: 8 GiB, at most half the free space; 0: no disk tier).")
     kv_cache_dtype: str = knob("auto", "What the KV pages hold: auto (the model dtype), float32, bfloat16, float16 "
-                                       "(the model dtype named), int8 (per token and head, a scale each: a quarter "
-                                       "of float32's bytes; cpu and torch attention backends) or fp8 (not yet).")
+                                       "(the model dtype named), int8 (a float32 scale per 32 values: 36/128 of "
+                                       "float32's bytes; cpu and torch attention backends) or fp8 (not yet).")
 
     def __post_init__(self) -> None:
         _one_of(self, "prefix_cache", ("radix", "naive"))
