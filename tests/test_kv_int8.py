@@ -108,15 +108,23 @@ def test_every_path_over_int8_pages_gives_the_cold_runs_tokens(llama_ckpt: Path,
             max_tokens=OUT))]
 
 
-def test_the_cpu_and_torch_backends_agree_over_int8_pages(llama_ckpt: Path) -> None:
-    """Both read the same stored rows: their greedy tokens agree, and their log-probabilities to float32 summation."""
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_the_cpu_and_torch_backends_agree_over_int8_pages(llama_ckpt: Path, dtype: str, tolerance: float) -> None:
+    """Both read the same stored rows as float32 values: their greedy tokens agree, and their log-probabilities to
+    float32 summation. With bfloat16 activations the two round differently elsewhere (a bf16 logit's step here is
+    about 0.016), so where they part it is at a near-tie of both runs' top two."""
     prompts = [ids(30, 5), ids(9, 6)]
-    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0)
-    outs = [LLM(str(llama_ckpt), attention_backend=b, kv_cache_dtype="int8", kv_disk_gib=0).generate(prompts, params)
-            for b in ("cpu", "torch")]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+    outs = [LLM(str(llama_ckpt), dtype=dtype, attention_backend=b, kv_cache_dtype="int8",
+                kv_disk_gib=0).generate(prompts, params) for b in ("cpu", "torch")]
     for a, b in zip(*outs, strict=True):
-        assert a.token_ids == b.token_ids
-        assert [p.logprob for p in a.logprobs] == pytest.approx([p.logprob for p in b.logprobs], abs=1e-4)
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), 10)
+        assert [p.logprob for p in a.logprobs[:same]] == pytest.approx([p.logprob for p in b.logprobs[:same]],
+                                                                       abs=tolerance)
+        if same < 10:
+            assert dtype == "bfloat16", (a.token_ids, b.token_ids)
+            top = {token: value for token, _, value in a.logprobs[same].top}
+            assert top[a.token_ids[same]] - top[b.token_ids[same]] <= tolerance, (same, top)
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -164,17 +164,18 @@ class ReferenceLayout(AttentionBackend[StateT], Generic[StateT, DecodeT]):
     @staticmethod
     def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: PaddedMeta, scale: float, softcap: float | None) -> torch.Tensor:
+        # int8 pages are read as float32 values (q * s), as the C kernel reads them: the product runs in float32
         dtype, int8 = q.dtype, is_int8(k_cache)
         if meta.kv_index is not None:
             kp, vp = gather(k_cache, meta.kv_index, meta.batch_size), gather(v_cache, meta.kv_index, meta.batch_size)
             if int8:
-                kp, vp = dequantize_rows(kp, q.shape[-1], dtype), dequantize_rows(vp, q.shape[-1], dtype)
+                kp, vp = dequantize_rows(kp, q.shape[-1]), dequantize_rows(vp, q.shape[-1])
         else:
             if int8:  # the step's own keys and values as the pool holds them, as every later step reads them
-                k, v = (dequantize_rows(quantize_rows(x), x.shape[-1], dtype) for x in (k, v))
+                k, v = (dequantize_rows(quantize_rows(x), x.shape[-1]) for x in (k, v))
             kp, vp = gather(k, meta.q_index, meta.batch_size), gather(v, meta.q_index, meta.batch_size)
         qp = gather(q, meta.q_index, meta.batch_size)
-        if not has_native_half_gemm(q.device, dtype):
+        if int8 or not has_native_half_gemm(q.device, dtype):
             qp, kp, vp = qp.float(), kp.float(), vp.float()
         qt, kt, vt = qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2)
         if softcap is None:
