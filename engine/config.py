@@ -241,9 +241,6 @@ class EngineConfig:
         if kv in DTYPES and kv != dtype:
             raise ValueError(f"kv_cache_dtype {kv!r} with dtype {dtype!r}: float KV pages are the activations' dtype "
                              f"(auto), or int8")
-        if kv == "int8" and self.execution.attention_backend in ("triton", "flashinfer"):
-            raise ValueError(f"kv_cache_dtype 'int8' with attention_backend {self.execution.attention_backend!r}: "
-                             f"int8 KV pages are read by the cpu and torch backends")
         if self.kv.tiers_asked and not self.kv_tiers_possible:
             raise ValueError(f"{', '.join(self.kv.tiers_asked)}: the KV tiers go under the radix prefix cache of a "
                              f"single rank; this engine has prefix_cache {self.kv.prefix_cache!r} and "

@@ -371,8 +371,9 @@ class DecoderLayer(nn.Module):
         if kernels is None:
             return LayerKernels(residual_in_gemm=in_gemm)
         activation = self.tp.size == 1 and self.activation == "silu" and self.mlp_in_float32()
+        blocks = self.in_blocks()
         return LayerKernels(norms=kernels, activation=kernels if activation else None, scratch=scratch,
-                            blocks=kernels if self.in_blocks() else None, dense=dense if self.in_blocks() else None,
+                            blocks=kernels if blocks else None, dense=dense if blocks else None,
                             residual_in_gemm=in_gemm)
 
     def execution(self, kernels: LayerKernels) -> dict[str, str]:

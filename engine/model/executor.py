@@ -87,7 +87,7 @@ class OneCall:
     """Every layer in one C call for steps of at most `most_rows` rows that the CPU attention kernel takes whole,
     `layered` for the rest; the call is built once per KV pool (it holds the pool's pointers)."""
 
-    c: CpuKernels
+    cpu: CpuKernels
     most_rows: int
     layered: LayerByLayer
     built: tuple[KVPool, FusedLayers] | None = None
@@ -101,7 +101,7 @@ class OneCall:
         if not isinstance(meta, PagedStep) or x.shape[0] > self.most_rows:
             return self.layered.run(model, x, positions, kv, backend, meta)
         if self.built is None or self.built[0] is not kv:
-            self.built = (kv, _fused_layers(model, self.c, kv))
+            self.built = (kv, _fused_layers(model, self.cpu, kv))
         x = x.contiguous()  # the call works on it in place
         self.built[1](x, positions, meta.table, meta.rows, meta.kv_lens, meta.out_locs)
         return x, None

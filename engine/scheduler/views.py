@@ -7,7 +7,6 @@ which the clients import without torch); `describe` is one live request in detai
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine.pages import PageMap
@@ -48,16 +47,17 @@ class SchedulerView:
 
     def snapshot(self, changed: set[int] | None = None) -> SchedulerSnapshot:
         """Queues, slots, pages and counters: every page, or with `changed` (from `watch_pages`) only those."""
-        snap = snapshot(self.scheduler, self.page_map(), changed)
-        return replace(snap, pages=replace(snap.pages, dtype=self.kv_dtype, page_bytes=self.page_bytes))
+        return snapshot(self.scheduler, self.page_map(), changed, self.kv_dtype, self.page_bytes)
 
     def describe(self, rid: str, text_from: int = 0) -> RequestDetail[tuple[int, ...]] | None:
         """One live request in detail, by the client's rid or a choice's own; None when it is not live."""
         return describe(self.scheduler, rid, text_from)
 
 
-def snapshot(s: Scheduler, page_map: PageMap, changed: set[int] | None = None) -> SchedulerSnapshot:
-    """Queues, slots, pages and counters: every page, or with `changed` (from `PageMap.watch`) only those."""
+def snapshot(s: Scheduler, page_map: PageMap, changed: set[int] | None = None, kv_dtype: str = "",
+             page_bytes: int = 0) -> SchedulerSnapshot:
+    """Queues, slots, pages and counters: every page, or with `changed` (from `PageMap.watch`) only those; the
+    pages said to hold `kv_dtype`, `page_bytes` each."""
     alloc = s.cache.allocator
     page_map.refresh()
     runs, owners = page_map.runs(changed)
@@ -75,7 +75,8 @@ def snapshot(s: Scheduler, page_map: PageMap, changed: set[int] | None = None) -
     pages = PageSnapshot(page_size=s.page_size, total=alloc.num_pages, free=alloc.num_free, held=held,
                          cached=cached, locked=cached - s.cache.evictable_size,
                          claimed=sum(e.claimed_pages for e in running), runs=tuple(runs), owners=tuple(owners),
-                         complete=changed is None, tiers=tuple(s.cache.tier_use()))
+                         complete=changed is None, tiers=tuple(s.cache.tier_use()), dtype=kv_dtype,
+                         page_bytes=page_bytes)
     now = time.monotonic()
     waiting = tuple(WaitingEntry(rid=r.rid, client=r.client, prompt_tokens=r.input_len, waited=now - r.times.arrival,
                                  reason=s.prefill_manager.reason(r), priority=r.params.priority,

@@ -150,7 +150,7 @@ static inline const float *row_bf16(const uint16_t *src, float *buf, int64_t hea
 /* Scales per int8 row: one per 32 values, or one for a head_dim that is not a multiple of 32. */
 static inline int64_t q8_blocks(int64_t head_dim) { return head_dim % 32 == 0 ? head_dim / 32 : 1; }
 
-int64_t kv_row_bytes_q8(int64_t head_dim) { return head_dim + 4 * q8_blocks(head_dim); }
+static inline int64_t kv_row_bytes_q8(int64_t head_dim) { return head_dim + 4 * q8_blocks(head_dim); }
 
 /* An int8 row (kernels/attention/int8_kv.py): q * s per block, the float32 scales after the head_dim values. */
 static inline const float *row_q8(const int8_t *src, float *buf, int64_t head_dim) {
@@ -163,7 +163,8 @@ static inline const float *row_q8(const int8_t *src, float *buf, int64_t head_di
     return buf;
 }
 
-void kv_store_q8(int8_t *dst, const float *x, int64_t head_dim) {
+/* One row of head_dim values as an int8 row: round(x / s) per block, s = max|x| / 127 over the block. */
+static void kv_store_q8(int8_t *dst, const float *x, int64_t head_dim) {
     const int64_t nb = q8_blocks(head_dim), per = head_dim / nb;
     for (int64_t b = 0; b < nb; b++) {
         float amax = 0.0f;
@@ -172,6 +173,13 @@ void kv_store_q8(int8_t *dst, const float *x, int64_t head_dim) {
         for (int64_t d = b * per; d < (b + 1) * per; d++) dst[d] = (int8_t)nearbyintf(x[d] * inv);
         memcpy(dst + head_dim + 4 * b, &s, sizeof s);
     }
+}
+
+void kv_store_q8_head(void *k_pool, void *v_pool, int64_t loc, int64_t head, int64_t kv_heads, const float *k,
+                      const float *v, int64_t head_dim) {
+    const int64_t at = (loc * kv_heads + head) * kv_row_bytes_q8(head_dim);
+    kv_store_q8((int8_t *)k_pool + at, k, head_dim);
+    kv_store_q8((int8_t *)v_pool + at, v, head_dim);
 }
 
 /* One item: query token b's heads of KV head h's group, over keys 0..kv_lens[b]-1 of its request (the last
@@ -245,17 +253,16 @@ void NAME(const attention_call *a) {                                            
                 memcpy(v_pool + a->out_locs[t] * width, v_new + t * a->v_stride, (size_t)width * sizeof(T)); \
             }                                                                                             \
         } else if (k_new) { /* one int8 row per token and KV head, quantized from its values */           \
-            const int64_t dim = a->head_dim, row = kv_row_bytes_q8(dim);                                  \
-            int8_t *k_pool = a->k_pool, *v_pool = a->v_pool;                                              \
+            const int64_t dim = a->head_dim;                                                              \
             _Pragma("omp for schedule(static)")                                                           \
             for (int64_t i = 0; i < a->batch * a->num_kv_heads; i++) {                                    \
                 const int64_t t = i / a->num_kv_heads, h = i % a->num_kv_heads;                           \
-                const int64_t at = (a->out_locs[t] * a->num_kv_heads + h) * row;                          \
-                float x[dim];                                                                             \
-                for (int64_t d = 0; d < dim; d++) x[d] = LOAD(k_new[t * a->k_stride + h * dim + d]);     \
-                kv_store_q8(k_pool + at, x, dim);                                                         \
-                for (int64_t d = 0; d < dim; d++) x[d] = LOAD(v_new[t * a->v_stride + h * dim + d]);     \
-                kv_store_q8(v_pool + at, x, dim);                                                         \
+                float k[dim], v[dim];                                                                     \
+                for (int64_t d = 0; d < dim; d++) {                                                       \
+                    k[d] = LOAD(k_new[t * a->k_stride + h * dim + d]);                                    \
+                    v[d] = LOAD(v_new[t * a->v_stride + h * dim + d]);                                    \
+                }                                                                                         \
+                kv_store_q8_head(a->k_pool, a->v_pool, a->out_locs[t], h, a->num_kv_heads, k, v, dim);    \
             }                                                                                             \
         }                                                                                                 \
         _Pragma("omp for schedule(static, 1)")                                                            \

@@ -7,7 +7,7 @@ typedef struct {
     void *out;                      /* [batch, num_heads, head_dim], the activation dtype */
     const void *q;                  /* [batch, num_heads, head_dim], heads contiguous, tokens q_stride apart */
     int64_t q_stride;
-    void *k_pool, *v_pool;          /* [locations, num_kv_heads, head_dim], or with kv_q8 int8 rows (kv_row_bytes_q8) */
+    void *k_pool, *v_pool;          /* [locations, num_kv_heads, head_dim], or with kv_q8 int8 rows (kv_store_q8_head) */
     const int64_t *table;           /* request table: row rows[b] holds item b's KV locations, in order */
     int64_t table_stride;
     const int64_t *rows, *kv_lens;  /* per item: its table row and its key count */
@@ -21,10 +21,11 @@ typedef struct {
     int32_t kv_q8;                  /* 1: the pools hold int8 rows, each head_dim values and its float32 scale */
 } attention_call;
 
-/* One row of head_dim values as an int8 row: round(x / s) per block of 32 (or the whole row where head_dim is not a
- * multiple of 32), s = max|x| / 127 over the block, the float32 scales after the values. */
-void kv_store_q8(int8_t *dst, const float *x, int64_t head_dim);
-int64_t kv_row_bytes_q8(int64_t head_dim);
+/* One token's keys `k` and values `v` for KV head `head` into int8 pools at KV location `loc`: per row round(x / s)
+ * per block of 32 (or the whole row where head_dim is not a multiple of 32), s = max|x| / 127 over the block, the
+ * float32 scales after the values (kernels/attention/int8_kv.py). */
+void kv_store_q8_head(void *k_pool, void *v_pool, int64_t loc, int64_t head, int64_t kv_heads, const float *k,
+                      const float *v, int64_t head_dim);
 
 /* One item: query token b's heads of KV head h's group (float32 activations; the fused layers' stage 5). */
 void attention_item_f32(const attention_call *a, int64_t b, int64_t h);

@@ -109,10 +109,8 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < tokens * plan->kv_heads; i++) {
                 const int64_t t = i / plan->kv_heads, h = i % plan->kv_heads;
-                const int64_t at = (out_locs[t] * plan->kv_heads + h) * kv_row_bytes_q8(head_dim);
                 const float *k = qkv + t * qkv_width + q_size + h * head_dim;
-                kv_store_q8((int8_t *)L->k_cache + at, k, head_dim);
-                kv_store_q8((int8_t *)L->v_cache + at, k + kv_size, head_dim);
+                kv_store_q8_head(L->k_cache, L->v_cache, out_locs[t], h, plan->kv_heads, k, k + kv_size, head_dim);
             }
         } else {
 #pragma omp for schedule(static)
