@@ -47,7 +47,7 @@ out["most_running"] = most
 llm.add_request(prompt(4000, 99), SamplingParams(max_tokens=1, temperature=0))
 while llm.has_unfinished():
     llm.step()
-start, first, tokens = None, None, 0
+first, tokens = None, 0
 llm.add_request(prompt(4000, 98), SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
 while llm.has_unfinished():
     result = llm.step()
