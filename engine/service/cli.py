@@ -14,10 +14,11 @@ import signal
 import threading
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
 import typer
 
-from engine.config import EngineConfig, option_fields
+from engine.config import EngineConfig, model_id, option_fields
 from engine.onednn import prepare_onednn
 from engine.service.client import AUTH_ENV
 from engine.service.options import ApiOptions
@@ -123,14 +124,23 @@ def split_host_port(value: str) -> tuple[str, int]:
 
 def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_waiting_requests: int,
           max_message_bytes: int, max_connections: int, client_buffer_messages: int, grammar_time_limit: float,
-          client_stall_seconds: float, log_level: str, http: str | None, **engine_options: typing.Any) -> None:
+          client_stall_seconds: float, log_level: str, http: str | None, models_dir: list[str] | None,
+          max_loaded_models: int, models_memory_gib: float | None, keep_alive: float,
+          **engine_options: typing.Any) -> None:
     """Run the engine in the foreground (logs to stderr) until Ctrl-C, SIGTERM or `minichat stop`.
 
     With --http HOST:PORT, run the engine as a child process instead and the OpenAI-compatible HTTP
     API in the foreground; stopping the API stops that engine.
+
+    With --models-dir DIR (or several --model NAME=PATH) and --http, serve a catalogue of models: each is
+    started as its own engine on its first request and stopped when idle for --keep-alive seconds or when
+    another needs its place (--max-loaded-models, --models-memory-gib).
     """
     prepare_openmp()  # before torch loads libgomp and oneDNN, here and in the engine child or the TP workers
     prepare_onednn()
+    models = engine_options.pop("model") or []
+    catalogue = bool(models_dir) or len(models) > 1 or any("=" in m and not Path(m).exists() for m in models)
+    engine_options["model"] = None if catalogue or not models else models[0]
     if engine_options.get("node_rank"):  # another node of a multi-node engine: only its ranks run here
         _serve_node(log_level, engine_options)
         return
@@ -141,8 +151,17 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
                           "client_stall_seconds": client_stall_seconds, "log_level": log_level}
         if auth_token:  # the engine child and the API's clients both read it from the environment
             os.environ[AUTH_ENV] = auth_token
-        _serve_http(http, address, server_options, engine_options)
+        if catalogue:
+            limits = {"max_loaded": max_loaded_models, "keep_alive": keep_alive,
+                      "memory_bytes": None if models_memory_gib is None else int(models_memory_gib * (1 << 30))}
+            _serve_catalogue(http, address, models_dir or [], models, limits, server_options, engine_options)
+        else:
+            _serve_http(http, address, server_options, engine_options)
         return
+    if catalogue:
+        typer.echo("minichat serve: error: a catalogue of models (--models-dir, --model NAME=PATH) is served "
+                   "through the HTTP API: add --http HOST:PORT", err=True)
+        raise typer.Exit(2)
     from engine.distributed.workers import WorkerFailed
     from engine.service.options import ServerOptions
     from engine.service.server import StartupError, run_server
@@ -196,8 +215,20 @@ set_signature(serve, [
     option("log_level", str, "info", "debug, info, warning or error."),
     option("http", str | None, None, "Also serve the OpenAI-compatible HTTP API at HOST:PORT (e.g. 127.0.0.1:8000), "
            "with the engine in a child process.", "--http"),
+    option("models_dir", list[str] | None, None, "Serve every .gguf file and checkpoint folder in this directory "
+           "(repeatable; with --http), each loaded on its first request.", "--models-dir"),
+    option("max_loaded_models", int, 3, "With a catalogue: models loaded at once; the least recently used idle one "
+           "is unloaded to load another.", "--max-loaded-models"),
+    option("models_memory_gib", float | None, None, "With a catalogue: memory the loaded models' weights and KV "
+           "pools may take together (default: no limit).", "--models-memory-gib"),
+    option("keep_alive", float, 300.0, "With a catalogue: seconds a model stays loaded after its last request (0: "
+           "unloaded after each reply; -1: until it must make room). A request's keep_alive overrides it.",
+           "--keep-alive"),
     *http_parameters(),
-    *engine_parameters(),
+    *[p if p.name != "model" else option("model", list[str] | None, None, "HF checkpoint directory, .gguf file or "
+                                         "cached hub id; NAME=PATH, repeated, names a catalogue of models (with "
+                                         "--http).", "--model", panel=ENGINE_PANEL)
+      for p in engine_parameters()],
 ])
 
 
@@ -253,6 +284,44 @@ def _serve_http(http: str, address: str | None, server_options: dict[str, typing
     if died.is_set():
         typer.echo(f"minichat serve: the engine (pid {handle.pid}) exited; see its log {handle.log_path}", err=True)
         raise typer.Exit(1)
+
+
+def _serve_catalogue(http: str, address: str | None, dirs: list[str], named: list[str], limits: dict[str, typing.Any],
+                     server_options: dict[str, typing.Any], engine_options: dict[str, typing.Any]) -> None:
+    """The API in the foreground for a catalogue of models (engine/service/http/models.py), each model's engine
+    started by the launcher when a request first names it and stopped with the API."""
+    from engine.service.addresses import AddressError
+    from engine.service.catalogue import Catalogue, CatalogueError, Entry
+    from engine.service.http import check_host, listen, run_api
+    from engine.service.http.models import Limits, ModelRouter
+    from engine.service.launcher import start
+
+    host, port = split_host_port(http)
+    options = api_options("", host, port, engine_options)
+    logging.basicConfig(level=server_options["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")  # each load, unload and its reason
+    try:
+        if address is not None:
+            raise CatalogueError("--address: each model of a catalogue gets its own private engine address")
+        if options.served_model_name is not None:
+            raise CatalogueError("--served-model-name: a catalogue's models are named by their ids (--model NAME=PATH)")
+        catalogue = Catalogue.of(dirs, [m if "=" in m else f"{model_id(m)}={m}" for m in named])
+        check_host(host, server_options["allow_remote"])
+        sock = listen(host, port)
+    except (AddressError, CatalogueError) as e:
+        typer.echo(f"minichat serve: error: {e}", err=True)
+        raise typer.Exit(1) from e
+    given = engine_options_given({k: v for k, v in engine_options.items() if k != "model"})
+    kv_gib = engine_options.get("kv_memory_gb")
+
+    def start_engine(entry: Entry, where: str) -> EngineHandle:
+        return start(where, model=str(entry.path), **server_options, **given)
+
+    router = ModelRouter(catalogue, options, start_engine,
+                         Limits(**limits, dtype=engine_options["dtype"], kv_bytes=int((kv_gib or 0) * (1 << 30))))
+    typer.echo(f"minichat serve: {len(catalogue.ids())} models ({', '.join(catalogue.ids())}); each starts on its "
+               f"first request", err=True)
+    run_api(options, server_options["log_level"], sock, router)
 
 
 def _watch_engine(handle: EngineHandle, stopping: threading.Event, died: threading.Event) -> None:

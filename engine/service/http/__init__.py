@@ -21,6 +21,7 @@ from engine.service.addresses import AddressError, is_loopback
 from engine.service.connections import connection_cap, raise_fd_limit
 from engine.service.http.app import create_app
 from engine.service.http.edge import ACCEPT_BURST, EdgeConfig
+from engine.service.http.models import ModelRouter
 from engine.service.options import ApiOptions
 
 __all__ = ["ApiOptions", "check_host", "create_app", "listen", "run_api"]
@@ -56,7 +57,8 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_api(options: ApiOptions, log_level: str = "info", sock: socket.socket | None = None) -> None:
+def run_api(options: ApiOptions, log_level: str = "info", sock: socket.socket | None = None,
+            router: ModelRouter | None = None) -> None:
     """Serve the API with uvicorn in the foreground at `options.host:port`; returns after Ctrl-C or SIGTERM,
     once in-flight requests are done or `options.drain_timeout` has passed (then they are cut), so the
     caller can still clean up (stop the engine it started). It serves on `sock` where given (`listen`).
@@ -67,7 +69,7 @@ def run_api(options: ApiOptions, log_level: str = "info", sock: socket.socket | 
     if cap < options.max_http_connections:
         log.warning("the open-file limit allows %d HTTP connections at once, not %d", cap,
                     options.max_http_connections)
-    server = uvicorn.Server(EdgeConfig(create_app(options), options, cap, log_level))
+    server = uvicorn.Server(EdgeConfig(create_app(options, router), options, cap, log_level))
     # uvicorn shuts down gracefully on the signal, then re-raises it into the handlers it found: make those
     # no-ops for the duration, or SIGTERM would kill this process before its caller's cleanup.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}

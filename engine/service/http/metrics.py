@@ -159,12 +159,14 @@ class EngineStatsCollector(Collector):
 
 
 class Metrics:
-    """The app's registry: engine stats plus the front end's own counters and histograms."""
+    """The app's registry: engine stats plus the front end's own counters and histograms. A multi-model server's
+    front has no engine of its own (`engine=False`: its stats are not exported; each model's Metrics has them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.engine = EngineStatsCollector()
-        self.registry.register(self.engine)
+        if engine:
+            self.registry.register(self.engine)
         self.prompt_tokens = Counter("minichat_prompt_tokens", "Prompt tokens of finished HTTP requests.",
                                      registry=self.registry)
         self.generation_tokens = Counter("minichat_generation_tokens", "Tokens generated for HTTP requests.",

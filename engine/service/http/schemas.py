@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -84,6 +85,28 @@ def _token_id_keys(v: dict[str, float]) -> dict[str, float]:
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], AfterValidator(_token_id_keys)]
 
 
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def _seconds(value: object) -> float:
+    """Ollama's `keep_alive`: seconds as a number, or a duration such as "30s", "5m", "1h" ("-1": for ever)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise PydanticCustomError("duration", "must be seconds or a duration such as \"5m\"")
+    if isinstance(value, str):
+        match = _DURATION.fullmatch(value.strip())
+        if match is None:
+            raise PydanticCustomError("duration", "must be seconds or a duration such as \"5m\"")
+        value = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    if value != value or abs(value) == float("inf"):
+        raise PydanticCustomError("duration", "must be a finite number of seconds")
+    return float(value)
+
+
+KeepAlive = Annotated[float | None, BeforeValidator(lambda v: None if v is None else _seconds(v))]
+"""How long a model of a multi-model server stays loaded after this request (Ollama's field)."""
+
+
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """A checked `logit_bias` as the engine takes it."""
     return {int(k): v for k, v in bias.items()} if bias else None
@@ -136,6 +159,7 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+    keep_alive: KeepAlive = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
@@ -509,6 +533,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+    keep_alive: KeepAlive = None
     prompt: NonEmpty | None = None
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
@@ -527,4 +552,5 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+    keep_alive: KeepAlive = None
     tokens: TokenIds

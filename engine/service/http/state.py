@@ -70,6 +70,22 @@ class ApiState:
         with contextlib.suppress(EngineUnavailable, EngineError):
             await self.client.ping(timeout=self.options.ping_timeout)
 
+    async def watch_stats(self) -> None:
+        """Keep the metrics' engine snapshot fresh (run as a task for the app's life); an absent engine just leaves it
+        stale until it is back. Stats arriving while the engine connection is known lost mean an engine answers
+        again: a ping over that connection ends the loss, so requests are not refused for longer than it takes."""
+        while True:
+            try:
+                async for snap in self.client.watch_stats(timeout=2.0):
+                    self.metrics.engine.update(snap)
+                    if not self.metrics.model_name:  # vLLM's label: the name clients ask for
+                        with contextlib.suppress(ApiError):  # no Info yet: the next snapshot asks again
+                            self.metrics.model_name = await self.model_name()
+                    if self.client.connection_lost:
+                        self.probe()
+            except EngineUnavailable:
+                continue
+
     async def close(self) -> None:
         """Stop the background ping, if any (the client is closed by its owner)."""
         if self._probe is not None:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.params import InvalidParams, SamplingParams
 from engine.prompt import ChatMessage, Tools
-from engine.service.http.schemas import EngineRequest, Wire, renamed, thinking, tool_setup, unsupported
+from engine.service.http.schemas import EngineRequest, KeepAlive, Wire, renamed, thinking, tool_setup, unsupported
 from engine.service.protocol import Info
 from engine.structured import GrammarSpec, InvalidGrammar
 from engine.tools import ToolFormat
@@ -139,6 +139,7 @@ class MessagesInput(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+    keep_alive: KeepAlive = None
     messages: Annotated[list[MessageIn], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
     tools: list[ToolIn] | None = None

@@ -23,6 +23,7 @@ from engine.params import InvalidParams, SamplingParams
 from engine.prompt import ChatMessage, Tools
 from engine.service.http.schemas import (
     EngineRequest,
+    KeepAlive,
     LogitBias,
     Wire,
     logit_bias,
@@ -147,6 +148,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+    keep_alive: KeepAlive = None
     input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1), Wire] | None = None
