@@ -71,6 +71,9 @@ class ExecutionConfig:
                                                "request slots, up to 256); bigger ones run eagerly.")
     threads: int | None = knob(None, "CPU compute threads (default: up to the usable cores, as many as measure "
                                      "fastest beside other work; under tensor parallelism each rank its share).")
+    background_load: bool = knob(False, "On CPU, load the model on one thread at a lower priority (nice 5), so "
+                                        "that engines already serving beside it keep their cores (a catalogue "
+                                        "server loads so while other models run).")
     quantization: str | None = knob(None, "Quantize float weights at load: int8 (Q8_0 blocks) or int4 (Q4_1 "
                                           "blocks), which the CPU kernels multiply by as they are; CPU only.")
     dequantize: bool = knob(False, "Expand a GGUF file's quantized weights to --dtype at load (slower; exact vs "

@@ -113,27 +113,42 @@ def test_the_catalogue_is_listed_before_anything_loads(catalogue):
 
 
 def test_requests_route_to_their_own_models_engine_through_every_api(catalogue, hf):
-    """The demo model answers as transformers does; the others through the Messages and Responses APIs; each loaded
-    model is its own engine process."""
+    """Each loaded model is its own engine process; the demo model, loaded in the background beside another
+    (`--background-load`), answers as transformers does; the others through the Messages and Responses APIs."""
+    message = catalogue.post("/v1/messages", {"model": "llama", "max_tokens": 3,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert message.status_code == 200 and message.json()["model"] == "llama", message.text
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     prompt = tokenizer("The king said", add_special_tokens=False)["input_ids"]
     reply = catalogue.sdk().completions.create(model="demo", prompt=prompt, max_tokens=8, temperature=0,
                                                extra_body={"ignore_eos": True})
     assert reply.model == "demo"
-    assert reply.choices[0].text == tokenizer.decode(hf.greedy(DEMO_MODEL_DIR, prompt, 8), skip_special_tokens=True)
-    message = catalogue.post("/v1/messages", {"model": "llama", "max_tokens": 3,
-                                              "messages": [{"role": "user", "content": "hi"}]})
-    assert message.status_code == 200 and message.json()["model"] == "llama", message.text
+    expected = tokenizer.decode(hf.greedy(DEMO_MODEL_DIR, prompt, 8), skip_special_tokens=True)
+    assert reply.choices[0].text == expected
     assert catalogue.loaded() == {"demo", "llama"}
     pids = {m: catalogue.card(m)["pid"] for m in ("demo", "llama")}
     response = catalogue.post("/v1/responses", {"model": "qwen-gguf", "input": "hi", "max_output_tokens": 3})
     assert response.status_code == 200 and response.json()["model"] == "qwen-gguf", response.text
-    # the third one made room: the least recently used (demo) went, its engine with it
-    assert catalogue.loaded() == {"llama", "qwen-gguf"}
-    assert catalogue.card("llama")["pid"] == pids["llama"]
+    # the third one made room: the least recently used (llama) went, its engine with it
+    assert catalogue.loaded() == {"demo", "qwen-gguf"}
+    assert catalogue.card("demo")["pid"] == pids["demo"]
     with pytest.raises(ProcessLookupError):
-        os.kill(pids["demo"], 0)
-    assert catalogue.counter("minichat_model_unloads_total", "demo") == 1
+        os.kill(pids["llama"], 0)
+    assert catalogue.counter("minichat_model_unloads_total", "llama") == 1
+
+
+def test_models_and_ps_print_the_catalogue_and_the_loaded_ones(catalogue):
+    catalogue.complete("llama")
+    env = {**os.environ, "MINICHAT_API_KEY": KEY}
+    listed = subprocess.run(minichat("models", "--url", catalogue.root), capture_output=True, text=True, env=env,
+                            timeout=60, check=True).stdout.splitlines()
+    assert listed[0].split()[:4] == ["ID", "FORMAT", "SIZE", "LOADED"]
+    rows = {line.split()[0]: line.split() for line in listed[1:] if line.split()[0] in catalogue.models}
+    assert set(rows) == set(catalogue.models) and rows["llama"][4] == "yes"
+    ps = subprocess.run(minichat("ps", "--url", catalogue.root), capture_output=True, text=True, env=env,
+                        timeout=60, check=True).stdout.splitlines()
+    assert {line.split()[0] for line in ps[1:]} == catalogue.loaded() and "llama" in catalogue.loaded()
+    assert ps[0].split()[-1] == "PID" and all(line.split()[-1].isdigit() for line in ps[1:])
 
 
 def test_an_unknown_or_missing_model_is_refused_naming_the_ids(catalogue):

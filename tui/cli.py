@@ -22,11 +22,13 @@ from engine.service.cli import (
     serve,
     set_signature,
 )
+from tui.models import render as render_models
 
 HELP = """minichat: a small LLM serving engine and console.
 
 Commands (each with its own --help; listed again at the end): serve (the engine, or with --http the OpenAI API in
-front of its own engine), api (the HTTP API for a running engine), status, stop, bench. Without a command: the
+front of its own engine, or of a catalogue of models with --models-dir), api (the HTTP API for a running engine),
+status, stop, bench, models and ps (a server's models, and the loaded ones). Without a command: the
 console, on the engine at --address or on one it starts with the engine options below."""
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=prose(HELP))
 
@@ -178,6 +180,56 @@ def stop(
         typer.echo(f"minichat stop: no engine answers at {address}", err=True)
         raise typer.Exit(1)
     typer.echo(f"stopped the engine at {address} (pid {pid})")
+
+
+URL_HELP = "The HTTP server's root URL (its key from MINICHAT_API_KEY)."
+
+
+@app.command()
+def models(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help=URL_HELP),
+    models_dir: list[str] = typer.Option([], "--models-dir", help="Read this directory's models here instead of "
+                                         "asking a server (repeatable)."),
+    model: list[str] = typer.Option([], "--model", help="NAME=PATH: one more model to read here (repeatable)."),
+) -> None:
+    """List the models a server may run (`serve --http --models-dir`), loaded or not, with format and size; or,
+    with --models-dir / --model, the catalogue those make, read here without a server."""
+    from engine.service.catalogue import Catalogue, CatalogueError
+
+    if models_dir or model:
+        try:
+            catalogue = Catalogue.of(models_dir, model)
+        except CatalogueError as e:
+            typer.echo(f"minichat models: error: {e}", err=True)
+            raise typer.Exit(2) from e
+        typer.echo(render_models([{**entry.describe(), "loaded": None} for entry in catalogue]))
+        return
+    typer.echo(render_models(_server_models(url, "models")))
+
+
+@app.command()
+def ps(url: str = typer.Option("http://127.0.0.1:8000", "--url", help=URL_HELP)) -> None:
+    """List the models a server has loaded: memory, requests in flight, idle time, when each unloads."""
+    typer.echo(render_models(_server_models(url, "ps"), loaded_only=True))
+
+
+def _server_models(url: str, command: str) -> list[dict[str, typing.Any]]:
+    """The server's /v1/models cards; exit 1 saying why when it cannot be asked."""
+    import os
+
+    import httpx
+
+    from engine.service.cli import API_KEY_ENV
+
+    key = os.environ.get(API_KEY_ENV)
+    try:
+        reply = httpx.get(url.rstrip("/") + "/v1/models", timeout=10,
+                          headers={"Authorization": f"Bearer {key}"} if key else {})
+        reply.raise_for_status()
+        return list(reply.json()["data"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        typer.echo(f"minichat {command}: error: {url}/v1/models: {e}", err=True)
+        raise typer.Exit(1) from e
 
 
 def bench(concurrency: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,

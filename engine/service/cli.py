@@ -314,8 +314,12 @@ def _serve_catalogue(http: str, address: str | None, dirs: list[str], named: lis
     given = engine_options_given({k: v for k, v in engine_options.items() if k != "model"})
     kv_gib = engine_options.get("kv_memory_gb")
 
-    def start_engine(entry: Entry, where: str) -> EngineHandle:
-        return start(where, model=str(entry.path), **server_options, **given)
+    def start_engine(entry: Entry, where: str, beside_others: bool) -> EngineHandle:
+        """Every engine in this session (one scheduler autogroup), and beside others one loads in the background:
+        a load at full priority in an autogroup of its own stalled a running stream for a second
+        (scripts/bench_model_load.py)."""
+        quiet = {"background_load": True} if beside_others else {}
+        return start(where, model=str(entry.path), own_session=False, **server_options, **{**given, **quiet})
 
     router = ModelRouter(catalogue, options, start_engine,
                          Limits(**limits, dtype=engine_options["dtype"], kv_bytes=int((kv_gib or 0) * (1 << 30))))

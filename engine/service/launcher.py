@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.service.addresses import check_bindable, default_address, log_path, split
 from engine.service.client import (
@@ -109,11 +110,14 @@ def find(address: str | None = None, timeout: float = 0.5, auth_token: str | Non
 
 
 def start(address: str | None = None, *, model: str | None = None, timeout: float = START_TIMEOUT,
-          auth_token: str | None = None, **options: object) -> EngineHandle:
+          auth_token: str | None = None, own_session: bool = True, **options: object) -> EngineHandle:
     """Start `minichat serve` detached (own session, log file) and wait until it answers a ping.
 
     The `auth_token` (or $MINICHAT_AUTH_TOKEN) reaches the engine through its environment, never
-    its command line, which every local user can read."""
+    its command line, which every local user can read. Without `own_session` the engine gets only its own
+    process group (a terminal's Ctrl-C still does not reach it) and stays in the caller's session, and so in its
+    scheduler autogroup: engines that share one weigh against each other by their threads' priorities, which a
+    low-priority load (`--background-load`) needs; across autogroups each gets an even share whatever they run."""
     address = address or default_address()
     token = resolve_auth_token(auth_token)
     check_bindable(address, bool(options.get("allow_remote", False)), token is not None)
@@ -128,7 +132,8 @@ def start(address: str | None = None, *, model: str | None = None, timeout: floa
         out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {shlex.join(cmd)}\n".encode())
         out.flush()
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env=env)
+                                   start_new_session=own_session, process_group=None if own_session else 0,
+                                   env=env)
     pid = _wait_ready(process, address, timeout, log, began, token)
     if pid != process.pid:  # another launcher won the race for this address: use its engine
         return EngineHandle(address, pid, auth_token=token)
@@ -136,7 +141,7 @@ def start(address: str | None = None, *, model: str | None = None, timeout: floa
 
 
 def find_or_start(address: str | None = None, *, model: str | None = None, timeout: float = START_TIMEOUT,
-                  auth_token: str | None = None, **options: object) -> EngineHandle:
+                  auth_token: str | None = None, **options: Any) -> EngineHandle:
     """Attach to the engine at `address` if one answers, else start one (see `start`)."""
     return find(address, auth_token=auth_token) or start(address, model=model, timeout=timeout,
                                                          auth_token=auth_token, **options)

@@ -39,9 +39,10 @@ from engine.service.options import ApiOptions
 log = logging.getLogger("minichat.http")
 
 GIB = 1 << 30
-StartEngine = Callable[[Entry, str], EngineHandle]
+StartEngine = Callable[[Entry, str, bool], EngineHandle]
 """Starts `minichat serve` on an entry at an address and waits until it answers (the launcher's `start`, with the
-server's engine options); EngineStartError when it cannot."""
+server's engine options; the flag: other engines run, so it loads in the background: `--background-load`);
+EngineStartError when it cannot."""
 
 
 @dataclass
@@ -261,7 +262,7 @@ class ModelRouter:
         log.info("model %s: loading %s", entry.id, entry.path)
         began = time.monotonic()
         try:
-            handle = await asyncio.to_thread(self.start, entry, address)
+            handle = await asyncio.to_thread(self.start, entry, address, bool(self.loaded))
         except EngineStartError as e:
             raise self._failure(entry, _reason(str(e))) from e
         self._failed.pop(entry.id, None)
