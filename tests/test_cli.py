@@ -154,7 +154,7 @@ def test_help_reads_at_80_columns() -> None:
     lines = [line.strip() for line in bench.splitlines()]
     assert "engine at --address;" not in lines  # the docstring's own line end, no longer one here
     top = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"}).output
-    assert top.index("serve") < top.index("Engine options (docs/engine-options.md)") < top.index("--model")
+    assert top.index("serve") < top.index("Engine options (docs/engine-options.md)") < top.index("--model ")
     assert top.index("--engines") < top.index("Engine options")  # the console's own options come first
 
 

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from engine.config import DEMO_MODEL_DIR
+from engine.service.catalogue import Catalogue
 from tests.gguf_files import write_gguf
 from tests.test_http_api import wait_http
 from tui.bench.fleet import free_port, minichat, stop
@@ -28,7 +29,9 @@ KEY = "catalogue-key"
 
 
 @dataclass
-class Catalogue:
+class Served:
+    """A running catalogue server."""
+
     root: str
     process: subprocess.Popen
     models: dict[str, Path]
@@ -69,7 +72,7 @@ def until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> No
         time.sleep(0.05)
 
 
-def serve_catalogue(models: dict[str, Path], *options: str) -> Iterator[Catalogue]:
+def serve_catalogue(models: dict[str, Path], *options: str) -> Iterator[Served]:
     port = free_port()
     named = [arg for name, path in models.items() for arg in ("--model", f"{name}={path}")]
     process = subprocess.Popen(minichat("serve", "--http", f"127.0.0.1:{port}", *named, "--api-key", KEY,
@@ -78,7 +81,7 @@ def serve_catalogue(models: dict[str, Path], *options: str) -> Iterator[Catalogu
     root = f"http://127.0.0.1:{port}"
     try:
         wait_http(process, root + "/health")
-        yield Catalogue(root, process, models)
+        yield Served(root, process, models)
     finally:
         stop(process)
     assert process.returncode == 0, process.stderr.read() if process.stderr else ""
@@ -96,7 +99,7 @@ def models(checkpoints: dict[str, Path], long_ckpt: Path, tmp_path_factory: pyte
 
 
 @pytest.fixture(scope="module")
-def catalogue(models: dict[str, Path]) -> Iterator[Catalogue]:
+def catalogue(models: dict[str, Path]) -> Iterator[Served]:
     """At most two loaded at once; nothing unloads by time unless a request asks."""
     yield from serve_catalogue(models, "--max-loaded-models", "2", "--keep-alive", "-1")
 
@@ -267,3 +270,54 @@ def test_two_models_with_one_id_are_refused_at_start(models):
     result = subprocess.run(minichat("serve", "--http", f"127.0.0.1:{free_port()}", "--model", f"a={models['demo']}",
                                      "--model", f"a={models['llama']}"), capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "two models have the id 'a'" in result.stderr
+
+
+@pytest.mark.usefixtures("data_dir")
+def test_the_console_picks_each_chats_model_and_compares_models_side_by_side(models):
+    """`minichat --models-dir`: f9 lists the catalogue, choosing starts that model's engine for this chat (a replica
+    of the fleet view); /compare sends one prompt to several models in tabs of their own."""
+    from textual.widgets import DataTable
+
+    from tests.test_tui import SIZE, connected_app, last_reply, run, type_and_send, wait_for
+    from tui.app import MinichatApp
+    from tui.fleet import Fleet
+    from tui.picker import ModelsScreen
+    from tui.shelf import ModelShelf
+    from tui.tabs import tab_id
+
+    catalogue = Catalogue.of(named=[f"demo={models['demo']}", f"llama={models['llama']}"])
+    shelf = ModelShelf(catalogue, {}, Fleet([]))
+    app = MinichatApp(shelf.link("demo")[0], fleet=shelf.fleet, models=shelf)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            await pilot.press("f9")
+            await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen), "the model picker")
+            table = app.screen.query_one(DataTable)
+            assert [str(table.get_row_at(i)[0]).strip() for i in range(table.row_count)] == ["▶ demo", "llama"]
+            assert str(table.get_row_at(1)[3]) == "not started"
+            await pilot.press("down", "enter")
+            pane = app.current
+            assert pane is not None and pane.link is shelf.links["llama"] and len(shelf.fleet.engines) == 2
+            await type_and_send(pilot, "/max_tokens 4")
+            await type_and_send(pilot, "hello")
+            reply = last_reply(app)
+            await wait_for(pilot, lambda: reply.state == "done", "llama's reply")
+            assert pane.session.model == Path(models["llama"]).name  # the chat knows its model, and its tab says it
+            assert str(app.tabs.get_tab(tab_id(pane.session)).label).endswith("@llama")
+            await type_and_send(pilot, "/compare demo,llama To be")
+            compared = [p for p in app.tabs.panes if p.session.group == "compare 1"]
+            assert [p.link for p in compared] == [shelf.links["demo"], shelf.links["llama"]]
+            await wait_for(pilot, lambda: all(p.session.turns and p.session.turns[-1].reply.state == "done"
+                                              for p in compared), "both models' replies")
+            await type_and_send(pilot, "/model nope")
+            assert pane.link is shelf.links["llama"]
+
+    try:
+        run(scenario)
+    finally:
+        stopped = shelf.stop_engines()
+    assert len(stopped) == 2
+    for pid in stopped:
+        until(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or "zombie" in _state(pid), "the engines to stop")

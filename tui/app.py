@@ -31,7 +31,7 @@ from textual.widgets import Footer, TabbedContent, Tabs
 
 from engine.service.protocol import Stats
 from tui.chat import ChatPane, PromptInput
-from tui.commands import BY_NAME, COMMANDS, Command, parse_fanout, parse_number, parse_slash
+from tui.commands import BY_NAME, COMMANDS, Command, parse_compare, parse_fanout, parse_number, parse_slash
 from tui.conversations import Conversations
 from tui.dialogs import AskScreen, ConfirmScreen
 from tui.fleet import WATCH_EVERY, EngineReplica, Fleet
@@ -41,8 +41,10 @@ from tui.palette import Palette
 from tui.panels import PANELS, OpsPanels, RequestTable
 from tui.panels.detail import RequestDetailScreen
 from tui.panels.fleet import FleetChoice, FleetScreen
+from tui.picker import ModelsScreen
 from tui.session import SETTINGS, Session
 from tui.sessions import Choice, SessionsScreen
+from tui.shelf import ModelShelf
 from tui.statusline import StatusLine
 from tui.tablist import TabsScreen
 from tui.tabs import SessionTabs, tab_id
@@ -77,6 +79,7 @@ class MinichatApp(App[None]):
         Binding("ctrl+pageup", "switch_session(-1)", "Previous chat", show=False),
         Binding("f3", "toggle_thinking", "Show/hide thinking", show=False),
         Binding("f4", "fleet", "Fleet"),
+        Binding("f9", "command('model')", "Models: the catalogue's, for this chat (--models-dir)", show=False),
         Binding("f5", "cycle_layout", "Layout", tooltip="Chat, split or ops panels: the next of the three views"),
         # priority: the prompt box (a TextArea) would take f6 and f7 for selecting text
         Binding("f6", "switch_focus", "Next panel: the prompt box, then each ops table", show=False, priority=True),
@@ -87,11 +90,13 @@ class MinichatApp(App[None]):
     ops_width: reactive[int] = reactive(0, init=False)
     """Percent of the width given to the ops panels: 0 hides them, 100 hides the chat."""
 
-    def __init__(self, link: EngineLink, store_path: Path | None = None, fleet: Fleet | None = None) -> None:
+    def __init__(self, link: EngineLink, store_path: Path | None = None, fleet: Fleet | None = None,
+                 models: ModelShelf | None = None) -> None:
         """`store_path`: the conversation database (default: conversations.sqlite3 in `data_dir()`). `fleet`:
         replicas to watch (`--engines`); `link` may be one of theirs."""
         super().__init__()
         self.link = link
+        self.models = models  # a catalogue of models (--models-dir): each chat picks one
         self.fleet = fleet
         for watched in [link, *(r.link for r in fleet.engines if r.link is not link)] if fleet else [link]:
             self.wire(watched)
@@ -256,7 +261,8 @@ class MinichatApp(App[None]):
         """Show `session` in a tab (the one it has, if it is open already)."""
         pane = self.tabs.pane_of(session.uid)
         if pane is None:
-            pane = ChatPane(session, self.link)
+            kept = self.models.catalogue.find(session.model) if self.models and session.model else None
+            pane = ChatPane(session, self.model_link(kept.id) if kept is not None else self.link)
             await self.tabs.add(pane)
         if activate:
             self.tabs.bring_to_front(pane)
@@ -267,8 +273,11 @@ class MinichatApp(App[None]):
         event.pane.session.updated = time.time()
         self.conversations.save(event.pane.session)
 
-    def replica_of(self, link: EngineLink) -> int | None:
-        """The fleet's number for the engine a chat talks to, when the fleet has engines to choose from."""
+    def replica_of(self, link: EngineLink) -> int | str | None:
+        """The fleet's number for the engine a chat talks to, when the fleet has engines to choose from; with a
+        catalogue, the model's id."""
+        if self.models is not None:
+            return self.models.model_of(link)
         return self.fleet.number(link) if self.fleet is not None and len(self.fleet.engines) > 1 else None
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
@@ -328,6 +337,8 @@ class MinichatApp(App[None]):
             "closegroup": lambda _: self.action_close_group(),
             "abort": lambda _: self.action_abort(),
             "engine": partial(self.pin_to, pane),
+            "model": partial(self.pick_model, pane),
+            "compare": lambda arg: self.compare(*parse_compare(arg), like=pane.session),
             "reconnect": lambda _: self.notify(self.link.retry(), title="reconnect"),
             "help": lambda _: self.action_help(),
         }
@@ -692,6 +703,53 @@ class MinichatApp(App[None]):
             raise ValueError(f"replica {n} is an HTTP replica: chats talk to an engine over ZeroMQ; list its "
                              f"engine's address (its `serve --http` --address) in --engines")
         self.pin(pane, replica)
+
+    # -- a catalogue of models (tui/shelf.py) ------------------------------------------------------------
+    def model_link(self, model: str) -> EngineLink:
+        """The link to `model`'s engine, started (and watched in the fleet view) the first time it is asked for."""
+        assert self.models is not None
+        link, new = self.models.link(model)
+        if new:
+            self.wire(link)
+            self.run_worker(link.run(), name=f"engine for {model}")
+        return link
+
+    def pick_model(self, pane: ChatPane, model: str) -> None:
+        """/model NAME (or f9 and a choice): this chat's next messages go to that model's engine."""
+        if self.models is None:
+            raise ValueError("/model picks among a catalogue of models: start the console with --models-dir DIR or "
+                             "--model NAME=PATH, repeated")
+        if not model:
+            def chosen(choice: str | None) -> None:
+                if choice is not None:
+                    try:
+                        self.pick_model(pane, choice)
+                    except ValueError as e:
+                        self.notify(str(e), severity="error")
+
+            self.push_screen(ModelsScreen(self.models.rows(), self.models.model_of(pane.link)), chosen)
+            return
+        replica = self.fleet.engine(self.model_link(model).address) if self.fleet is not None else None
+        assert replica is not None  # the shelf adds every model's engine to the fleet
+        self.pin(pane, replica)
+
+    async def compare(self, models: list[str], prompt: str, like: Session) -> None:
+        """/compare a,b,c PROMPT: one tab per model, each sending the prompt to its model at once (a fan-out group:
+        closed together with ctrl+g, not saved unless kept)."""
+        if self.models is None:
+            raise ValueError("/compare sends a prompt to several models of a catalogue: start the console with "
+                             "--models-dir DIR or --model NAME=PATH, repeated")
+        links = [(self.models.entry(m).id, self.model_link(m)) for m in models]  # every name checked first
+        self._fan_outs += 1
+        group = f"compare {self._fan_outs}"
+        panes = []
+        for model, link in links:
+            pane = ChatPane(Session(f"{group}.{model}", like.system_prompt, dict(like.chosen), titled=True,
+                                    group=group), link)
+            pane.start(prompt)
+            panes.append(pane)
+        await self.tabs.add(*panes)
+        self.tabs.bring_to_front(panes[0])
 
     def pin(self, pane: ChatPane, replica: EngineReplica) -> None:
         """Send this chat's next messages to `replica`'s engine (not while a reply streams from another)."""

@@ -12,11 +12,19 @@ import typer
 from rich.markup import escape
 
 import engine
+
+if typing.TYPE_CHECKING:
+    from tui.fleet import Fleet
+    from tui.link import EngineLink
+    from tui.shelf import ModelShelf
 from engine.service.cli import (
     ADDRESS_HELP,
     api,
+    catalogue_of,
+    catalogue_parameters,
     engine_options_given,
     engine_parameters,
+    names_catalogue,
     option,
     prose,
     serve,
@@ -43,21 +51,21 @@ app.command("serve")(serve)
 app.command("api")(api)
 
 
-def root(ctx: typer.Context, version: bool, address: str | None, engines: str | None,
+def root(ctx: typer.Context, version: bool, address: str | None, engines: str | None, models_dir: list[str] | None,
          **engine_options: typing.Any) -> None:
     """Chat with a local model and watch the continuous-batching scheduler serve it.
 
     Without a command: open the terminal UI, attached to the engine at --address, or to one it starts
     in the background with the engine options given here (and stops again on exit). With --engines it
     watches those replicas (f4) and starts no engine; its chats and ops panels go to --address, else to
-    the first ZeroMQ replica listed.
+    the first ZeroMQ replica listed. With --models-dir (or several models named NAME=PATH) each chat picks its model
+    (f9, /model, /compare), whose engine starts the first time one does.
     """
     if ctx.invoked_subcommand is not None:
         return
-    from engine.service.addresses import AddressError, default_address, split
+    from engine.service.addresses import AddressError, split
     from tui.app import MinichatApp
     from tui.fleet import Fleet, parse_engines
-    from tui.link import EngineLink
 
     def fail(message: str) -> typing.NoReturn:
         typer.echo(f"minichat: error: {message}", err=True)
@@ -69,23 +77,45 @@ def root(ctx: typer.Context, version: bool, address: str | None, engines: str | 
             split(address)
     except (AddressError, ValueError) as e:
         fail(str(e))
-    model = engine_options.pop("model")
+    models = engine_options.pop("model") or []
     options = engine_options_given(engine_options)
-    if fleet is not None and (model is not None or options):
+    if fleet is not None and (models or models_dir or options):
         fail("with --engines the console starts no engine: drop the engine options (`minichat serve` starts one)")
-    home = fleet.engine(address) if fleet and address else fleet.engines[0] if fleet and fleet.engines else None
-    link = home.link if home is not None else EngineLink(address=address or default_address(), model=model,
-                                                         engine_options=options, autostart=fleet is None)
-    app = MinichatApp(link, fleet=fleet)
+    try:
+        link, shelf = _home(address, fleet, models_dir, models, options)
+    except ValueError as e:
+        fail(str(e))
+    app = MinichatApp(link, fleet=shelf.fleet if shelf is not None else fleet, models=shelf)
     try:
         app.run()
     finally:
-        if link.handle is not None:
-            typer.echo(f"minichat: stopping the engine it started (pid {link.handle.pid})")
-        link.stop_engine()
+        started = [link.handle.pid] if link.handle is not None else []
+        link.stop_engine()  # a catalogue's home is among the shelf's: stopped once, said once
+        for pid in dict.fromkeys(started + (shelf.stop_engines() if shelf is not None else [])):
+            typer.echo(f"minichat: stopping the engine it started (pid {pid})")
     if app.return_code:  # quit while the engine link had failed: say why once more, where a shell sees it
         typer.echo(f"minichat: error: {link.state.detail}", err=True)
         raise typer.Exit(app.return_code)
+
+
+def _home(address: str | None, fleet: Fleet | None, models_dir: list[str] | None, models: list[str],
+          options: dict[str, typing.Any]) -> tuple[EngineLink, ModelShelf | None]:
+    """The console's home engine link, and its catalogue of models if the options name one (ValueError)."""
+    from engine.service.addresses import default_address
+    from tui.fleet import Fleet
+    from tui.link import EngineLink
+    from tui.shelf import ModelShelf
+
+    if names_catalogue(models_dir, models):
+        if address is not None:
+            raise ValueError("--address: each model of a catalogue gets its own engine (and address)")
+        shelf = ModelShelf(catalogue_of(models_dir, models), options, Fleet([]))
+        return shelf.link(shelf.catalogue.ids()[0])[0], shelf  # the first model's engine: the console's home
+    home = fleet.engine(address) if fleet and address else fleet.engines[0] if fleet and fleet.engines else None
+    if home is not None:
+        return home.link, None
+    return EngineLink(address=address or default_address(), model=models[0] if models else None,
+                      engine_options=options, autostart=fleet is None), None
 
 
 set_signature(root, [
@@ -98,7 +128,8 @@ set_signature(root, [
     inspect.Parameter("engines", inspect.Parameter.KEYWORD_ONLY, annotation=str | None, default=typer.Option(
         None, "--engines", metavar="ADDR1,ADDR2,...", help="Watch these replicas in the fleet view (f4): engines' "
         "ZeroMQ addresses and HTTP replicas' URLs (their /metrics), comma-separated.")),
-    *engine_parameters(),
+    *catalogue_parameters("Chat with the .gguf files and checkpoint folders in this directory (repeatable): f9 or "
+                          "/model picks each chat's model, /compare sends one prompt to several."),
 ])
 app.callback(invoke_without_command=True)(root)
 

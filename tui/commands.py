@@ -73,6 +73,10 @@ COMMANDS = (
     Command("abort", "Stop generation", "abort this session's reply; the text so far is kept"),
     Command("engine", "Pin this chat to a replica", "send this chat's next messages to replica N of the fleet "
             "(--engines; f4 lists them); without N, say which engine it talks to", "N"),
+    Command("model", "Pick this chat's model", "with a catalogue (--models-dir): send this chat's next messages to "
+            "that model, its engine started if need be; without a name, the picker (f9)", "name", ask=False),
+    Command("compare", "Compare models on a prompt", "with a catalogue: one tab per model, all sending the prompt at "
+            "once, side by side: `/compare smol,gemma Tell me a story`", "models prompt"),
     Command("reconnect", "Reconnect to the engine", "look for the engine again, starting one if allowed"),
     Command("help", "Help: keys and commands", "list every key binding and command"),
 )
@@ -105,6 +109,15 @@ def parse_fanout(arg: str) -> list[str]:
     if not 1 <= count <= 64:
         raise ValueError(f"fan-out opens 1 to 64 sessions; got {count}")
     return [variations[i % len(variations)] for i in range(count)]
+
+
+def parse_compare(arg: str) -> tuple[list[str], str]:
+    """`a,b,c prompt` -> (the models, each once, and the prompt)."""
+    head, _, prompt = arg.strip().partition(" ")
+    models = list(dict.fromkeys(m.strip() for m in head.split(",") if m.strip()))
+    if len(models) < 2 or not prompt.strip():
+        raise ValueError("/compare needs two models or more and a prompt: `/compare smol,gemma Tell me a story`")
+    return models, prompt.strip()
 
 
 def parse_number(arg: str, what: str) -> int | None:

@@ -31,9 +31,9 @@ class SessionTabs(TabbedContent):
     the front: a fan-out or a new chat would now and then land on the tab it came from.
     """
 
-    def __init__(self, replica_of: Callable[[EngineLink], int | None], *, id: str) -> None:
-        """`replica_of`: the fleet's number for an engine, shown on the tabs of the chats that talk to it
-        (None: no number, as when there is no fleet to choose from)."""
+    def __init__(self, replica_of: Callable[[EngineLink], int | str | None], *, id: str) -> None:
+        """`replica_of`: the fleet's number for an engine (or a catalogue's model id), shown on the tabs of the
+        chats that talk to it (None: nothing, as when there is no fleet to choose from)."""
         super().__init__(id=id)
         self.replica_of = replica_of
 

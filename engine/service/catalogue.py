@@ -8,10 +8,13 @@ module: the HTTP front never imports torch); whether an entry really loads is fo
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.service.addresses import runtime_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -87,6 +90,17 @@ class Catalogue:
 
     def ids(self) -> list[str]:
         return list(self.entries)
+
+    def find(self, name: str) -> Entry | None:
+        """The entry an engine's model name stands for: its id, or the name its path is served under."""
+        return self.entries.get(name) or next((e for e in self if e.path.name.removesuffix(".gguf") == name), None)
+
+
+def engine_address(owner: str, model_id: str) -> str:
+    """The private ipc socket of `owner`'s engine for `model_id` (an owner: a server, a console; the runtime
+    directory is the user's own, and the name stays short of the socket path's limit)."""
+    key = hashlib.sha1(f"{owner}:{model_id}".encode()).hexdigest()[:12]
+    return f"ipc://{runtime_dir() / f'model-{key}.sock'}"
 
 
 def entry_of(path: Path, name: str | None = None) -> Entry | None:

@@ -25,6 +25,7 @@ from engine.service.options import ApiOptions
 from engine.threads import prepare_openmp
 
 if typing.TYPE_CHECKING:  # the launcher is imported where it is used: `minichat --help` stays quick
+    from engine.service.catalogue import Catalogue
     from engine.service.launcher import EngineHandle
 
 ADDRESS_HELP = "Engine address: ipc:///path or tcp://127.0.0.1:PORT (default: a per-user ipc socket)."
@@ -41,10 +42,11 @@ ENGINE_PANEL = "Engine options (docs/engine-options.md)"
 
 
 def option(name: str, annotation: object, default: object, help_text: str, *flags: str,
-           panel: str | None = None) -> inspect.Parameter:
+           panel: str | None = None, metavar: str | None = None) -> inspect.Parameter:
     """A keyword-only typer option, for commands whose signatures are assembled from parts (in --help's `panel`)."""
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                             default=typer.Option(default, *flags, help=help_text, rich_help_panel=panel))
+                             default=typer.Option(default, *flags, help=help_text, rich_help_panel=panel,
+                                                  metavar=metavar))
 
 
 def set_signature(command: Callable[..., None], parameters: list[inspect.Parameter]) -> None:
@@ -63,6 +65,30 @@ def engine_parameters() -> list[inspect.Parameter]:
         params.append(option(name, hint, f.default, f.metadata["help"], flag, *f.metadata["aliases"],
                              panel=ENGINE_PANEL))
     return params
+
+
+def catalogue_parameters(dir_help: str) -> list[inspect.Parameter]:
+    """The engine options with --model repeatable (one PATH, or NAME=PATH for each model of a catalogue), and
+    --models-dir: for the commands that can run several models (`serve --http`, the console)."""
+    model_help = ("HF checkpoint directory, .gguf file or cached hub id; NAME=PATH, repeated, names a catalogue of "
+                  "models (as --models-dir does).")
+    return [option("models_dir", list[str] | None, None, dir_help, "--models-dir", metavar="DIR"),
+            *[p if p.name != "model" else option("model", list[str] | None, None, model_help, "--model",
+                                                 panel=ENGINE_PANEL, metavar="PATH") for p in engine_parameters()]]
+
+
+def names_catalogue(models_dir: list[str] | None, models: list[str]) -> bool:
+    """Whether the options name a catalogue rather than one model: a directory, several models, or NAME=PATH
+    (a path that exists with an = in it is one model)."""
+    return bool(models_dir) or len(models) > 1 or any("=" in m and not Path(m).exists() for m in models)
+
+
+def catalogue_of(dirs: list[str] | None, models: list[str]) -> Catalogue:
+    """The catalogue the options name (a bare PATH among them is named as it would be served); CatalogueError."""
+    from engine.service.catalogue import Catalogue
+
+    return Catalogue.of(dirs or [], [m if "=" in m and not Path(m).exists() else f"{model_id(m)}={m}"
+                                     for m in models])
 
 
 def engine_options_given(options: dict[str, typing.Any]) -> dict[str, typing.Any]:
@@ -139,7 +165,7 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
     prepare_openmp()  # before torch loads libgomp and oneDNN, here and in the engine child or the TP workers
     prepare_onednn()
     models = engine_options.pop("model") or []
-    catalogue = bool(models_dir) or len(models) > 1 or any("=" in m and not Path(m).exists() for m in models)
+    catalogue = names_catalogue(models_dir, models)
     engine_options["model"] = None if catalogue or not models else models[0]
     if engine_options.get("node_rank"):  # another node of a multi-node engine: only its ranks run here
         _serve_node(log_level, engine_options)
@@ -215,8 +241,6 @@ set_signature(serve, [
     option("log_level", str, "info", "debug, info, warning or error."),
     option("http", str | None, None, "Also serve the OpenAI-compatible HTTP API at HOST:PORT (e.g. 127.0.0.1:8000), "
            "with the engine in a child process.", "--http"),
-    option("models_dir", list[str] | None, None, "Serve every .gguf file and checkpoint folder in this directory "
-           "(repeatable; with --http), each loaded on its first request.", "--models-dir"),
     option("max_loaded_models", int, 3, "With a catalogue: models loaded at once; the least recently used idle one "
            "is unloaded to load another.", "--max-loaded-models"),
     option("models_memory_gib", float | None, None, "With a catalogue: memory the loaded models' weights and KV "
@@ -225,10 +249,8 @@ set_signature(serve, [
            "unloaded after each reply; -1: until it must make room). A request's keep_alive overrides it.",
            "--keep-alive"),
     *http_parameters(),
-    *[p if p.name != "model" else option("model", list[str] | None, None, "HF checkpoint directory, .gguf file or "
-                                         "cached hub id; NAME=PATH, repeated, names a catalogue of models (with "
-                                         "--http).", "--model", panel=ENGINE_PANEL)
-      for p in engine_parameters()],
+    *catalogue_parameters("Serve every .gguf file and checkpoint folder in this directory (repeatable; with --http), "
+                          "each loaded on its first request."),
 ])
 
 
@@ -291,7 +313,7 @@ def _serve_catalogue(http: str, address: str | None, dirs: list[str], named: lis
     """The API in the foreground for a catalogue of models (engine/service/http/models.py), each model's engine
     started by the launcher when a request first names it and stopped with the API."""
     from engine.service.addresses import AddressError
-    from engine.service.catalogue import Catalogue, CatalogueError, Entry
+    from engine.service.catalogue import CatalogueError, Entry
     from engine.service.http import check_host, listen, run_api
     from engine.service.http.models import Limits, ModelRouter
     from engine.service.launcher import start
@@ -305,7 +327,7 @@ def _serve_catalogue(http: str, address: str | None, dirs: list[str], named: lis
             raise CatalogueError("--address: each model of a catalogue gets its own private engine address")
         if options.served_model_name is not None:
             raise CatalogueError("--served-model-name: a catalogue's models are named by their ids (--model NAME=PATH)")
-        catalogue = Catalogue.of(dirs, [m if "=" in m else f"{model_id(m)}={m}" for m in named])
+        catalogue = catalogue_of(dirs, named)
         check_host(host, server_options["allow_remote"])
         sock = listen(host, port)
     except (AddressError, CatalogueError) as e:

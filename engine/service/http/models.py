@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import re
@@ -27,8 +26,7 @@ from prometheus_client.registry import Collector
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from engine.service.addresses import runtime_dir
-from engine.service.catalogue import Catalogue, Entry
+from engine.service.catalogue import Catalogue, Entry, engine_address
 from engine.service.client import AsyncEngineClient
 from engine.service.http.errors import ApiError
 from engine.service.http.metrics import Metrics
@@ -258,7 +256,7 @@ class ModelRouter:
         return None
 
     async def _load(self, entry: Entry) -> Loaded:
-        address = self._address(entry)
+        address = engine_address(f"server {os.getpid()}:{self.options.port}", entry.id)
         log.info("model %s: loading %s", entry.id, entry.path)
         began = time.monotonic()
         try:
@@ -326,11 +324,6 @@ class ModelRouter:
         stamp, message = self._failed.get(entry.id, (None, ""))
         if stamp is not None and stamp == _stamp(entry):
             raise ApiError(500, message, "server_error", code="model_load_failed")
-
-    def _address(self, entry: Entry) -> str:
-        """A private ipc socket per server and model (the runtime directory is the user's own)."""
-        key = hashlib.sha1(f"{os.getpid()}:{self.options.port}:{entry.id}".encode()).hexdigest()[:12]
-        return f"ipc://{runtime_dir() / f'model-{key}.sock'}"
 
     def _ids(self) -> str:
         return ", ".join(f"`{i}`" for i in self.catalogue.ids())
