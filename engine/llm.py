@@ -196,9 +196,9 @@ class LLM:
             self.workers.send(num_pages)
             self.workers.expect("ready")
         backend = make_backend(run.attention_backend, run.device, run.dtype, run.cpu_kernels, spec.full_attention)
-        if kv_dtype == torch.int8 and backend.name not in ("cpu", "torch"):
+        if kv_dtype == torch.int8 and backend.name not in ("cpu", "torch", "triton"):
             raise ValueError(f"kv_cache_dtype 'int8' with the {backend.name} attention backend: int8 KV pages are read "
-                             f"by the cpu and torch backends")
+                             f"by the cpu, torch and triton backends")
         backend.setup(attention_shape(self.model, run.dtype), self.device)
         self.model.use_attention_backend(backend, run.one_call)
         # Worker ranks run every step eagerly, so under tensor parallelism decode is never graphed.

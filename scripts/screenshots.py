@@ -27,6 +27,7 @@ import httpx
 from textual.pilot import Pilot
 
 from engine.config import DEMO_MODEL_DIR
+from engine.service.catalogue import Catalogue
 from engine.service.client import AsyncEngineClient, EngineClient
 from engine.service.launcher import start
 from tui.app import MinichatApp
@@ -34,9 +35,11 @@ from tui.fleet import Fleet
 from tui.link import EngineLink
 from tui.panels import RequestTable
 from tui.panels.detail import RequestDetailScreen
+from tui.picker import ModelsScreen
+from tui.shelf import ModelShelf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.real_model import smollm2_gguf
+from tests.real_model import gemma3_gguf, smollm2_gguf
 
 ENGINE_OPTIONS = {"max_running_requests": 8, "max_prefill_tokens": 256, "num_pages": 384}
 FAN_OUT = "/fanout 4 Once more unto the breach, dear friends | To be, or not to be | Shall I compare thee to a " \
@@ -269,8 +272,32 @@ async def real_model(address: str, out: Path) -> None:
             app.save_screenshot("real-model.svg", str(out))
 
 
+async def models(address: str, out: Path) -> None:
+    """`minichat --models-dir`: SmolLM2 and Gemma 3 compared on one prompt (/compare), and the model picker (f9)
+    over them, with the engine each model runs in."""
+    here = Path(address.removeprefix("ipc://")).parent
+    catalogue = Catalogue.of(named=[f"smollm2={smollm2_gguf()}", f"gemma3={gemma3_gguf()}", f"demo={DEMO_MODEL_DIR}"])
+    shelf = ModelShelf(catalogue, {"max_running_requests": 4}, Fleet([]))
+    app = MinichatApp(shelf.link("smollm2")[0], fleet=shelf.fleet, models=shelf, store_path=here / "models.sqlite3")
+    try:
+        async with app.run_test(size=(120, 30)) as pilot:
+            await connect(pilot)
+            await send(pilot, "/temperature 0")
+            await send(pilot, "/max_tokens 48")
+            await send(pilot, "/compare smollm2,gemma3 The capital of France is")
+            compared = [p for p in app.tabs.panes if p.session.group]
+            await until(pilot, lambda: all(p.session.turns and p.session.live is None for p in compared), 180)
+            app.tabs.bring_to_front(compared[1])
+            await pilot.press("f9")
+            await until(pilot, lambda: isinstance(app.screen, ModelsScreen))
+            await pilot.pause(0.5)
+            app.save_screenshot("models.svg", str(out))
+    finally:
+        shelf.stop_engines()
+
+
 SHOTS = (chat_sessions, ops_under_load, small_terminal, context_gauge, session_list, request_detail, history, fleet,
-         real_model)
+         real_model, models)
 
 
 def main() -> None:

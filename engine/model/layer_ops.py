@@ -278,16 +278,19 @@ class TritonOps:
         return proj(h), stream
 
     def attend(self, layer: DecoderLayer, qkv: torch.Tensor, index: int, step: LayerStep) -> torch.Tensor:
-        """q/k norms, RoPE and the K/V store in one kernel; the backend attends without storing."""
+        """q/k norms, RoPE and the K/V store in one kernel; the backend attends without storing. int8 pages are
+        stored by the backend instead, which quantizes as it stores."""
         state = cast("TritonStep", step.meta)
         k_cache, v_cache = step.kv.k(index), step.kv.v(index)
+        int8 = k_cache.dtype == torch.int8
         q_norm, k_norm = layer.q_norm, layer.k_norm
         qk_norm = None if q_norm is None or k_norm is None else (q_norm.gain, k_norm.gain)
         q, k, v = self.rope_store_kv(qkv, layer.num_heads, layer.num_kv_heads, step.positions,
-                                     step.cos_sin[layer.rope_index], k_cache, v_cache, state.meta.out_locs, qk_norm,
+                                     step.cos_sin[layer.rope_index], None if int8 else k_cache,
+                                     None if int8 else v_cache, state.meta.out_locs, qk_norm,
                                      layer.spec.rms_norm_eps, round_normed=q_norm is None or q_norm.rounds_normed)
-        out = self.backend.attend(q, k, v, k_cache, v_cache, state, layer.scale, window=layer.window,
-                                  softcap=layer.softcap)
+        attend = self.backend.forward if int8 else self.backend.attend
+        out = attend(q, k, v, k_cache, v_cache, state, layer.scale, window=layer.window, softcap=layer.softcap)
         return out.reshape(qkv.shape[0], layer.q_size)
 
     def add_linear(self, layer: DecoderLayer, x: torch.Tensor, proj: Projection, residual: torch.Tensor,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from kernels.attention.int8_kv import blocks, dequantize_rows, is_int8, quantize_rows
 from kernels.triton.decode import decode_attention
 from kernels.triton.extend import extend_attention
 from kernels.triton.kv_store import store_kv
@@ -60,23 +61,34 @@ class TritonBackend(AttentionBackend[TritonStep]):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, state: TritonStep, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
+        """Store this step's K/V (int8 pages: quantized once, here) and attend. On int8 pages this step's own keys
+        and values are attended as they were stored (read back from their rows), as the other backends do."""
         k, v = k.contiguous(), v.contiguous()
-        store_kv(k, v, k_cache, v_cache, state.meta.out_locs)
+        if is_int8(k_cache):
+            head_dim = k.shape[-1]
+            k_rows, v_rows = quantize_rows(k), quantize_rows(v)
+            store_kv(k_rows, v_rows, k_cache, v_cache, state.meta.out_locs)
+            k, v = dequantize_rows(k_rows, head_dim), dequantize_rows(v_rows, head_dim)
+        else:
+            store_kv(k, v, k_cache, v_cache, state.meta.out_locs)
         return self.attend(q, k, v, k_cache, v_cache, state, scale, window, softcap)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, state: TritonStep, scale: float, window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
         """`forward` without the store, for K/V already in the pool at `out_locs`; this step's k and v are
-        still read (by the extend kernel) and may be strided views (unit stride along head_dim)."""
+        still read (by the extend kernel) and may be strided views (unit stride along head_dim); on int8 pages they
+        must be the values as stored (`forward` does that)."""
         meta = state.meta
+        head_dim = q.shape[-1]
+        int8_block = head_dim // blocks(head_dim) if is_int8(k_cache) else 0  # values per scale
         if not state.decode:
             return extend_attention(q, k, v, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                    state.max_q_len, scale, window=window, softcap=softcap)
+                                    state.max_q_len, scale, window=window, softcap=softcap, int8_block=int8_block)
         if state.partial is None:
             batch, heads, dim = q.shape
             state.partial = (q.new_empty(batch, heads, self.num_splits, dim, dtype=torch.float32),
                              q.new_empty(batch, heads, self.num_splits, dtype=torch.float32))
         return decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, scale,
                                 num_splits=self.num_splits, min_split_len=self.min_split_len, partial=state.partial,
-                                window=window, softcap=softcap)
+                                window=window, softcap=softcap, int8_block=int8_block)

@@ -70,23 +70,35 @@ def gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_
 
 
 @triton.jit
+def load_kv(cache_ptr, offs, tile_mask, d, HEAD_DIM: tl.constexpr, INT8_BLOCK: tl.constexpr):
+    """A tile of K or V rows from the pool as float32. With INT8_BLOCK > 0 the pool holds int8 rows (byte offsets):
+    head_dim int8 values, then a float32 scale per INT8_BLOCK of them (kernels/attention/int8_kv.py), and a value
+    reads as q * s, as the CPU kernels and the torch reference read it."""
+    x = tl.load(cache_ptr + offs, mask=tile_mask, other=0).to(tl.float32)
+    if INT8_BLOCK > 0:
+        scale_at = cache_ptr + offs + (HEAD_DIM - d[None, :] + (d[None, :] // INT8_BLOCK) * 4)
+        x = x * tl.load(scale_at.to(tl.pointer_type(tl.float32)), mask=tile_mask, other=0.0)
+    return x
+
+
+@triton.jit
 def attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, start, end, low, kv_head,
                     stride_ct, stride_ch, sm_scale, softcap, d, d_mask, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, CAP: tl.constexpr):
+                    PRECISION: tl.constexpr, CAP: tl.constexpr, HEAD_DIM: tl.constexpr, INT8_BLOCK: tl.constexpr):
     """One online-softmax pass of a query block [rows, BLOCK_D] over keys `start..end` of one request, read
     from the pool through its `kv_indices` locations, row r seeing keys >= low[r] (its sliding window's first;
     0 without one); returns the updated running max, sum and accumulator. Shared by grouped decode and by
-    extend's cached prefix. `CAP`: scores capped by `softcap`."""
+    extend's cached prefix. `CAP`: scores capped by `softcap`; `INT8_BLOCK`: int8 pages (`load_kv`)."""
     for n0 in range(start, end, BLOCK_N):
         n_mask, offs, tile_mask = gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_ch, d,
                                                 d_mask, BLOCK_N)
-        k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
+        k = load_kv(k_cache_ptr, offs, tile_mask, d, HEAD_DIM, INT8_BLOCK)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
         if CAP:
             qk = capped(qk, softcap)
         n = n0 + tl.arange(0, BLOCK_N)
         qk = tl.where(n_mask[None, :] & (n[None, :] >= low[:, None]), qk, -float("inf"))
-        v = tl.load(v_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
+        v = load_kv(v_cache_ptr, offs, tile_mask, d, HEAD_DIM, INT8_BLOCK)
         m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, v, PRECISION)
     return m_i, l_i, acc
 
@@ -96,7 +108,7 @@ def _decode_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_pt
                    sm_scale, min_split_len, window, softcap, stride_qt, stride_qh, stride_ct, stride_ch,
                    stride_pb, stride_ph, stride_ps,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, CAP: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, CAP: tl.constexpr, INT8_BLOCK: tl.constexpr):
     """Program (request b, query head h, split): partial attention over one KV slice."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -115,7 +127,7 @@ def _decode_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_pt
         for n0 in range(start, end, BLOCK_N):
             n_mask, offs, tile_mask = gathered_tile(kv_indices_ptr, kv_start, n0, end, kv_head, stride_ct, stride_ch,
                                                     d, d_mask, BLOCK_N)
-            k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
+            k = load_kv(k_cache_ptr, offs, tile_mask, d, HEAD_DIM, INT8_BLOCK)
             qk = tl.sum(q[None, :] * k, 1) * sm_scale
             if CAP:
                 qk = capped(qk, softcap)
@@ -123,7 +135,7 @@ def _decode_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_indices_pt
             m_new = tl.maximum(m_i, tl.max(qk, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new)
-            v = tl.load(v_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
+            v = load_kv(v_cache_ptr, offs, tile_mask, d, HEAD_DIM, INT8_BLOCK)
             acc = acc * alpha + tl.sum(p[:, None] * v, 0)
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
@@ -138,7 +150,8 @@ def _decode_grouped_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_in
                            stride_ch, stride_pb, stride_ph, stride_ps,
                            GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr):
+                           NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+                           INT8_BLOCK: tl.constexpr):
     """Program (request b, block of BLOCK_H query heads of one KV head, split): each K/V tile is loaded
     once for the whole block and both products are `tl.dot`s."""
     b = tl.program_id(0)
@@ -161,7 +174,7 @@ def _decode_grouped_stage1(q_ptr, k_cache_ptr, v_cache_ptr, kv_indptr_ptr, kv_in
         low = tl.zeros([BLOCK_H], dtype=tl.int32)  # the split's keys are all in the window already
         m_i, l_i, acc = attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start, start,
                                         end, low, kv_head, stride_ct, stride_ch, sm_scale, softcap, d, d_mask, BLOCK_N,
-                                        PRECISION, CAP)
+                                        PRECISION, CAP, HEAD_DIM, INT8_BLOCK)
         base = b * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None],
                  mask=h_mask[:, None] & d_mask[None, :])
@@ -205,8 +218,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_indices: torch.Tensor, sm_scale: float, num_splits: int = 8, min_split_len: int = 64,
                      block_n: int = 32, grouped: bool | None = None, out: torch.Tensor | None = None,
                      partial: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
-    """q: [B, Hq, D], one token per request; caches: [locations, Hkv, D]; kv_indptr [B+1], kv_indices int32.
+                     softcap: float | None = None, int8_block: int = 0) -> torch.Tensor:
+    """q: [B, Hq, D], one token per request; caches: [locations, Hkv, D] (int8 pages, `int8_block` > 0: [locations,
+    Hkv, row bytes], a scale per `int8_block` values); kv_indptr [B+1], kv_indices int32.
 
     `grouped` picks the GQA kernel (default: when several query heads share a KV head). `out` and
     `partial` (fp32 [B, Hq, num_splits, D] and [B, Hq, num_splits]) may be given so a CUDA graph
@@ -235,11 +249,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _decode_grouped_stage1[(batch, num_kv_heads * head_blocks, num_splits)](
             q, *common, GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=GROUP_BLOCK_H,
             BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
-            CAP=softcap is not None)
+            CAP=softcap is not None, INT8_BLOCK=int8_block)
     else:
         _decode_stage1[(batch, num_heads, num_splits)](
             q, *common, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            CAP=softcap is not None)
+            CAP=softcap is not None, INT8_BLOCK=int8_block)
     _decode_stage2[(batch, num_heads)](part_out, part_lse, kv_indptr, out, min_split_len, win, out.stride(0),
                                        out.stride(1), *pstrides, HEAD_DIM=head_dim, BLOCK_D=block_d,
                                        NUM_SPLITS=num_splits)

@@ -22,7 +22,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qo_in
                    kv_indices_ptr, sm_scale, window, softcap, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_ct, stride_ch, stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, INT8_BLOCK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     m_block = tl.program_id(2)
@@ -50,7 +50,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qo_in
         # Cached prefix, gathered by KV location, from the block's first visible key.
         m_i, l_i, acc = attend_gathered(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, kv_indices_ptr, kv_start,
                                         tl.minimum(first, prefix_len), prefix_len, low, kv_head, stride_ct, stride_ch,
-                                        sm_scale, softcap, d, d_mask, BLOCK_N, PRECISION, CAP)
+                                        sm_scale, softcap, d, d_mask, BLOCK_N, PRECISION, CAP, HEAD_DIM, INT8_BLOCK)
 
         # This step's tokens, causal; keys past the block's last row are invisible to all its rows.
         new_end = tl.minimum(q_len, (m_block + 1) * BLOCK_M)
@@ -77,8 +77,10 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qo_in
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, max_q_len: int, sm_scale: float, block_m: int = 16,
-                     block_n: int = 16, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] this step's tokens; caches [locations, Hkv, D]; int32 indptrs/indices.
+                     block_n: int = 16, window: int | None = None, softcap: float | None = None,
+                     int8_block: int = 0) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] this step's tokens; caches [locations, Hkv, D] (int8 pages, `int8_block` > 0:
+    [locations, Hkv, row bytes], as decode_attention reads them); int32 indptrs/indices.
 
     Request b's queries are q[qo_indptr[b]:qo_indptr[b+1]]; its KV positions are
     kv_indices[kv_indptr[b]:kv_indptr[b+1]], of which the last q_len are this step's tokens (read from
@@ -97,5 +99,5 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                          k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
                          GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
                          BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION=dot_precision(q.dtype),
-                         CAP=softcap is not None)
+                         CAP=softcap is not None, INT8_BLOCK=int8_block)
     return out

@@ -21,11 +21,11 @@ from kernels.triton.rounding import round_to
 
 @triton.jit
 def _rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr,
-                       locs_ptr, eps, stride_t, stride_table, stride_pos, stride_ct, stride_ch,
+                       locs_ptr, eps, stride_t, stride_table, stride_pos, stride_ct, stride_ch, STORE: tl.constexpr,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        QK_NORM: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr):
     """Program (token, head): heads 0..NUM_HEADS-1 are q's, the next NUM_KV_HEADS k's (q's and k's heads lie
-    back to back in a row of qkv, so head h starts at h * HEAD_DIM either way)."""
+    back to back in a row of qkv, so head h starts at h * HEAD_DIM either way); `STORE`: k and v to the pool too."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dtype = qkv_ptr.dtype.element_ty
@@ -60,7 +60,7 @@ def _rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weig
     out2 = round_to(round_to(x2 * cos2, dtype) + round_to(x1 * sin2, dtype), dtype).to(dtype)
     tl.store(x_ptr + d, out1, mask=mask)
     tl.store(x_ptr + half + d, out2, mask=mask)
-    if head >= NUM_HEADS:  # a k head: it and its v head go to the token's KV location in the pool
+    if STORE and head >= NUM_HEADS:  # a k head: it and its v head go to the token's KV location in the pool
         kv_head = head - NUM_HEADS
         dst = tl.load(locs_ptr + token).to(tl.int64) * stride_ct + kv_head * stride_ch
         tl.store(k_cache_ptr + dst + d, out1, mask=mask)
@@ -71,7 +71,8 @@ def _rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weig
 
 
 def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_locs: torch.Tensor,
+                  cos_sin: torch.Tensor, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                  out_locs: torch.Tensor,
                   qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 1e-6,
                   round_normed: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prepare a step's q/k/v for attention, in place.
@@ -81,7 +82,8 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, position
     `apply_rope`) in qkv's dtype; caches: [locations, Hkv, D] (unit stride along D); out_locs: [T], each
     token's KV location in the pool. `qk_norm` are the (q, k) RMSNorm weights [D] (Qwen3; Gemma 3's 1 + weight in
     float32, with `round_normed` off: one rounding) and `eps` their epsilon.
-    q and k are rotated in qkv (after the norm when given); k and v are written to the pool at `out_locs`.
+    q and k are rotated in qkv (after the norm when given); k and v are written to the pool at `out_locs` (not
+    with no caches: int8 pages, which the backend quantizes as it stores).
     Returns q [T, Hq, D], k and v [T, Hkv, D], views of qkv.
     """
     tokens = qkv.shape[0]
@@ -93,9 +95,12 @@ def rope_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, position
     if tokens == 0:
         return views
     q_weight, k_weight = qk_norm if qk_norm is not None else (qkv, qkv)  # never read without the norm
+    store = k_cache is not None and v_cache is not None
+    k_pool = k_cache if k_cache is not None else views[1]  # never written without the caches
+    v_pool = v_cache if v_cache is not None else views[2]
     _rope_store_kernel[(tokens, num_heads + num_kv_heads)](
-        qkv, positions, cos_sin, q_weight, k_weight, k_cache, v_cache, out_locs, eps, qkv.stride(0),
-        cos_sin.stride(0), cos_sin.stride(1), k_cache.stride(0), k_cache.stride(1), NUM_HEADS=num_heads,
+        qkv, positions, cos_sin, q_weight, k_weight, k_pool, v_pool, out_locs, eps, qkv.stride(0),
+        cos_sin.stride(0), cos_sin.stride(1), k_pool.stride(0), k_pool.stride(1), STORE=store, NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, QK_NORM=qk_norm is not None, ROUND_NORMED=round_normed,
         BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=1, enable_fp_fusion=False)
     return views
