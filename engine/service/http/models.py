@@ -19,6 +19,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -100,7 +101,10 @@ class Loaded:
     expiry: asyncio.TimerHandle | None = None
 
     def alive(self) -> bool:
-        return self.handle.process is None or self.handle.process.poll() is None
+        """Its engine runs: not exited, and not exiting (a killed process's leader is a zombie while its other
+        threads still exit, and only then can it be reaped: requests sent meanwhile would meet a closed socket)."""
+        process = self.handle.process
+        return process is None or (process.poll() is None and not _exiting(process.pid))
 
     def memory(self) -> int:
         """Weights plus the KV pool: the pool's real size once the engine has published its stats."""
@@ -327,6 +331,15 @@ class ModelRouter:
 
     def _ids(self) -> str:
         return ", ".join(f"`{i}`" for i in self.catalogue.ids())
+
+
+def _exiting(pid: int) -> bool:
+    """Whether Linux says the process is dead or a zombie (False where /proc cannot tell)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] in (["Z"], ["X"])
 
 
 def _stamp(entry: Entry) -> tuple[float, int]:
