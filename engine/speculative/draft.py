@@ -21,6 +21,7 @@ from engine.kv.pool import KVPool
 from engine.kv.table import RequestTable
 from engine.model.decoder import CausalLM
 from engine.pages import pages_for
+from engine.sampling import greedy_tokens
 from engine.speculative.policy import StepCosts
 from kernels.attention.base import AttentionBackend, build_metadata
 
@@ -151,7 +152,7 @@ class DraftModel:
         meta = self.backend.prepare(build_metadata(q_lens, kv_lens, rows, self.table.table))
         logits = self.model(flat, positions, ends, self.kv, self.backend, meta)
         assert logits is not None  # one rank: a draft model is never split
-        tokens = dict(zip(reqs, logits.argmax(dim=-1).tolist(), strict=True))
+        tokens = dict(zip(reqs, greedy_tokens(logits).tolist(), strict=True))
         if max(q_lens) <= 2:
             self.pass_costs.record(len(reqs), time.perf_counter() - began)
         return tokens
