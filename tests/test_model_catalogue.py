@@ -266,10 +266,13 @@ def test_the_memory_budget_unloads_and_refuses_what_cannot_fit(models, tmp_path)
         assert catalogue.loaded() == {"demo2"}  # nothing was unloaded for a model that could never fit
 
 
-def test_two_models_with_one_id_are_refused_at_start(models):
+def test_two_models_with_one_id_and_catalogue_flags_without_one_are_refused_at_start(models):
     result = subprocess.run(minichat("serve", "--http", f"127.0.0.1:{free_port()}", "--model", f"a={models['demo']}",
                                      "--model", f"a={models['llama']}"), capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "two models have the id 'a'" in result.stderr
+    alone = subprocess.run(minichat("serve", "--http", f"127.0.0.1:{free_port()}", "--model", str(models["demo"]),
+                                    "--keep-alive", "5"), capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and "--keep-alive: only with a catalogue" in alone.stderr
 
 
 @pytest.mark.usefixtures("data_dir")

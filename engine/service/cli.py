@@ -167,6 +167,12 @@ def serve(address: str | None, allow_remote: bool, auth_token: str | None, max_w
     models = engine_options.pop("model") or []
     catalogue = names_catalogue(models_dir, models)
     engine_options["model"] = None if catalogue or not models else models[0]
+    unused = [flag for flag, given in (("--max-loaded-models", max_loaded_models != 3), ("--keep-alive",
+              keep_alive != 300.0), ("--models-memory-gib", models_memory_gib is not None)) if given]
+    if unused and not catalogue:
+        typer.echo(f"minichat serve: error: {', '.join(unused)}: only with a catalogue of models (--models-dir, "
+                   f"--model NAME=PATH); one model stays loaded for the server's whole life", err=True)
+        raise typer.Exit(2)
     if engine_options.get("node_rank"):  # another node of a multi-node engine: only its ranks run here
         _serve_node(log_level, engine_options)
         return
