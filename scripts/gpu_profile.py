@@ -81,7 +81,9 @@ CPU_KERNEL_METHODS = ("rms_norm", "rope_", "silu_mul", "paged_attention", "q_lin
 # CUTLASS attention kernels mention "gemm"-like tiles), norm/rope/activation before elementwise.
 FAMILY_PATTERNS: tuple[tuple[str, str], ...] = (
     ("layers", r"fused_layers"),  # a block-format model's every layer in one C call (kernels/cpu/decode.c)
-    ("sampling", r"argmax|argmin|multinomial|topk|top_k|top_p|sort|cumsum|exponential|sampl|penalt"),
+    # greedy tokens are max(dim) (engine/sampling.greedy_tokens): aten::max on a CPU, a MaxOps reduction on CUDA
+    ("sampling", r"argmax|argmin|aten::max$|maxops|multinomial|topk|top_k|top_p|sort|cumsum|exponential|sampl|"
+                 r"penalt"),
     ("attention", r"attention|attn|flash|fmha|_decode_(grouped_)?stage|_extend_kernel|batchdecode|batchprefill|"
                   r"scaled_dot_product|sdpa|softmax"),
     ("norm", r"rms_?norm|layer_?norm|rsqrt|meanops|pow_tensor_scalar"),

@@ -106,6 +106,9 @@ def test_cpu_profile_prints_tables(cpu_report: tuple[dict, str]) -> None:
     ("cpu_kernel::rope_", "rope"),
     ("cpu_kernel::silu_mul", "activation"),
     ("aten::argmax", "sampling"),
+    ("aten::max", "sampling"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, "
+     "float, 4>>(...)", "sampling"),
     ("aten::index_copy_", "copy/index"),
     ("aten::slice", "other"),
 ])
