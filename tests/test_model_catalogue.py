@@ -278,7 +278,8 @@ def test_two_models_with_one_id_and_catalogue_flags_without_one_are_refused_at_s
 @pytest.mark.usefixtures("data_dir")
 def test_the_console_picks_each_chats_model_and_compares_models_side_by_side(models):
     """`minichat --models-dir`: f9 lists the catalogue, choosing starts that model's engine for this chat (a replica
-    of the fleet view); /compare sends one prompt to several models in tabs of their own."""
+    of the fleet view); /compare sends one prompt to several models in tabs of their own; reopened, a chat is on its
+    model again."""
     from textual.widgets import DataTable
 
     from tests.test_tui import SIZE, connected_app, last_reply, run, type_and_send, wait_for
@@ -324,3 +325,18 @@ def test_the_console_picks_each_chats_model_and_compares_models_side_by_side(mod
     assert len(stopped) == 2
     for pid in stopped:
         until(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or "zombie" in _state(pid), "the engines to stop")
+
+    # the console again: the saved chat reopens on its model (llama's engine started for it), the others on the first
+    again = ModelShelf(catalogue, {}, Fleet([]))
+    reopened = MinichatApp(again.link("demo")[0], fleet=again.fleet, models=again)
+
+    async def reopen() -> None:
+        async with reopened.run_test(size=SIZE) as pilot:
+            await connected_app(pilot)
+            kept = [p for p in reopened.tabs.panes if p.session.model == Path(models["llama"]).name]
+            assert kept and all(p.link is again.links["llama"] for p in kept)
+
+    try:
+        run(reopen)
+    finally:
+        again.stop_engines()
