@@ -19,7 +19,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,15 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.config import DEMO_MODEL_DIR  # noqa: E402
+from scripts.bench_llamacpp import cpu  # noqa: E402
 from tests.real_model import gemma3_gguf, smollm2_gguf  # noqa: E402
 from tui.bench.fleet import free_port, minichat, stop, wait_up  # noqa: E402
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def first_token(root: str, model: str) -> float:
@@ -119,7 +112,7 @@ def main() -> None:
         stop(server)
         if busy is not None:
             busy.kill()
-    print(f"\n{cpu_name()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    print(f"\n{cpu()['model']}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
           f"{', beside one busy process' if args.busy else ''}; medians of {args.rounds}")
     for name, values in rows.items():
         print(f"| {name} | {statistics.median(values):.3f} |")

@@ -529,23 +529,27 @@ class MinichatApp(App[None]):
             self.notify("nothing to stop in this session")
 
     async def fan_out(self, prompts: list[str], like: Session) -> None:
-        """Open one tab per prompt (with `like`'s settings) to watch them batch in the ops panels.
+        """Open one tab per prompt (with `like`'s settings) to watch them batch in the ops panels."""
+        await self._open_group("fan", [(str(i), self.link, prompt) for i, prompt in enumerate(prompts, 1)], like)
+        if not self.ops_width and self.size.width >= WIDE:
+            self.ops_width = self._ops_restore if self._ops_restore < 100 else 50
+
+    async def _open_group(self, kind: str, tabs: list[tuple[str, EngineLink, str]], like: Session) -> None:
+        """One tab per (name, engine link, prompt), with `like`'s settings, each sending its prompt at once.
 
         Every request goes out before any tab is drawn: drawing a tab takes a while (dozens, seconds),
         and requests sent as their tabs were drawn trickled in and never filled the waiting queue. The
         tabs are a group of scratch sessions, closed together (ctrl+g) and never saved unless kept."""
         self._fan_outs += 1
-        group = f"fan {self._fan_outs}"
+        group = f"{kind} {self._fan_outs}"
         panes = []
-        for i, prompt in enumerate(prompts, 1):
-            pane = ChatPane(Session(f"{group}.{i}", like.system_prompt, dict(like.chosen), titled=True, group=group),
-                            self.link)
+        for name, link, prompt in tabs:
+            pane = ChatPane(Session(f"{group}.{name}", like.system_prompt, dict(like.chosen), titled=True, group=group),
+                            link)
             pane.start(prompt)
             panes.append(pane)
         await self.tabs.add(*panes)
         self.tabs.bring_to_front(panes[0])
-        if not self.ops_width and self.size.width >= WIDE:
-            self.ops_width = self._ops_restore if self._ops_restore < 100 else 50
 
     async def action_close_group(self) -> None:
         """Close every tab of the front tab's fan-out at once, stopping their replies (scratch: none is saved)."""
@@ -734,22 +738,12 @@ class MinichatApp(App[None]):
         self.pin(pane, replica)
 
     async def compare(self, models: list[str], prompt: str, like: Session) -> None:
-        """/compare a,b,c PROMPT: one tab per model, each sending the prompt to its model at once (a fan-out group:
-        closed together with ctrl+g, not saved unless kept)."""
+        """/compare a,b,c PROMPT: one tab per model, each sending the prompt to its model at once (a fan-out group)."""
         if self.models is None:
             raise ValueError("/compare sends a prompt to several models of a catalogue: start the console with "
                              "--models-dir DIR or --model NAME=PATH, repeated")
-        links = [(self.models.entry(m).id, self.model_link(m)) for m in models]  # every name checked first
-        self._fan_outs += 1
-        group = f"compare {self._fan_outs}"
-        panes = []
-        for model, link in links:
-            pane = ChatPane(Session(f"{group}.{model}", like.system_prompt, dict(like.chosen), titled=True,
-                                    group=group), link)
-            pane.start(prompt)
-            panes.append(pane)
-        await self.tabs.add(*panes)
-        self.tabs.bring_to_front(panes[0])
+        ids = [self.models.entry(m).id for m in models]  # every name checked before any engine starts
+        await self._open_group("compare", [(model, self.model_link(model), prompt) for model in ids], like)
 
     def pin(self, pane: ChatPane, replica: EngineReplica) -> None:
         """Send this chat's next messages to `replica`'s engine (not while a reply streams from another)."""

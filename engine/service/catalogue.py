@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import model_id
 from engine.service.addresses import runtime_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -79,11 +80,11 @@ class Catalogue:
             raise CatalogueError("no models: the --models-dir directories hold no .gguf file or checkpoint folder")
         return catalogue
 
-    def __getitem__(self, model_id: str) -> Entry:
-        return self.entries[model_id]
+    def __getitem__(self, model: str) -> Entry:
+        return self.entries[model]
 
-    def __contains__(self, model_id: object) -> bool:
-        return model_id in self.entries
+    def __contains__(self, model: object) -> bool:
+        return model in self.entries
 
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries.values())
@@ -93,13 +94,13 @@ class Catalogue:
 
     def find(self, name: str) -> Entry | None:
         """The entry an engine's model name stands for: its id, or the name its path is served under."""
-        return self.entries.get(name) or next((e for e in self if e.path.name.removesuffix(".gguf") == name), None)
+        return self.entries.get(name) or next((e for e in self if model_id(str(e.path)) == name), None)
 
 
-def engine_address(owner: str, model_id: str) -> str:
-    """The private ipc socket of `owner`'s engine for `model_id` (an owner: a server, a console; the runtime
+def engine_address(owner: str, model: str) -> str:
+    """The private ipc socket of `owner`'s engine for `model` (an owner: a server, a console; the runtime
     directory is the user's own, and the name stays short of the socket path's limit)."""
-    key = hashlib.sha1(f"{owner}:{model_id}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{owner}:{model}".encode()).hexdigest()[:12]
     return f"ipc://{runtime_dir() / f'model-{key}.sock'}"
 
 
@@ -110,10 +111,10 @@ def entry_of(path: Path, name: str | None = None) -> Entry | None:
     if path.name.startswith("."):
         return None
     if path.is_file() and path.suffix == ".gguf":
-        return Entry(name or path.name.removesuffix(".gguf"), path.resolve(), "gguf", path.stat().st_size)
+        return Entry(name or model_id(str(path)), path.resolve(), "gguf", path.stat().st_size)
     if path.is_dir() and (path / "config.json").is_file():
         size = sum(f.stat().st_size for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
-        return Entry(name or path.name, path.resolve(), "checkpoint", size)
+        return Entry(name or model_id(str(path)), path.resolve(), "checkpoint", size)
     return None
 
 

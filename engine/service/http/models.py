@@ -178,13 +178,14 @@ class ModelRouter:
                 log.warning("model %s: its engine (pid %d) exited; starting it again", entry.id, loaded.handle.pid)
                 await self._unload(loaded)
             self._refuse_if_failed(entry)
-            need = entry.weight_bytes(self.limits.dtype) + self.limits.kv_bytes
+            weights = entry.weight_bytes(self.limits.dtype)
+            need = weights + self.limits.kv_bytes
             budget = self.limits.memory_bytes
             if budget is not None and need > budget:
                 raise self._failure(entry, f"it needs about {need / GIB:.2f} GiB (weights and KV pool), more than "
                                            f"--models-memory-gib {budget / GIB:g}")
             await self._make_room(entry, need)
-            return await self._load(entry)
+            return await self._load(entry, weights)
 
     async def unload(self, model: str) -> bool:
         """Unload `model` now (False if it was not loaded); 409 while it has requests in flight."""
@@ -259,7 +260,7 @@ class ModelRouter:
                     f"(--models-memory-gib {budget / GIB:g})")
         return None
 
-    async def _load(self, entry: Entry) -> Loaded:
+    async def _load(self, entry: Entry, weight_bytes: int) -> Loaded:
         address = engine_address(f"server {os.getpid()}:{self.options.port}", entry.id)
         log.info("model %s: loading %s", entry.id, entry.path)
         began = time.monotonic()
@@ -271,7 +272,7 @@ class ModelRouter:
         client = AsyncEngineClient(address, timeout=self.options.engine_timeout, auth_token=handle.auth_token)
         state = ApiState(replace(self.options, address=address, served_model_name=entry.id), client, Metrics())
         loaded = Loaded(entry, handle, state, asyncio.create_task(state.watch_stats()), time.monotonic() - began,
-                        self.limits.keep_alive, entry.weight_bytes(self.limits.dtype), self.limits.kv_bytes)
+                        self.limits.keep_alive, weight_bytes, self.limits.kv_bytes)
         self.loaded[entry.id] = loaded
         self.loads[entry.id] += 1
         log.info("model %s: loaded in %.1f s (engine pid %d)", entry.id, loaded.load_seconds, handle.pid)
