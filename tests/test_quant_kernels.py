@@ -110,8 +110,9 @@ def test_product_is_within_the_derived_bound(kernels: CpuKernels, qtype: str, m:
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_each_row_of_a_product_is_what_it_gives_alone(kernels: CpuKernels, qtype: str) -> None:
-    """Rows of x that share a pass over a tile (two at a time in one 512-bit dot product where the CPU has AVX-512
-    VNNI) give bit for bit what each gives alone: a request's numbers do not depend on its batch."""
+    """Rows of x that share a pass over a tile (with AVX-512 VNNI, two panels' tiles in one 512-bit vector, where a
+    row alone reads one panel at a time) give bit for bit what each gives alone: a request's numbers do not depend
+    on its batch. 21 rows: a pair of panels and a panel on its own."""
     rows, columns, m = 21, 512, 9
     raw = file_rows(qtype, rows, columns, seed=5)
     matrix = BlockMatrix(columns, [kernels.repack(torch.from_numpy(raw), QTYPES[qtype], columns)])

@@ -61,13 +61,13 @@ static void add_normed(float *x, float *part, int64_t tokens, int64_t hidden, co
     }
 }
 
-/* One product over the prepared input (stages 2, 7, 9, 11): its panels shared out, output written once each. */
+/* One product over the prepared input (stages 2, 7, 9, 11): its units shared out, output written once each. */
 static void run_product(const product *w, const act_block *scratch, const float *xs, int64_t xs_stride, int64_t m,
                         int64_t k, float *out, int64_t out_stride, const float *add) {
-    const int64_t panels = q_panels(w->segs, w->nseg);
+    const int64_t units = q_units(w->segs, w->nseg);
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        q_panel(w->segs, p, scratch, xs, xs_stride, m, k, out, out_stride, w->bias, add, add ? out_stride : 0);
+    for (int64_t u = 0; u < units; u++)
+        q_unit(w->segs, u, scratch, xs, xs_stride, m, k, out, out_stride, w->bias, add, add ? out_stride : 0);
 }
 
 /* x ([tokens, hidden], the residual stream) through every layer. Token t is at `positions[t]` and writes its

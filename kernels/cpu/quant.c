@@ -39,6 +39,9 @@
 #endif
 #if defined(__AVX512F__)
 #define QUANT_AVX512 1 /* float rows 16 values a register */
+#if defined(QUANT_VNNI) && defined(__AVX512BW__)
+#define QUANT_WIDE 1 /* block products over several rows of x: two panels a 512-bit vector (tile_dots.h) */
+#endif
 #endif
 #endif
 
@@ -69,6 +72,12 @@ static inline int64_t float_offset(int64_t j, int lane) {
 }
 
 #define ROWS_PER_PASS 4          /* rows of x that share one unpacked tile */
+#ifdef QUANT_WIDE
+#define UNIT_PANELS 2 /* the panels a thread takes at a time: a pair, for the 512-bit products */
+#else
+#define UNIT_PANELS 1
+#endif
+#define UNIT_LANES (2 * PANEL) /* the output columns of a unit's pass, at most */
 #define PARALLEL_MIN_WORK 32768 /* below this many multiply-adds one thread does the whole product */
 #define SERIAL_INPUT_VALUES 8192 /* up to this many input values are prepared before the team starts */
 #define PREFETCH_TILES 8         /* how far ahead of the product a panel's tiles are fetched */
@@ -475,41 +484,6 @@ static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-/* The tile's eight vectors: w[g] holds values 4g..4g+3 of each of the 8 rows. */
-static inline __attribute__((always_inline)) void tile_vectors(int type, const uint8_t *tile, __m256i w[8]) {
-    if (type == T_Q8_0) {
-        for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(tile + 32 * g));
-        return;
-    }
-    const __m256i low4 = _mm256_set1_epi8(0xF);
-    for (int p = 0; p < 4; p++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + 32 * p));
-        w[p] = _mm256_and_si256(v, low4);
-        w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    }
-    const uint8_t *plane = tile + 128;
-    if (type == T_Q6_K) { /* bits 2(g%4), 2(g%4)+1 of plane g/4 move to bits 4-5 */
-        const __m256i top2 = _mm256_set1_epi8(0x30);
-        for (int half = 0; half < 2; half++) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(plane + 32 * half));
-            w[4 * half + 0] = _mm256_or_si256(w[4 * half + 0], _mm256_and_si256(_mm256_slli_epi16(h, 4), top2));
-            w[4 * half + 1] = _mm256_or_si256(w[4 * half + 1], _mm256_and_si256(_mm256_slli_epi16(h, 2), top2));
-            w[4 * half + 2] = _mm256_or_si256(w[4 * half + 2], _mm256_and_si256(h, top2));
-            w[4 * half + 3] = _mm256_or_si256(w[4 * half + 3], _mm256_and_si256(_mm256_srli_epi16(h, 2), top2));
-        }
-    } else if (tile_plane_bytes(type)) { /* bit g moves to bit 4 */
-        const __m256i bit4 = _mm256_set1_epi8(0x10), h = _mm256_loadu_si256((const __m256i *)plane);
-        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
-        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
-        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4));
-        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4));
-        w[4] = _mm256_or_si256(w[4], _mm256_and_si256(h, bit4));
-        w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4));
-        w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4));
-        w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4));
-    }
-}
-
 static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 static inline __m256 u8x8(const uint8_t *p) { /* eight bytes as floats, unsigned or (Q6_K) signed */
@@ -520,78 +494,73 @@ static inline __m256 i8x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-static inline __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
+/* The 256-bit instance of tile_dots.h: one panel's tile a vector. */
+#define W_NAME(f) f##_256
+#define W_PAIRED 0
+#define W_Q8_SIGNED (!Q8_BIASED_DOT)
+#define VI __m256i
+#define VF __m256
+#define W_LOAD_I(p) _mm256_loadu_si256((const __m256i *)(p))
+#define W_F16(p) f16x8(p)
+#define W_U8(p) u8x8(p)
+#define W_I8(p) i8x8(p)
+#define W_DOT dot_acc
+#define I_AND _mm256_and_si256
+#define I_OR _mm256_or_si256
+#define I_SRLI16 _mm256_srli_epi16
+#define I_SLLI16 _mm256_slli_epi16
+#define I_SET1_8 _mm256_set1_epi8
+#define I_SET1_32 _mm256_set1_epi32
+#define I_ZERO _mm256_setzero_si256
+#define F_ZERO _mm256_setzero_ps
+#define F_SET1 _mm256_set1_ps
+#define F_MUL _mm256_mul_ps
+#define F_SUB _mm256_sub_ps
+#define F_FMA _mm256_fmadd_ps
+#define F_CVT _mm256_cvtepi32_ps
+#include "tile_dots.h"
+
+#ifdef QUANT_WIDE
+/* The 512-bit instance: two panels' tiles, `pair` bytes apart, a vector (the second panel's in the high half). */
+static inline __m512i load_pair(const uint8_t *p, int64_t pair) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                              _mm256_loadu_si256((const __m256i *)(p + pair)), 1);
 }
 
-/* The tile's dot products with x's q and with its residual r as one: iq + ir / RESIDUAL. */
-static inline __m256 combine(__m256i iq, __m256i ir) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(ir), _mm256_set1_ps(1.0f / RESIDUAL), _mm256_cvtepi32_ps(iq));
+static inline __m512 f16x16(const uint8_t *p, int64_t pair) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                                   _mm_loadu_si128((const __m128i *)(p + pair)), 1));
 }
 
-/* acc[r] (lane = panel row) += the panel's rows . x row r, for nr rows of x (quantized, `blocks` per row). */
-static inline __attribute__((always_inline)) void panel_dots(int type, const uint8_t *panel, const act_block *a,
-                                                             int64_t blocks, int nr, __m256 acc[ROWS_PER_PASS]) {
-    __m256 d8 = _mm256_setzero_ps(), dmin8 = _mm256_setzero_ps();
-    for (int64_t c = 0; c < blocks; c++) {
-        const uint8_t *header, *tile = tile_at(type, panel, c, &header);
-        for (int64_t ahead = 0; ahead < tile_bytes(type); ahead += 64) /* the stream a few tiles on, into L1 */
-            _mm_prefetch((const char *)tile + PREFETCH_TILES * tile_bytes(type) + ahead, _MM_HINT_T0);
-        if (is_k(type) && c % 8 == 0) {
-            d8 = f16x8(header);
-            if (type != T_Q6_K) dmin8 = f16x8(header + 16);
-        }
-        const uint8_t *sc = tile + tile_q_bytes(type) + tile_plane_bytes(type);
-        __m256 S, M = _mm256_setzero_ps(), S_hi = _mm256_setzero_ps();
-        if (type == T_Q6_K) {
-            S = _mm256_mul_ps(d8, i8x8(sc));
-            S_hi = _mm256_mul_ps(d8, i8x8(sc + PANEL));
-        } else if (is_k(type)) {
-            S = _mm256_mul_ps(d8, u8x8(sc));
-            M = _mm256_mul_ps(dmin8, _mm256_sub_ps(_mm256_setzero_ps(), u8x8(sc + PANEL)));
-        } else {
-            S = f16x8(sc);
-            if (has_min(type)) M = f16x8(sc + 16);
-            else if (zero_point(type)) M = _mm256_mul_ps(S, _mm256_set1_ps(-(float)zero_point(type)));
-        }
-        __m256i w[8];
-        tile_vectors(type, tile, w);
-        for (int r = 0; r < nr; r++) {
-            const act_block *ab = a + r * blocks + c;
-            const __m256 d = _mm256_set1_ps(ab->d);
-            if (type == T_Q6_K) { /* a scale per half; M = -32 S */
-                for (int h = 0; h < 2; h++) {
-                    __m256i iq = _mm256_setzero_si256(), ir = _mm256_setzero_si256();
-                    for (int g = 4 * h; g < 4 * h + 4; g++) {
-                        iq = dot_acc(iq, w[g], bcast4(ab->q + 4 * g));
-                        ir = dot_acc(ir, w[g], bcast4(ab->r + 4 * g));
-                    }
-                    const __m256 Sh = h ? S_hi : S;
-                    acc[r] = _mm256_fmadd_ps(combine(iq, ir), _mm256_mul_ps(Sh, d), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(Sh, _mm256_set1_ps(-32.0f * (h ? ab->s_hi : ab->s_lo)), acc[r]);
-                }
-                continue;
-            }
-            __m256i iq = _mm256_setzero_si256(), ir = _mm256_setzero_si256();
-            for (int g = 0; g < 8; g++) {
-                const __m256i xq = bcast4(ab->q + 4 * g), xr = bcast4(ab->r + 4 * g);
-                if (type == T_Q8_0 && !Q8_BIASED_DOT) { /* q back from q + 128: |q| against x with q's sign */
-                    const __m256i q = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
-                    const __m256i u = _mm256_sign_epi8(q, q);
-                    iq = dot_acc(iq, u, _mm256_sign_epi8(xq, q));
-                    ir = dot_acc(ir, u, _mm256_sign_epi8(xr, q));
-                } else {
-                    iq = dot_acc(iq, w[g], xq);
-                    ir = dot_acc(ir, w[g], xr);
-                }
-            }
-            acc[r] = _mm256_fmadd_ps(combine(iq, ir), _mm256_mul_ps(S, d), acc[r]);
-            if (type != T_Q8_0 || Q8_BIASED_DOT) acc[r] = _mm256_fmadd_ps(M, _mm256_set1_ps(ab->s), acc[r]);
-        }
-    }
+static inline __m128i bytes16(const uint8_t *p, int64_t pair) { /* eight bytes of each panel */
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p), _mm_loadl_epi64((const __m128i *)(p + pair)));
 }
+
+#define W_NAME(f) f##_512
+#define W_PAIRED 1
+#define W_Q8_SIGNED 0
+#define VI __m512i
+#define VF __m512
+#define W_LOAD_I(p) load_pair(p, pair)
+#define W_F16(p) f16x16(p, pair)
+#define W_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(p, pair)))
+#define W_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(p, pair)))
+#define W_DOT _mm512_dpbusd_epi32
+#define I_AND _mm512_and_si512
+#define I_OR _mm512_or_si512
+#define I_SRLI16 _mm512_srli_epi16
+#define I_SLLI16 _mm512_slli_epi16
+#define I_SET1_8 _mm512_set1_epi8
+#define I_SET1_32 _mm512_set1_epi32
+#define I_ZERO _mm512_setzero_si512
+#define F_ZERO _mm512_setzero_ps
+#define F_SET1 _mm512_set1_ps
+#define F_MUL _mm512_mul_ps
+#define F_SUB _mm512_sub_ps
+#define F_FMA _mm512_fmadd_ps
+#define F_CVT _mm512_cvtepi32_ps
+#include "tile_dots.h"
+#endif
 
 /* One panel's `width` rows as float32 rows of `out` (k values each), tile by tile: the integers widened, times
  * their row's scale, plus its offset. The dense form a product over many rows takes (q_dequantize_dense). */
@@ -621,7 +590,7 @@ static inline __attribute__((always_inline)) void panel_dense(int type, const ui
         if (!has_min(type))
             for (int h = 0; h < 2; h++) M[h] = _mm256_mul_ps(S[h], _mm256_set1_ps(-(float)zero_point(type)));
         __m256i w[8];
-        tile_vectors(type, tile, w);
+        tile_vectors_256(type, tile, 0, w);
         for (int g = 0; g < 8; g++) {
             uint8_t bytes[32];
             _mm256_storeu_si256((__m256i *)bytes, w[g]);
@@ -637,17 +606,30 @@ static inline __attribute__((always_inline)) void panel_dense(int type, const ui
     }
 }
 
-/* Rows [r0, r0 + nr) of the output for one panel, nr a compile-time constant after inlining. */
-static inline __attribute__((always_inline)) void panel_pass(int type, const uint8_t *panel, const act_block *a,
-                                                             int64_t blocks, int nr, float out[ROWS_PER_PASS][PANEL]) {
+/* Rows [r0, r0 + nr) of the output for one panel, or (pair: the second's offset) two; nr a compile-time constant
+ * after inlining. */
+static inline __attribute__((always_inline)) void panel_pass(int type, const uint8_t *panel, int64_t pair,
+                                                             const act_block *a, int64_t blocks, int nr,
+                                                             float out[ROWS_PER_PASS][UNIT_LANES]) {
+#ifdef QUANT_WIDE
+    if (pair) {
+        __m512 acc[ROWS_PER_PASS];
+        for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+        panel_dots_512(type, panel, pair, a, blocks, nr, acc);
+        for (int r = 0; r < nr; r++) _mm512_storeu_ps(out[r], acc[r]);
+        return;
+    }
+#endif
     __m256 acc[ROWS_PER_PASS];
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
-    panel_dots(type, panel, a, blocks, nr, acc);
+    panel_dots_256(type, panel, 0, a, blocks, nr, acc);
     for (int r = 0; r < nr; r++) _mm256_storeu_ps(out[r], acc[r]);
 }
 #else
-static inline __attribute__((always_inline)) void panel_pass(int type, const uint8_t *panel, const act_block *a,
-                                                             int64_t blocks, int nr, float out[ROWS_PER_PASS][PANEL]) {
+static inline __attribute__((always_inline)) void panel_pass(int type, const uint8_t *panel, int64_t pair,
+                                                             const act_block *a, int64_t blocks, int nr,
+                                                             float out[ROWS_PER_PASS][UNIT_LANES]) {
+    (void)pair; /* never paired without the 512-bit products */
     for (int r = 0; r < nr; r++)
         for (int lane = 0; lane < PANEL; lane++) out[r][lane] = 0.0f;
     for (int64_t c = 0; c < blocks; c++) {
@@ -676,16 +658,16 @@ static inline __attribute__((always_inline)) void panel_pass(int type, const uin
 }
 #endif
 
-/* One panel against rows [r0, r0 + nr) of x, for each format and row count (specialised by inlining). */
-static void panel_rows(int type, const uint8_t *panel, const act_block *a, int64_t blocks, int nr,
-                       float out[ROWS_PER_PASS][PANEL]) {
-#define BY_ROWS(T)                                                  \
-    switch (nr) {                                                   \
-    case 1: panel_pass(T, panel, a, blocks, 1, out); break;         \
-    case 2: panel_pass(T, panel, a, blocks, 2, out); break;         \
-    case 3: panel_pass(T, panel, a, blocks, 3, out); break;         \
-    default: panel_pass(T, panel, a, blocks, ROWS_PER_PASS, out);   \
-    }                                                               \
+/* One panel (or a pair) against rows [r0, r0 + nr) of x, for each format and row count (specialised by inlining). */
+static void panel_rows(int type, const uint8_t *panel, int64_t pair, const act_block *a, int64_t blocks, int nr,
+                       float out[ROWS_PER_PASS][UNIT_LANES]) {
+#define BY_ROWS(T)                                                        \
+    switch (nr) {                                                         \
+    case 1: panel_pass(T, panel, pair, a, blocks, 1, out); break;         \
+    case 2: panel_pass(T, panel, pair, a, blocks, 2, out); break;         \
+    case 3: panel_pass(T, panel, pair, a, blocks, 3, out); break;         \
+    default: panel_pass(T, panel, pair, a, blocks, ROWS_PER_PASS, out);   \
+    }                                                                     \
     break;
     switch (type) {
     case T_Q4_0: BY_ROWS(T_Q4_0)
@@ -738,11 +720,11 @@ static inline __attribute__((always_inline)) fvec fvec_weights(const uint8_t *w,
 static inline __attribute__((always_inline)) void float_block(const uint8_t *panel, int bf16, int lane0,
                                                               const float *x, int64_t x_stride, int64_t k,
                                                               const int R, const int L,
-                                                              float part[ROWS_PER_PASS][PANEL]) {
+                                                              float part[ROWS_PER_PASS][UNIT_LANES]) {
     const int64_t width = bf16 ? 2 : 4, full = k / FLOAT_CHUNK * FLOAT_CHUNK;
-    float sums[ROWS_PER_PASS][PANEL] = {{0}};
+    float sums[ROWS_PER_PASS][UNIT_LANES] = {{0}};
 #ifdef QUANT_AVX2
-    fvec acc[ROWS_PER_PASS][PANEL];
+    fvec acc[ROWS_PER_PASS][UNIT_LANES];
     for (int r = 0; r < R; r++)
         for (int l = 0; l < L; l++) acc[r][l] = fvec_zero();
     for (int64_t j = 0; j < full; j += FLOAT_CHUNK) {
@@ -777,7 +759,7 @@ static inline __attribute__((always_inline)) void float_block(const uint8_t *pan
  * 16, AVX-512's 32). */
 static inline __attribute__((always_inline)) void float_columns_of(const uint8_t *panel, int bf16, const float *x,
                                                                    int64_t x_stride, int nr, int64_t k,
-                                                                   float part[ROWS_PER_PASS][PANEL]) {
+                                                                   float part[ROWS_PER_PASS][UNIT_LANES]) {
 #ifdef QUANT_AVX512
     const int lanes = nr <= 2 ? 8 : 4;
 #else
@@ -794,27 +776,36 @@ static inline __attribute__((always_inline)) void float_columns_of(const uint8_t
 
 /* float_columns_of inlined twice, each with `bf16` a constant: no per-value branch on the format in the loops. */
 static void float_columns(const uint8_t *panel, int bf16, const float *x, int64_t x_stride, int nr, int64_t k,
-                          float part[ROWS_PER_PASS][PANEL]) {
+                          float part[ROWS_PER_PASS][UNIT_LANES]) {
     if (bf16)
         float_columns_of(panel, 1, x, x_stride, nr, k, part);
     else
         float_columns_of(panel, 0, x, x_stride, nr, k, part);
 }
 
-/* Output columns [col, col + count) of one segment: a panel, or (T_F32, T_BF16) up to 8 float rows. */
-static void panel_columns(const segment *s, int64_t panel, const act_block *a, const float *x, int64_t x_stride,
-                          int64_t m, int64_t k, float *out, int64_t out_stride, const float *bias, const float *add,
-                          int64_t add_stride) {
-    const int64_t blocks = k / 32, col = s->col + panel * PANEL;
-    const int width = (int)(s->rows - panel * PANEL < PANEL ? s->rows - panel * PANEL : PANEL);
-    float part[ROWS_PER_PASS][PANEL];
+/* Output columns of one unit: `count` panels (1, or 2 where UNIT_PANELS is) of one segment from `panel` on, each of
+ * block rows or (T_F32, T_BF16) up to 8 float rows. A pair of block panels goes through the 512-bit products
+ * together where x has several rows; one row of x reads them one after the other (tile_dots.h says why). */
+static void panel_columns(const segment *s, int64_t panel, int count, const act_block *a, const float *x,
+                          int64_t x_stride, int64_t m, int64_t k, float *out, int64_t out_stride, const float *bias,
+                          const float *add, int64_t add_stride) {
+    const int64_t blocks = k / 32, col = s->col + panel * PANEL, pbytes = q_panel_bytes(s->type, k);
+    const int64_t left = s->rows - panel * PANEL;
+    const int width = (int)(left < count * PANEL ? left : count * PANEL);
+    const uint8_t *data = s->data + panel * pbytes;
+    float part[ROWS_PER_PASS][UNIT_LANES];
     for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
         const int nr = (int)(m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS);
-        if (is_float(s->type)) {
-            float_columns(s->data + panel * q_panel_bytes(s->type, k), s->type == T_BF16, x + r0 * x_stride, x_stride,
-                          nr, k, part);
+        if (count == 2 && nr > 1 && !is_float(s->type)) {
+            panel_rows(s->type, data, pbytes, a + r0 * blocks, blocks, nr, part);
         } else {
-            panel_rows(s->type, s->data + panel * q_panel_bytes(s->type, k), a + r0 * blocks, blocks, nr, part);
+            for (int i = 0; i < count; i++) {
+                float(*lanes)[UNIT_LANES] = (float(*)[UNIT_LANES]) & part[0][i * PANEL];
+                if (is_float(s->type))
+                    float_columns(data + i * pbytes, s->type == T_BF16, x + r0 * x_stride, x_stride, nr, k, lanes);
+                else
+                    panel_rows(s->type, data + i * pbytes, 0, a + r0 * blocks, blocks, nr, lanes);
+            }
         }
         for (int r = 0; r < nr; r++) {
             float *o = out + (r0 + r) * out_stride + col;
@@ -827,7 +818,6 @@ static void panel_columns(const segment *s, int64_t panel, const act_block *a, c
         }
     }
 }
-
 
 /* Row r of the product's input, `k` values, into `dst`, as `input` says. RMSNorm rounds as transformers'
  * float32 one does (the mean of squares, + eps, rsqrt, times x, times the weight). */
@@ -862,18 +852,24 @@ void q_prepare_rows(int32_t input, const float *x, int64_t x_stride, int64_t r0,
     }
 }
 
-int64_t q_panels(const segment *segs, int64_t nseg) {
-    int64_t panels = 0;
-    for (int64_t s = 0; s < nseg; s++) panels += (segs[s].rows + PANEL - 1) / PANEL;
-    return panels;
+/* Panels of a segment, and units (a thread's share at a time: UNIT_PANELS panels, the last perhaps fewer). */
+static inline int64_t seg_panels(const segment *s) { return (s->rows + PANEL - 1) / PANEL; }
+
+static inline int64_t seg_units(const segment *s) { return (seg_panels(s) + UNIT_PANELS - 1) / UNIT_PANELS; }
+
+int64_t q_units(const segment *segs, int64_t nseg) {
+    int64_t units = 0;
+    for (int64_t s = 0; s < nseg; s++) units += seg_units(&segs[s]);
+    return units;
 }
 
-void q_panel(const segment *segs, int64_t p, const act_block *scratch, const float *xs, int64_t xs_stride,
-             int64_t m, int64_t k, float *out, int64_t out_stride, const float *bias, const float *add,
-             int64_t add_stride) {
-    int64_t s = 0, first = 0; /* the segment of global panel p, and that segment's first panel */
-    while (p >= first + (segs[s].rows + PANEL - 1) / PANEL) first += (segs[s++].rows + PANEL - 1) / PANEL;
-    panel_columns(&segs[s], p - first, scratch, xs, xs_stride, m, k, out, out_stride, bias, add, add_stride);
+void q_unit(const segment *segs, int64_t u, const act_block *scratch, const float *xs, int64_t xs_stride, int64_t m,
+            int64_t k, float *out, int64_t out_stride, const float *bias, const float *add, int64_t add_stride) {
+    int64_t s = 0, first = 0; /* the segment of global unit u, and that segment's first unit */
+    while (u >= first + seg_units(&segs[s])) first += seg_units(&segs[s++]);
+    const int64_t panel = (u - first) * UNIT_PANELS, rest = seg_panels(&segs[s]) - panel;
+    panel_columns(&segs[s], panel, (int)(rest < UNIT_PANELS ? rest : UNIT_PANELS), scratch, xs, xs_stride, m, k, out,
+                  out_stride, bias, add, add_stride);
 }
 
 /* The product a linear_call describes (quant.h). Returns 0, or -1 where memory ran out. */
@@ -887,7 +883,7 @@ int32_t q_linear(const linear_call *c) {
     const segment *segs = c->segs;
     int64_t n_total = 0;
     for (int64_t s = 0; s < nseg; s++) n_total += segs[s].rows;
-    const int64_t panels = q_panels(segs, nseg);
+    const int64_t units = q_units(segs, nseg);
     act_block *scratch = malloc((size_t)(m * (k / 32)) * sizeof(act_block));
     float *rows = input == INPUT_AS_IS ? NULL : malloc((size_t)(m * k) * sizeof(float));
     if (scratch == NULL || (input != INPUT_AS_IS && rows == NULL)) {
@@ -909,8 +905,8 @@ int32_t q_linear(const linear_call *c) {
             for (int64_t r = 0; r < m; r++) q_prepare_rows(input, x, x_stride, r, r + 1, k, norm_weight, eps, rows, scratch);
         }
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++)
-            q_panel(segs, p, scratch, xs, xs_stride, m, k, out, out_stride, bias, add, add_stride);
+        for (int64_t u = 0; u < units; u++)
+            q_unit(segs, u, scratch, xs, xs_stride, m, k, out, out_stride, bias, add, add_stride);
     }
     free(scratch);
     free(rows);
@@ -921,11 +917,12 @@ int32_t q_linear(const linear_call *c) {
  * over many rows runs on this through torch's GEMM, which beats the integer kernel there. Values equal gguf's
  * dequantization (its -0.0s may come out +0.0). */
 void q_dequantize_dense(float *out, const segment *segs, int64_t nseg, int64_t k, int64_t r0, int64_t r1) {
-    const int64_t panels = q_panels(segs, nseg);
+    int64_t panels = 0;
+    for (int64_t s = 0; s < nseg; s++) panels += seg_panels(&segs[s]);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         int64_t s = 0, first = 0;
-        while (p >= first + (segs[s].rows + PANEL - 1) / PANEL) first += (segs[s++].rows + PANEL - 1) / PANEL;
+        while (p >= first + seg_panels(&segs[s])) first += seg_panels(&segs[s++]);
         const segment *seg = &segs[s];
         const int64_t row = (p - first) * PANEL;
         if (seg->col + row < r0 || seg->col + row >= r1) continue;

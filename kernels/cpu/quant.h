@@ -48,8 +48,8 @@ typedef struct {
 void q_prepare_rows(int32_t input, const float *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t k,
                     const float *norm_weight, float eps, float *rows, act_block *scratch);
 
-/* The panels of the segments, and global panel p's output columns for all m rows of the prepared input. */
-int64_t q_panels(const segment *segs, int64_t nseg);
-void q_panel(const segment *segs, int64_t p, const act_block *scratch, const float *xs, int64_t xs_stride,
-             int64_t m, int64_t k, float *out, int64_t out_stride, const float *bias, const float *add,
-             int64_t add_stride);
+/* The units of work of the segments (a panel, or a pair of panels where the 512-bit products are built), and
+ * global unit u's output columns for all m rows of the prepared input. */
+int64_t q_units(const segment *segs, int64_t nseg);
+void q_unit(const segment *segs, int64_t u, const act_block *scratch, const float *xs, int64_t xs_stride, int64_t m,
+            int64_t k, float *out, int64_t out_stride, const float *bias, const float *add, int64_t add_stride);
