@@ -131,6 +131,42 @@ def test_paged_attention_matches_naive(kernels, dtype, heads, kv_heads, dim):
     torch.testing.assert_close(ours.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("pool", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, None), (4, 1, 256, 40),
+                                                       (8, 2, 128, 70)], ids=["smollm2", "gemma3", "gemma3-local",
+                                                                             "windowed128"])
+def test_a_prompts_tokens_together_are_each_token_alone(kernels, pool, heads, kv_heads, dim, window):
+    """A prompt's consecutive tokens share each read of a block of keys (runs of them per item) and still give
+    bit for bit what each token gives alone, whatever the run lengths: two prompts, a decode token between them,
+    lengths across several key blocks, a sliding window that cuts runs short; and they agree with naive attention."""
+    from kernels.attention.int8_kv import dequantize_rows, quantize_rows
+
+    g = torch.Generator().manual_seed(dim + heads)
+    dtype = torch.bfloat16 if pool == "bf16" else torch.float32
+    slots = 1024
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    if pool == "int8":
+        k_cache, v_cache = quantize_rows(k_cache), quantize_rows(v_cache)
+    table = torch.randperm(slots, generator=g)[: 3 * 300].view(3, 300)
+    rows = torch.tensor([0] * 45 + [2] + [1] * 20)  # a prompt chunk of 45, a decode token, a chunk of 20
+    kv_lens = torch.cat([torch.arange(100, 145), torch.tensor([7]), torch.arange(1, 21)])
+    q = torch.randn(len(rows), heads, dim, generator=g).to(dtype)
+    together = kernels.paged_attention(q, k_cache, v_cache, table, rows, kv_lens, dim**-0.5, window=window)
+    alone = torch.cat([kernels.paged_attention(q[i : i + 1], k_cache, v_cache, table, rows[i : i + 1],
+                                               kv_lens[i : i + 1], dim**-0.5, window=window)
+                       for i in range(len(rows))])
+    assert torch.equal(together, alone)
+    if pool == "int8":
+        k_cache, v_cache = (dequantize_rows(c, dim).view(slots, kv_heads, dim) for c in (k_cache, v_cache))
+    lens = kv_lens if window is None else kv_lens.clamp(max=window)
+    starts = kv_lens - lens
+    windowed = torch.stack([table[r].roll(-int(s)) for r, s in zip(rows.tolist(), starts.tolist(), strict=True)])
+    expected = naive_paged(q, k_cache, v_cache, windowed, torch.arange(len(rows)), lens, dim**-0.5)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(together.float(), expected, atol=tol, rtol=tol)
+
+
 def test_layout_errors_are_clear(kernels):
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match=r"expected a CPU torch\.float32 tensor"):

@@ -13,6 +13,7 @@
  * starts at the first block's instead of -inf, so no infinity is ever computed (fast math assumes none).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -47,20 +48,21 @@ static inline vec lane_sums(const vec v[LANES]) {
 }
 
 /* s[j] = q . k[j] for j < n_pad (a multiple of LANES; rows past the block point at zeros): eight keys
- * at a time, each a vector of partial sums over head_dim, reduced together. */
+ * at a time, each a vector of partial sums over head_dim, reduced together. The eight keys' sums advance
+ * side by side (eight independent multiply-add chains, not one chain per key waiting on its own latency). */
 static inline __attribute__((always_inline)) void block_scores(float *restrict s, const float *restrict q, const float *const *k, int64_t n_pad,
                          int64_t head_dim) {
     const int64_t full = head_dim / LANES * LANES;
     for (int64_t j = 0; j < n_pad; j += LANES) {
-        vec partial[LANES];
+        vec partial[LANES] = {{0}};
         float tail[LANES] = {0};
-        for (int i = 0; i < LANES; i++) {
-            const float *row = k[j + i];
-            vec a = {0};
-            for (int64_t d = 0; d < full; d += LANES) a += load_vec(q + d) * load_vec(row + d);
-            partial[i] = a;
-            for (int64_t d = full; d < head_dim; d++) tail[i] += q[d] * row[d];
+        const float *const *rows = k + j;
+        for (int64_t d = 0; d < full; d += LANES) {
+            const vec qv = load_vec(q + d);
+            for (int i = 0; i < LANES; i++) partial[i] += qv * load_vec(rows[i] + d);
         }
+        for (int i = 0; i < LANES; i++)
+            for (int64_t d = full; d < head_dim; d++) tail[i] += q[d] * rows[i][d];
         store_vec(s + j, lane_sums(partial) + load_vec(tail));
     }
 }
@@ -112,27 +114,28 @@ static float block_softmax(float *s, int64_t n, float *max, float *sum, int firs
     return correction;
 }
 
-/* One block for one query head: scores (capped where softcap > 0), online softmax, values. head_dim is a
- * compile-time constant for the common sizes, so that the per-key loops over it unroll. */
-static inline __attribute__((always_inline)) void attend_block_dim(
-        float *s, const float *q, float *acc, const float *const *k, const float *const *v, int64_t n,
-        int64_t n_pad, int64_t head_dim, float *max, float *sum, int first, float softcap) {
-    block_scores(s, q, k, n_pad, head_dim);
+/* A block's scores for one query row, capped where softcap > 0; then its online softmax and values. head_dim
+ * is a compile-time constant for the common sizes, so that the per-key loops over it unroll. */
+#define BY_HEAD_DIM(CALL)                                                                                 \
+    switch (head_dim) {                                                                                   \
+    case 64: { const int64_t dim = 64; CALL; } break;                                                     \
+    case 128: { const int64_t dim = 128; CALL; } break;                                                   \
+    case 256: { const int64_t dim = 256; CALL; } break;                                                   \
+    case 32: { const int64_t dim = 32; CALL; } break;                                                     \
+    default: { const int64_t dim = head_dim; CALL; }                                                      \
+    }
+
+static void attend_scores(float *s, const float *q, const float *const *k, int64_t n, int64_t n_pad, int64_t head_dim,
+                          float softcap) {
+    BY_HEAD_DIM(block_scores(s, q, k, n_pad, dim))
     if (softcap > 0.0f)
         for (int64_t j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] / softcap);
-    const float correction = block_softmax(s, n, max, sum, first);
-    block_values(acc, s, v, n, head_dim, correction);
 }
 
-static void attend_block(float *s, const float *q, float *acc, const float *const *k, const float *const *v,
-                         int64_t n, int64_t n_pad, int64_t head_dim, float *max, float *sum, int first,
-                         float softcap) {
-    switch (head_dim) {
-    case 64: attend_block_dim(s, q, acc, k, v, n, n_pad, 64, max, sum, first, softcap); break;
-    case 128: attend_block_dim(s, q, acc, k, v, n, n_pad, 128, max, sum, first, softcap); break;
-    case 32: attend_block_dim(s, q, acc, k, v, n, n_pad, 32, max, sum, first, softcap); break;
-    default: attend_block_dim(s, q, acc, k, v, n, n_pad, head_dim, max, sum, first, softcap);
-    }
+static void attend_values(float *s, float *acc, const float *const *v, int64_t n, int64_t head_dim, float *max,
+                          float *sum, int first) {
+    const float correction = block_softmax(s, n, max, sum, first);
+    BY_HEAD_DIM(block_values(acc, s, v, n, dim, correction))
 }
 
 /* A pool row as float32: itself, or widened into `buf`. */
@@ -182,32 +185,43 @@ void kv_store_q8_head(void *k_pool, void *v_pool, int64_t loc, int64_t head, int
     kv_store_q8((int8_t *)v_pool + at, v, head_dim);
 }
 
-/* One item: query token b's heads of KV head h's group, over keys 0..kv_lens[b]-1 of its request (the last
- * `window` of them where window > 0), scores capped where softcap > 0. */
-#define DEFINE_ATTEND_ITEM(NAME, T, LOAD, STORE, ROW)                                                     \
-void NAME(const attention_call *a, int64_t b, int64_t h) {                                               \
+/* Keys per block: up to KEY_BLOCK, fewer for wide heads, so that a block's float32 keys (then its values) stay in
+ * a 32 KiB share of L1 while every query row of a run reads them. A decode token and a prompt token see the same
+ * blocks, so their numbers do not depend on how tokens were grouped. */
+static inline int64_t key_block(int64_t head_dim) {
+    const int64_t fit = 8192 / head_dim / LANES * LANES;
+    return fit < LANES ? LANES : (fit > KEY_BLOCK ? KEY_BLOCK : fit);
+}
+
+/* A run: query tokens b .. b + nt - 1 of one request at consecutive positions (token b + t sees kv_lens[b] + t
+ * keys), KV head h's group of query heads each, so nt * group query rows. Each block of keys is read from the pool
+ * once and serves every row: first all rows' scores (the keys in L1), then their softmax and values (the values in
+ * L1). A run of more than one token has no sliding window in effect (`attention_tile` ends a run where one starts);
+ * a single token keeps only its last `window` keys. Rows past a token's own key count skip the rest of the block. */
+#define DEFINE_ATTEND_RUN(NAME, T, LOAD, STORE, ROW)                                                      \
+static void NAME(const attention_call *a, int64_t b, int64_t nt, int64_t h) {                            \
     const int64_t num_heads = a->num_heads, num_kv_heads = a->num_kv_heads, head_dim = a->head_dim;      \
-    const int64_t group = num_heads / num_kv_heads;                                                      \
+    const int64_t group = num_heads / num_kv_heads, nq = nt * group, kb = key_block(head_dim);           \
     const T *q = a->q;                                                                                   \
     const char *k_pool = a->k_pool, *v_pool = a->v_pool;                                                 \
     const int64_t row_bytes = a->kv_q8 ? kv_row_bytes_q8(head_dim) : head_dim * (int64_t)sizeof(T);      \
     const int64_t *locs = a->table + a->rows[b] * a->table_stride;                                      \
-    const int64_t len = a->kv_lens[b], window = a->window;                                               \
-    const int64_t begin = window > 0 && len > window ? len - window : 0;                                 \
-    float qf[group * head_dim], acc[group * head_dim], max[group], sum[group], s[group * KEY_BLOCK];      \
-    float kbuf[KEY_BLOCK * head_dim], vbuf[KEY_BLOCK * head_dim], zeros[head_dim];                         \
-    const float *k[KEY_BLOCK], *v[KEY_BLOCK];                                                            \
+    const int64_t len = a->kv_lens[b], last = len + nt - 1, window = a->window;                          \
+    const int64_t begin = nt == 1 && window > 0 && len > window ? len - window : 0;                      \
+    float qf[nq * head_dim], acc[nq * head_dim], max[nq], sum[nq], s[nq * kb];                           \
+    float kbuf[kb * head_dim], vbuf[kb * head_dim], zeros[head_dim];                                     \
+    const float *k[kb], *v[kb];                                                                          \
     for (int64_t d = 0; d < head_dim; d++) zeros[d] = 0.0f;                                              \
-    for (int64_t g = 0; g < group; g++) {                                                                \
-        const T *qrow = q + b * a->q_stride + (h * group + g) * head_dim;                                \
+    for (int64_t r = 0; r < nq; r++) { /* row r: token b + r / group, query head h * group + r % group */ \
+        const T *qrow = q + (b + r / group) * a->q_stride + (h * group + r % group) * head_dim;          \
         for (int64_t d = 0; d < head_dim; d++) {                                                         \
-            qf[g * head_dim + d] = LOAD(qrow[d]) * a->scale;                                             \
-            acc[g * head_dim + d] = 0.0f;                                                                \
+            qf[r * head_dim + d] = LOAD(qrow[d]) * a->scale;                                             \
+            acc[r * head_dim + d] = 0.0f;                                                                \
         }                                                                                                \
-        max[g] = sum[g] = 0.0f;                                                                          \
+        max[r] = sum[r] = 0.0f;                                                                          \
     }                                                                                                    \
-    for (int64_t j0 = begin; j0 < len; j0 += KEY_BLOCK) {                                                \
-        const int64_t n = len - j0 < KEY_BLOCK ? len - j0 : KEY_BLOCK;                                   \
+    for (int64_t j0 = begin; j0 < last; j0 += kb) {                                                      \
+        const int64_t n = last - j0 < kb ? last - j0 : kb;                                               \
         const int64_t n_pad = (n + LANES - 1) / LANES * LANES;                                           \
         for (int64_t j = 0; j < n; j++) {                                                                \
             const int64_t row = (locs[j0 + j] * num_kv_heads + h) * row_bytes;                          \
@@ -220,18 +234,50 @@ void NAME(const attention_call *a, int64_t b, int64_t h) {                      
             }                                                                                            \
         }                                                                                                \
         for (int64_t j = n; j < n_pad; j++) k[j] = zeros;                                                \
-        for (int64_t g = 0; g < group; g++) {                                                            \
-            float *sg = s + g * KEY_BLOCK;                                                               \
-            attend_block(sg, qf + g * head_dim, acc + g * head_dim, k, v, n, n_pad, head_dim, &max[g],   \
-                         &sum[g], j0 == begin, a->softcap);                                              \
+        for (int64_t r = 0; r < nq; r++) {                                                               \
+            const int64_t seen = len + r / group - j0; /* this row's keys from j0 on */                  \
+            if (seen > 0) attend_scores(s + r * kb, qf + r * head_dim, k, seen < n ? seen : n, n_pad,   \
+                                        head_dim, a->softcap);                                           \
+        }                                                                                                \
+        for (int64_t r = 0; r < nq; r++) {                                                               \
+            const int64_t seen = len + r / group - j0;                                                   \
+            if (seen > 0) attend_values(s + r * kb, acc + r * head_dim, v, seen < n ? seen : n, head_dim, \
+                                        &max[r], &sum[r], j0 == begin);                                  \
         }                                                                                                \
     }                                                                                                    \
     T *out = a->out;                                                                                     \
-    for (int64_t g = 0; g < group; g++) {                                                                \
-        T *orow = out + (b * num_heads + h * group + g) * head_dim;                                      \
-        const float inv = 1.0f / sum[g];                                                                 \
-        for (int64_t d = 0; d < head_dim; d++) orow[d] = STORE(acc[g * head_dim + d] * inv);             \
+    for (int64_t r = 0; r < nq; r++) {                                                                   \
+        T *orow = out + ((b + r / group) * num_heads + h * group + r % group) * head_dim;                \
+        const float inv = 1.0f / sum[r];                                                                 \
+        for (int64_t d = 0; d < head_dim; d++) orow[d] = STORE(acc[r * head_dim + d] * inv);             \
     }                                                                                                    \
+}
+
+/* Query rows a run may hold at most (its stack buffers grow with them), and tokens an item takes at most. */
+#define RUN_ROWS 32
+#define TILE_TOKENS 8
+
+/* Tokens [b0, b0 + nt) for KV head h, as runs: consecutive tokens of one request at consecutive positions join
+ * a run while no sliding window cuts their keys and the run's rows fit RUN_ROWS; any other token is a run of its
+ * own. The result is each token's alone, bit for bit (key_block). */
+#define DEFINE_ATTEND_TILE(NAME, RUN)                                                                     \
+void NAME(const attention_call *a, int64_t b0, int64_t nt, int64_t h) {                                  \
+    const int64_t group = a->num_heads / a->num_kv_heads;                                                \
+    const int64_t most = RUN_ROWS / group > 1 ? RUN_ROWS / group : 1;                                    \
+    for (int64_t b = b0; b < b0 + nt;) {                                                                 \
+        int64_t run = 1;                                                                                 \
+        const int cut = a->window > 0 && a->kv_lens[b] > a->window;                                      \
+        while (!cut && run < most && b + run < b0 + nt && a->rows[b + run] == a->rows[b] &&             \
+               a->kv_lens[b + run] == a->kv_lens[b] + run &&                                             \
+               !(a->window > 0 && a->kv_lens[b + run] > a->window))                                      \
+            run++;                                                                                       \
+        RUN(a, b, run, h);                                                                               \
+        b += run;                                                                                        \
+    }                                                                                                    \
+}
+
+int64_t attention_tile_tokens(const attention_call *a, int threads) {
+    return a->batch * a->num_kv_heads >= 4 * TILE_TOKENS * threads ? TILE_TOKENS : 1;
 }
 
 /* Items are dealt to threads round robin: a prompt's items grow longer token by token, so contiguous
@@ -265,13 +311,19 @@ void NAME(const attention_call *a) {                                            
                 kv_store_q8_head(a->k_pool, a->v_pool, a->out_locs[t], h, a->num_kv_heads, k, v, dim);    \
             }                                                                                             \
         }                                                                                                 \
+        const int64_t tile = attention_tile_tokens(a, omp_get_num_threads());                             \
+        const int64_t tiles = (a->batch + tile - 1) / tile;                                               \
         _Pragma("omp for schedule(static, 1)")                                                            \
-        for (int64_t item = 0; item < a->batch * a->num_kv_heads; item++)                                 \
-            ITEM(a, item / a->num_kv_heads, item % a->num_kv_heads);                                      \
+        for (int64_t item = 0; item < tiles * a->num_kv_heads; item++) {                                  \
+            const int64_t b0 = item / a->num_kv_heads * tile;                                             \
+            ITEM(a, b0, a->batch - b0 < tile ? a->batch - b0 : tile, item % a->num_kv_heads);             \
+        }                                                                                                 \
     }                                                                                                     \
 }
 
-DEFINE_ATTEND_ITEM(attention_item_f32, float, F32_LOAD, F32_STORE, row_f32)
-DEFINE_ATTEND_ITEM(attention_item_bf16, uint16_t, BF16_LOAD, BF16_STORE, row_bf16)
-DEFINE_PAGED_ATTENTION(paged_attention_f32, attention_item_f32, float, F32_LOAD)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, attention_item_bf16, uint16_t, BF16_LOAD)
+DEFINE_ATTEND_RUN(attend_run_f32, float, F32_LOAD, F32_STORE, row_f32)
+DEFINE_ATTEND_RUN(attend_run_bf16, uint16_t, BF16_LOAD, BF16_STORE, row_bf16)
+DEFINE_ATTEND_TILE(attention_tile_f32, attend_run_f32)
+DEFINE_ATTEND_TILE(attention_tile_bf16, attend_run_bf16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, attention_tile_f32, float, F32_LOAD)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, attention_tile_bf16, uint16_t, BF16_LOAD)

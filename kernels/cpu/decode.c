@@ -17,6 +17,7 @@
  * Every stage is the function the per-call path runs (RMSNorm and RoPE of elementwise.c, attention.c's
  * item, quant.c's input preparation and panels), so both paths compute the same numbers, bit for bit.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -126,9 +127,12 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
                                      .rows = rows, .kv_lens = kv_lens, .batch = tokens, .num_heads = plan->heads,
                                      .num_kv_heads = plan->kv_heads, .head_dim = head_dim, .scale = plan->scale,
                                      .window = L->window, .kv_q8 = plan->kv_q8};
+        const int64_t tile = attention_tile_tokens(&call, omp_get_num_threads()), tiles = (tokens + tile - 1) / tile;
 #pragma omp for schedule(static, 1)
-        for (int64_t item = 0; item < tokens * plan->kv_heads; item++)
-            attention_item_f32(&call, item / plan->kv_heads, item % plan->kv_heads);
+        for (int64_t item = 0; item < tiles * plan->kv_heads; item++) {
+            const int64_t b0 = item / plan->kv_heads * tile;
+            attention_tile_f32(&call, b0, tokens - b0 < tile ? tokens - b0 : tile, item % plan->kv_heads);
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < tokens; r++)
             q_prepare_rows(INPUT_AS_IS, attn, q_size, r, r + 1, q_size, NULL, 0.0f, NULL, scratch);
