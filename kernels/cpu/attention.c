@@ -5,7 +5,7 @@
  * For item b and KV head h the keys are pool rows table[rows[b], 0 .. kv_lens[b]-1] (under a sliding window of
  * `window` positions only the last `window` of them), taken in blocks of KEY_BLOCK rows: float32 rows are read where
  * they lie, bfloat16 rows are widened and int8 rows (kv_q8) scaled into a small buffer first; each block serves
- * every query head of h's group. Scores are eight keys at a time, softmax runs
+ * every query head of h's group. Scores are a vector of keys (8 or 16) at a time, softmax runs
  * online across blocks in float32 (each score first capped as softcap * tanh(s / softcap) where softcap > 0, Gemma 2),
  * and the output is rounded to the activation dtype at the end.
  *
@@ -21,7 +21,11 @@
 #include "dtype.h"
 
 #define KEY_BLOCK 128
+#ifdef __AVX512F__
+#define LANES 16 /* one 512-bit register of floats */
+#else
 #define LANES 8
+#endif
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
@@ -33,9 +37,24 @@ static inline vec load_vec(const float *p) {
 
 static inline void store_vec(float *p, vec v) { __builtin_memcpy(p, &v, sizeof v); }
 
-/* The lane sums of eight vectors, as one vector: {sum(v[0]), ..., sum(v[7])} (a transpose-and-add tree,
- * seven adds for eight dot products instead of eight horizontal sums). */
+/* The lane sums of LANES vectors, as one vector: {sum(v[0]), ..., sum(v[LANES - 1])}: a transpose-and-add tree
+ * (each level adds neighbouring lanes of two vectors into one), LANES - 1 adds for LANES dot products instead of
+ * LANES horizontal sums. */
 static inline vec lane_sums(const vec v[LANES]) {
+#if LANES == 16
+    vec pair[8], quad[4], oct[2];
+    for (int i = 0; i < 8; i++)
+        pair[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+                + __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    for (int i = 0; i < 4; i++)
+        quad[i] = __builtin_shufflevector(pair[2 * i], pair[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+                + __builtin_shufflevector(pair[2 * i], pair[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    for (int i = 0; i < 2; i++)
+        oct[i] = __builtin_shufflevector(quad[2 * i], quad[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+               + __builtin_shufflevector(quad[2 * i], quad[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    return __builtin_shufflevector(oct[0], oct[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+         + __builtin_shufflevector(oct[0], oct[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+#else
     vec pair[4], quad[2];
     for (int i = 0; i < 4; i++)
         pair[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14)
@@ -45,11 +64,12 @@ static inline vec lane_sums(const vec v[LANES]) {
                 + __builtin_shufflevector(pair[2 * i], pair[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
     return __builtin_shufflevector(quad[0], quad[1], 0, 1, 2, 3, 8, 9, 10, 11)
          + __builtin_shufflevector(quad[0], quad[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#endif
 }
 
-/* s[j] = q . k[j] for j < n_pad (a multiple of LANES; rows past the block point at zeros): eight keys
- * at a time, each a vector of partial sums over head_dim, reduced together. The eight keys' sums advance
- * side by side (eight independent multiply-add chains, not one chain per key waiting on its own latency). */
+/* s[j] = q . k[j] for j < n_pad (a multiple of LANES; rows past the block point at zeros): LANES keys
+ * at a time, each a vector of partial sums over head_dim, reduced together. Their sums advance side by side
+ * (independent multiply-add chains, not one chain per key waiting on its own latency). */
 static inline __attribute__((always_inline)) void block_scores(float *restrict s, const float *restrict q, const float *const *k, int64_t n_pad,
                          int64_t head_dim) {
     const int64_t full = head_dim / LANES * LANES;
@@ -67,24 +87,20 @@ static inline __attribute__((always_inline)) void block_scores(float *restrict s
     }
 }
 
-/* acc = acc * correction + sum_j p[j] v[j], eight dimensions per vector, up to four vectors at a time. */
+/* acc = acc * correction + sum_j p[j] v[j], LANES dimensions per vector, up to four vectors at a time. */
 static inline __attribute__((always_inline)) void block_values(float *restrict acc, const float *restrict p, const float *const *v, int64_t n,
                          int64_t head_dim, float correction) {
     int64_t d = 0;
-    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) {
-        vec a0 = correction * load_vec(acc + d), a1 = correction * load_vec(acc + d + LANES);
-        vec a2 = correction * load_vec(acc + d + 2 * LANES), a3 = correction * load_vec(acc + d + 3 * LANES);
-        for (int64_t j = 0; j < n; j++) {
-            const float *row = v[j] + d;
-            a0 += p[j] * load_vec(row);
-            a1 += p[j] * load_vec(row + LANES);
-            a2 += p[j] * load_vec(row + 2 * LANES);
-            a3 += p[j] * load_vec(row + 3 * LANES);
-        }
-        store_vec(acc + d, a0);
-        store_vec(acc + d + LANES, a1);
-        store_vec(acc + d + 2 * LANES, a2);
-        store_vec(acc + d + 3 * LANES, a3);
+    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) { /* even and odd keys apart: eight chains of adds */
+        vec a[2][4] = {{correction * load_vec(acc + d), correction * load_vec(acc + d + LANES),
+                        correction * load_vec(acc + d + 2 * LANES), correction * load_vec(acc + d + 3 * LANES)}};
+        int64_t j = 0;
+        for (; j + 1 < n; j += 2)
+            for (int o = 0; o < 2; o++)
+                for (int i = 0; i < 4; i++) a[o][i] += p[j + o] * load_vec(v[j + o] + d + i * LANES);
+        if (j < n)
+            for (int i = 0; i < 4; i++) a[0][i] += p[j] * load_vec(v[j] + d + i * LANES);
+        for (int i = 0; i < 4; i++) store_vec(acc + d + i * LANES, a[0][i] + a[1][i]);
     }
     for (; d + LANES <= head_dim; d += LANES) {
         vec a = correction * load_vec(acc + d);
