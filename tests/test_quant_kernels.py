@@ -22,6 +22,7 @@ from gguf import dequantize
 
 from kernels.cpu import CpuKernels, load_cpu_kernels
 from kernels.cpu.build import ISA_ENV, NATIVE, chosen_isa, load_library
+from kernels.cpu.hugepages import gather_into_huge_pages
 from kernels.quant import BLOCK_TYPES, PANEL, QTYPES, BlockMatrix, DeviceBlockWeight
 from tests.gguf_files import quantize_rows
 
@@ -120,6 +121,34 @@ def test_each_row_of_a_product_is_what_it_gives_alone(kernels: CpuKernels, qtype
     together = kernels.q_linear(x, matrix)
     alone = torch.cat([kernels.q_linear(x[i : i + 1], matrix) for i in range(m)])
     assert torch.equal(together, alone)
+
+
+def test_weights_gathered_into_huge_pages_multiply_as_before(kernels: CpuKernels) -> None:
+    """The loader moves a model's repacked segments into one 2 MiB-aligned buffer advised as huge pages: products
+    are bit for bit what they were, a segment two matrices share (a tied head) moves once, a view into a larger
+    tensor (a tensor-parallel slice) stays, and every moved segment starts on a cache line."""
+    columns = 256
+
+    def segment(qtype: str, rows: int, seed: int):
+        return kernels.repack(torch.from_numpy(file_rows(qtype, rows, columns, seed=seed)), QTYPES[qtype], columns)
+
+    first = BlockMatrix(columns, [segment("Q4_K", 16, 1), segment("Q8_0", 13, 2)])
+    second = BlockMatrix(columns, [segment("Q4_0", 24, 3)])
+    tied = BlockMatrix(columns, [first.segments[0]])
+    big = BlockMatrix(columns, [segment("Q6_K", 40, 4)])
+    view = big.rows_of(8, 16)
+    x = torch.randn(3, columns, generator=torch.Generator().manual_seed(0))
+    before = [kernels.q_linear(x, m) for m in (first, second, tied, view)]
+    view_at = view.segments[0].data.data_ptr()
+    moved = gather_into_huge_pages([first, second, tied, view])
+    assert moved == sum(-(-s.nbytes // 64) * 64 for s in (*first.segments, *second.segments))
+    base = first.segments[0].data.data_ptr()
+    assert base % (2 << 20) == 0 and tied.segments[0] is first.segments[0]
+    for seg in (*first.segments, *second.segments):
+        assert base <= seg.data.data_ptr() < base + moved and seg.data.data_ptr() % 64 == 0
+    assert view.segments[0].data.data_ptr() == view_at
+    after = [kernels.q_linear(x, m) for m in (first, second, tied, view)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def test_mixed_segments_bias_and_residual(kernels: CpuKernels) -> None:
