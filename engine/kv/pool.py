@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention.int8_kv import row_bytes
+from kernels.cpu.hugepages import huge_page_zeros
 
 
 class KVPool:
@@ -20,7 +21,8 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_layers, 2, num_pages * page_size, num_kv_heads, row_width(head_dim, dtype))
-        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.buffer = huge_page_zeros(shape, dtype) if torch.device(device).type == "cpu" else \
+            torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def dtype_name(self) -> str:

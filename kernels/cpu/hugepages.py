@@ -1,4 +1,4 @@
-"""A model's repacked weights gathered into one buffer of transparent huge pages (2 MiB).
+"""A model's repacked weights gathered into one buffer of transparent huge pages (2 MiB), and the KV pool in them.
 
 A decode step reads every weight once, and a small model's 90-250 MB do not stay in a shared machine's cache: they
 stream from memory. Scattered over 4 KiB pages, each page of weights costs a TLB miss and a page walk on the way;
@@ -14,6 +14,7 @@ buffer is ordinary memory and only the copy was spent.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 from collections.abc import Iterable, Iterator
 
@@ -37,6 +38,13 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     if advice is not None:
         mapping.madvise(advice, start, nbytes)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in huge pages (fresh anonymous memory is zero, and only the pages touched become resident):
+    the KV pool, which a long context's decode step reads as widely as the weights."""
+    width = torch.empty((), dtype=dtype).element_size()
+    return huge_page_buffer(max(1, math.prod(shape)) * width).view(dtype)[: math.prod(shape)].view(shape)
 
 
 def block_matrices(model: nn.Module) -> Iterator[BlockMatrix]:
