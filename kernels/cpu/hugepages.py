@@ -41,10 +41,12 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor in huge pages (fresh anonymous memory is zero, and only the pages touched become resident):
-    the KV pool, which a long context's decode step reads as widely as the weights."""
+    """A zero tensor in huge pages: the KV pool, which a long context's decode step reads as widely as the weights.
+    Written through once now, so that its memory is claimed at start as torch.zeros claimed it (left to fault in as
+    pages are first used, the process's memory would grow over its first requests and look like a leak)."""
     width = torch.empty((), dtype=dtype).element_size()
-    return huge_page_buffer(max(1, math.prod(shape)) * width).view(dtype)[: math.prod(shape)].view(shape)
+    out = huge_page_buffer(max(1, math.prod(shape)) * width).view(dtype)[: math.prod(shape)].view(shape)
+    return out.zero_()
 
 
 def block_matrices(model: nn.Module) -> Iterator[BlockMatrix]:
