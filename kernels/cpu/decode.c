@@ -5,13 +5,13 @@
  * layer's six C calls pays the interpreter, ctypes and an OpenMP team's start and join, some 10-15 us, about
  * as long as the work of a 576-wide projection. Here the team starts once per step and the stages of every
  * layer are worksharing loops inside it, separated by their barriers:
- *   1. RMSNorm of x and its quantization, per row        2. the q/k/v product, per panel (+ bias)
+ *   1. RMSNorm of x and its quantization, per row        2. the q/k/v product, per unit of panels (+ bias)
  *   3. Qwen3's per-head q/k norms, then RoPE, per head    4. the step's K and V into the pool, per token (int8
  *                                                            rows quantized per KV head, where the pool is int8)
- *   5. attention, per (token, KV head)                    6. quantization of the attention's output, per row
- *   7. x += the o product, per panel                      8. RMSNorm of x and its quantization, per row
- *   9. the gate/up product, per panel                    10. act(gate) * up and its quantization, per row
- *  11. x += the down product, per panel
+ *   5. attention, per (tokens, KV head)                   6. quantization of the attention's output, per row
+ *   7. x += the o product, per unit                       8. RMSNorm of x and its quantization, per row
+ *   9. the gate/up product, per unit                     10. act(gate) * up and its quantization, per row
+ *  11. x += the down product, per unit
  * Gemma normalises each half's output before it joins x: stages 7 and 11 then write the product apart, and a
  * per-row stage adds its RMSNorm to x; its layers rotate by their own RoPE tables (local and global bases).
  * Every stage is the function the per-call path runs (RMSNorm and RoPE of elementwise.c, attention.c's

@@ -29,7 +29,9 @@ ALIGN = 64  # each segment starts on a cache line
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] starting on a 2 MiB boundary, advised as huge-page memory where the OS takes the advice. The
-    tensor keeps the mapping alive."""
+    tensor keeps the mapping alive. Where there are no anonymous mappings (Windows), ordinary memory."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(nbytes, dtype=torch.uint8)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = ctypes.c_char.from_buffer(mapping)
     start = -ctypes.addressof(view) % HUGE_PAGE

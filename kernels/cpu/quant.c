@@ -13,7 +13,8 @@
  * dot-product instruction (AVX2's maddubs + madd, or VNNI's dpbusd) against four values of x broadcast
  * adds into each row's own lane: eight of them give a block's 8 row sums, with no horizontal reduction.
  * That is the layout trick of ggml's repacked CPU GEMMs and of oneDNN; per-row blocks spend most of
- * their instructions reducing and rescaling.
+ * their instructions reducing and rescaling. With AVX-512 VNNI a product over several rows of x loads two
+ * panels' tiles into one 512-bit vector, 16 rows a dot product (tile_dots.h holds the loop for both widths).
  *
  * The product y = x W^T quantizes each row of x to 8 bits per 32 values first (one float scale per
  * block, as ggml's q8_1), so inner products are integer: y += da * (S * dot + M * sum(a)), with the sum
