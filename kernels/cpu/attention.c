@@ -212,7 +212,7 @@ static inline int64_t key_block(int64_t head_dim) {
 /* A run: query tokens b .. b + nt - 1 of one request at consecutive positions (token b + t sees kv_lens[b] + t
  * keys), KV head h's group of query heads each, so nt * group query rows. Each block of keys is read from the pool
  * once and serves every row: first all rows' scores (the keys in L1), then their softmax and values (the values in
- * L1). A run of more than one token has no sliding window in effect (`attention_tile` ends a run where one starts);
+ * L1). A run of more than one token has no sliding window in effect (an item ends a run where one starts);
  * a single token keeps only its last `window` keys. Rows past a token's own key count skip the rest of the block. */
 #define DEFINE_ATTEND_RUN(NAME, T, LOAD, STORE, ROW)                                                      \
 static void NAME(const attention_call *a, int64_t b, int64_t nt, int64_t h) {                            \
@@ -273,19 +273,22 @@ static void NAME(const attention_call *a, int64_t b, int64_t nt, int64_t h) {   
 #define RUN_ROWS 32
 #define TILE_TOKENS 8
 
-/* Tokens [b0, b0 + nt) for KV head h, as runs: consecutive tokens of one request at consecutive positions join
- * a run while no sliding window cuts their keys and the run's rows fit RUN_ROWS; any other token is a run of its
- * own. The result is each token's alone, bit for bit (key_block). */
-#define DEFINE_ATTEND_TILE(NAME, RUN)                                                                     \
-void NAME(const attention_call *a, int64_t b0, int64_t nt, int64_t h) {                                  \
-    const int64_t group = a->num_heads / a->num_kv_heads;                                                \
+/* Whether a sliding window cuts token b's keys (it then sees only its last `window`). */
+static inline int window_cuts(const attention_call *a, int64_t b) { return a->window > 0 && a->kv_lens[b] > a->window; }
+
+/* Item `item` of attention_items(a, tile): tokens [b0, b0 + tile) (fewer at the end) for KV head h, as runs:
+ * consecutive tokens of one request at consecutive positions join a run while no sliding window cuts their keys
+ * and the run's rows fit RUN_ROWS; any other token is a run of its own. The result is each token's alone, bit for
+ * bit (key_block). */
+#define DEFINE_ATTEND_ITEM(NAME, RUN)                                                                     \
+void NAME(const attention_call *a, int64_t item, int64_t tile) {                                         \
+    const int64_t group = a->num_heads / a->num_kv_heads, h = item % a->num_kv_heads;                    \
     const int64_t most = RUN_ROWS / group > 1 ? RUN_ROWS / group : 1;                                    \
-    for (int64_t b = b0; b < b0 + nt;) {                                                                 \
+    const int64_t b0 = item / a->num_kv_heads * tile, end = b0 + tile < a->batch ? b0 + tile : a->batch; \
+    for (int64_t b = b0; b < end;) {                                                                     \
         int64_t run = 1;                                                                                 \
-        const int cut = a->window > 0 && a->kv_lens[b] > a->window;                                      \
-        while (!cut && run < most && b + run < b0 + nt && a->rows[b + run] == a->rows[b] &&             \
-               a->kv_lens[b + run] == a->kv_lens[b] + run &&                                             \
-               !(a->window > 0 && a->kv_lens[b + run] > a->window))                                      \
+        while (!window_cuts(a, b) && run < most && b + run < end && a->rows[b + run] == a->rows[b] &&   \
+               a->kv_lens[b + run] == a->kv_lens[b] + run && !window_cuts(a, b + run))                   \
             run++;                                                                                       \
         RUN(a, b, run, h);                                                                               \
         b += run;                                                                                        \
@@ -295,6 +298,8 @@ void NAME(const attention_call *a, int64_t b0, int64_t nt, int64_t h) {         
 int64_t attention_tile_tokens(const attention_call *a, int threads) {
     return a->batch * a->num_kv_heads >= 4 * TILE_TOKENS * threads ? TILE_TOKENS : 1;
 }
+
+int64_t attention_items(const attention_call *a, int64_t tile) { return (a->batch + tile - 1) / tile * a->num_kv_heads; }
 
 /* Items are dealt to threads round robin: a prompt's items grow longer token by token, so contiguous
  * ranges would give one thread the short half; the two KV heads of a decode request split evenly.
@@ -328,18 +333,14 @@ void NAME(const attention_call *a) {                                            
             }                                                                                             \
         }                                                                                                 \
         const int64_t tile = attention_tile_tokens(a, omp_get_num_threads());                             \
-        const int64_t tiles = (a->batch + tile - 1) / tile;                                               \
         _Pragma("omp for schedule(static, 1)")                                                            \
-        for (int64_t item = 0; item < tiles * a->num_kv_heads; item++) {                                  \
-            const int64_t b0 = item / a->num_kv_heads * tile;                                             \
-            ITEM(a, b0, a->batch - b0 < tile ? a->batch - b0 : tile, item % a->num_kv_heads);             \
-        }                                                                                                 \
+        for (int64_t item = 0; item < attention_items(a, tile); item++) ITEM(a, item, tile);              \
     }                                                                                                     \
 }
 
 DEFINE_ATTEND_RUN(attend_run_f32, float, F32_LOAD, F32_STORE, row_f32)
 DEFINE_ATTEND_RUN(attend_run_bf16, uint16_t, BF16_LOAD, BF16_STORE, row_bf16)
-DEFINE_ATTEND_TILE(attention_tile_f32, attend_run_f32)
-DEFINE_ATTEND_TILE(attention_tile_bf16, attend_run_bf16)
-DEFINE_PAGED_ATTENTION(paged_attention_f32, attention_tile_f32, float, F32_LOAD)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, attention_tile_bf16, uint16_t, BF16_LOAD)
+DEFINE_ATTEND_ITEM(attention_item_f32, attend_run_f32)
+DEFINE_ATTEND_ITEM(attention_item_bf16, attend_run_bf16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, attention_item_f32, float, F32_LOAD)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, attention_item_bf16, uint16_t, BF16_LOAD)

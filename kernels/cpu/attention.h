@@ -27,9 +27,11 @@ typedef struct {
 void kv_store_q8_head(void *k_pool, void *v_pool, int64_t loc, int64_t head, int64_t kv_heads, const float *k,
                       const float *v, int64_t head_dim);
 
-/* Query tokens [b0, b0 + nt), the heads of KV head h's group (float32 activations; the fused layers' stage 5);
- * consecutive tokens of one prompt share each read of a block of keys. */
-void attention_tile_f32(const attention_call *a, int64_t b0, int64_t nt, int64_t h);
+/* Attention's items: a run of up to `tile` query tokens for one KV head's group of heads each (float32 activations;
+ * the fused layers' stage 5); consecutive tokens of one prompt share each read of a block of keys. */
+void attention_item_f32(const attention_call *a, int64_t item, int64_t tile);
 
-/* Tokens an item takes: TILE_TOKENS where there are enough items for `threads` threads even so, else 1. */
+/* Tokens an item takes: TILE_TOKENS where there are enough items for `threads` threads even so, else 1; and the
+ * number of items at that size. */
 int64_t attention_tile_tokens(const attention_call *a, int threads);
+int64_t attention_items(const attention_call *a, int64_t tile);

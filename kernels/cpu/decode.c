@@ -127,12 +127,9 @@ int32_t q_decode_layers(float *x, int64_t tokens, const model_plan *plan, const 
                                      .rows = rows, .kv_lens = kv_lens, .batch = tokens, .num_heads = plan->heads,
                                      .num_kv_heads = plan->kv_heads, .head_dim = head_dim, .scale = plan->scale,
                                      .window = L->window, .kv_q8 = plan->kv_q8};
-        const int64_t tile = attention_tile_tokens(&call, omp_get_num_threads()), tiles = (tokens + tile - 1) / tile;
+        const int64_t tile = attention_tile_tokens(&call, omp_get_num_threads());
 #pragma omp for schedule(static, 1)
-        for (int64_t item = 0; item < tiles * plan->kv_heads; item++) {
-            const int64_t b0 = item / plan->kv_heads * tile;
-            attention_tile_f32(&call, b0, tokens - b0 < tile ? tokens - b0 : tile, item % plan->kv_heads);
-        }
+        for (int64_t item = 0; item < attention_items(&call, tile); item++) attention_item_f32(&call, item, tile);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < tokens; r++)
             q_prepare_rows(INPUT_AS_IS, attn, q_size, r, r + 1, q_size, NULL, 0.0f, NULL, scratch);
