@@ -16,7 +16,17 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels.attention.int8_kv import BLOCK, blocks, dequantize_rows, quantize_rows, row_bytes
+from kernels.attention.int8_kv import (
+    BLOCK,
+    blocks,
+    dequantize_rows,
+    key_group,
+    quantize_keys,
+    quantize_rows,
+    rotate,
+    rotate_queries,
+    row_bytes,
+)
 from kernels.cpu import load_cpu_kernels
 from tests.checkpoints import FAMILIES
 from tests.test_kv_tiers import greedy, hits, ids
@@ -41,10 +51,11 @@ def test_a_row_reads_back_within_half_its_blocks_scale(head_dim: int) -> None:
         assert (back[0, 0, BLOCK:] - x[0, 0, BLOCK:]).abs().max() < 3 * 3 / 127
 
 
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 64, 96])
 def test_the_c_kernel_stores_and_reads_the_rows_the_torch_reference_does(head_dim: int) -> None:
-    """paged_attention with new keys and values writes the int8 rows quantize_rows writes, bit for bit, and attends
-    over them as the reference attends over their dequantized values."""
+    """paged_attention with new keys and values writes the int8 rows quantize_keys and quantize_rows write, bit for
+    bit (the keys rotated by the same butterflies), and attends over them as the reference attends over their
+    dequantized values with its queries turned alike."""
     kernels = load_cpu_kernels()
     g = torch.Generator().manual_seed(head_dim)
     tokens, heads, kv_heads, slots = 6, 4, 2, 32
@@ -55,14 +66,34 @@ def test_the_c_kernel_stores_and_reads_the_rows_the_torch_reference_does(head_di
     table = torch.tensor([[3, 9, 10, 11, 20, 21]])
     rows, kv_lens = torch.zeros(tokens, dtype=torch.int64), torch.arange(1, tokens + 1)
     out = kernels.paged_attention(q, k_cache, v_cache, table, rows, kv_lens, 0.25, new=(k, v, out_locs))
-    for cache, x in ((k_cache, k), (v_cache, v)):
-        assert torch.equal(cache[out_locs], quantize_rows(x))
+    assert torch.equal(k_cache[out_locs], quantize_keys(k)) and torch.equal(v_cache[out_locs], quantize_rows(v))
     keys, values = dequantize_rows(k_cache[out_locs], head_dim), dequantize_rows(v_cache[out_locs], head_dim)
-    group = heads // kv_heads
+    group, turned = heads // kv_heads, rotate_queries(q)
     for t in range(tokens):
-        scores = torch.einsum("hd,khd->hk", q[t], keys[: t + 1].repeat_interleave(group, 1)) * 0.25
+        scores = torch.einsum("hd,khd->hk", turned[t], keys[: t + 1].repeat_interleave(group, 1)) * 0.25
         expected_out = torch.einsum("hk,khd->hd", scores.softmax(-1), values[: t + 1].repeat_interleave(group, 1))
         assert torch.allclose(out[t], expected_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 96, 128])
+def test_keys_are_stored_rotated_and_attend_as_the_keys_do(head_dim: int) -> None:
+    """A key row is stored times the Walsh-Hadamard matrix of its groups (of the largest power of two dividing
+    head_dim), which spreads a large channel over the group: rotated back it is the key within the quantization
+    error, and a rotated query's dot product with it is the query's with the key. With an outlier channel, as real
+    keys have, the rotated rows read back closer than rows stored as they are."""
+    g = torch.Generator().manual_seed(head_dim)
+    k, q = torch.randn(200, 2, head_dim, generator=g), torch.randn(200, 2, head_dim, generator=g)
+    k[..., 1] *= 30  # one large channel in every key
+    size = key_group(head_dim)
+    assert size == {8: 8, 64: 64, 96: 32, 128: 128}[head_dim]
+    assert torch.allclose(rotate(rotate(k)) / size, k, atol=1e-4)  # H H = size I
+    back = rotate(dequantize_rows(quantize_keys(k), head_dim)) / size
+    plain = dequantize_rows(quantize_rows(k), head_dim)
+    assert (back - k).pow(2).mean() < 0.5 * (plain - k).pow(2).mean()
+    exact = (q * k).sum(-1)
+    assert torch.allclose((rotate_queries(q) * rotate(k)).sum(-1), exact, atol=1e-3, rtol=1e-4)
+    assert (rotate_queries(q) * dequantize_rows(quantize_keys(k), head_dim)).sum(-1).sub(exact).abs().mean() < \
+        (q * plain).sum(-1).sub(exact).abs().mean()
 
 
 def test_the_same_bytes_hold_as_many_more_pages_as_the_rows_are_smaller(llama_ckpt: Path) -> None:

@@ -46,9 +46,9 @@ def test_it_answers_the_question(llm: LLM) -> None:
 
 def test_int8_kv_pages_agree_with_float32_pages_on_real_text(llm: LLM, gguf_file: Path) -> None:
     """--kv-cache-dtype int8 against the same engine's float32 pages over the whole of tests/data/prose.txt (2,047
-    scored positions): the perplexity within 1% (measured: +0.05%), the top token the same at >= 98.5% of positions
-    (measured: 98.6%). The agreement is mostly near-ties of the float32 run, and moves by itself: computing the
-    scales as max / 127 instead of max * (1 / 127), one last bit, gave 99.2%; blocks of 16 instead of 32, 99.0%."""
+    scored positions): the perplexity within 1% (measured: -0.06%), the top token the same at >= 99% of positions
+    (measured: 99.17%, 17 positions; with keys stored unrotated 98.6%, 29). What differs is mostly near-ties of the
+    float32 run: rounding both pages to bfloat16 instead changes 11 positions (kernels/attention/int8_kv.py)."""
     text = (Path(__file__).parent / "data" / "prose.txt").read_text()
     ids = llm.tokenizer.encode(text)[:2048]
     assert len(ids) == 2048
@@ -60,7 +60,7 @@ def test_int8_kv_pages_agree_with_float32_pages_on_real_text(llm: LLM, gguf_file
     (top, logprob), (top8, logprob8) = scored
     agree = (top == top8).float().mean().item()
     ppl, ppl8 = math.exp(-logprob.mean().item()), math.exp(-logprob8.mean().item())
-    assert agree >= 0.985, agree
+    assert agree >= 0.99, agree
     assert abs(ppl8 / ppl - 1) <= 0.01, (ppl8, ppl)
 
 

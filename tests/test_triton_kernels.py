@@ -13,7 +13,7 @@ from engine import LLM
 from engine.cuda_graph import graph_buckets
 from kernels.attention import build_metadata, make_backend, resolve_backend_name
 from kernels.attention.base import AttentionShape
-from kernels.attention.int8_kv import dequantize_rows, quantize_rows
+from kernels.attention.int8_kv import dequantize_rows, quantize_keys, quantize_rows, rotate_queries
 from kernels.attention.triton import TritonBackend
 from kernels.triton.decode import decode_attention
 from kernels.triton.extend import extend_attention
@@ -171,7 +171,7 @@ def test_int8_pages_are_stored_and_read_as_the_torch_backend_does(case, group):
     its decode (plain and grouped) and extend kernels attend over the rows as stored, this step's own included."""
     q_lens, kv_lens = EXTEND_CASES[case]
     meta, q, k, v, k_cache, v_cache = make_step(q_lens, kv_lens, GROUPS[group], torch.float32)
-    k_rows, v_rows = quantize_rows(k_cache), quantize_rows(v_cache)
+    k_rows, v_rows = quantize_keys(k_cache), quantize_rows(v_cache)
     outs, caches = [], []
     for name in ("torch", "triton"):
         backend = make_backend(name, "cpu")
@@ -182,7 +182,7 @@ def test_int8_pages_are_stored_and_read_as_the_torch_backend_does(case, group):
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert_close(outs[1], outs[0].float(), torch.float32)
     stored = (dequantize_rows(caches[1][0], HEAD_DIM), dequantize_rows(caches[1][1], HEAD_DIM))
-    assert_close(outs[1], reference(meta, q, *stored), torch.float32)
+    assert_close(outs[1], reference(meta, rotate_queries(q), *stored), torch.float32)  # keys stored rotated
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):

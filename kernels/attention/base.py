@@ -8,7 +8,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from kernels.attention.int8_kv import is_int8, quantize_rows
+from kernels.attention.int8_kv import is_int8, quantize_keys, quantize_rows
 
 StateT = TypeVar("StateT")
 """A backend's per-step state: what `prepare` (or `capture_state`) builds and every layer's `forward` reads."""
@@ -155,6 +155,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              out_locs: torch.Tensor) -> None:
     """Scatter this step's K/V into their KV locations (quantized as they go, into int8 pages)."""
     if is_int8(k_cache):
-        k, v = quantize_rows(k), quantize_rows(v)
+        k, v = quantize_keys(k), quantize_rows(v)
     k_cache.index_copy_(0, out_locs, k)
     v_cache.index_copy_(0, out_locs, v)

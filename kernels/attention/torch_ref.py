@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape, StateT, store_kv
-from kernels.attention.int8_kv import dequantize_rows, is_int8, quantize_rows
+from kernels.attention.int8_kv import dequantize_rows, is_int8, quantize_keys, quantize_rows, rotate_queries
 from kernels.gemm import has_native_half_gemm
 
 
@@ -164,15 +164,18 @@ class ReferenceLayout(AttentionBackend[StateT], Generic[StateT, DecodeT]):
     @staticmethod
     def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: PaddedMeta, scale: float, softcap: float | None) -> torch.Tensor:
-        # int8 pages are read as float32 values (q * s), as the C kernel reads them: the product runs in float32
+        # int8 pages are read as float32 values (q * s), as the C kernel reads them: the product runs in float32, the
+        # queries turned as the stored keys are
         dtype, int8 = q.dtype, is_int8(k_cache)
+        if int8:
+            q = rotate_queries(q)
         if meta.kv_index is not None:
             kp, vp = gather(k_cache, meta.kv_index, meta.batch_size), gather(v_cache, meta.kv_index, meta.batch_size)
             if int8:
                 kp, vp = dequantize_rows(kp, q.shape[-1]), dequantize_rows(vp, q.shape[-1])
         else:
             if int8:  # the step's own keys and values as the pool holds them, as every later step reads them
-                k, v = (dequantize_rows(quantize_rows(x), x.shape[-1]) for x in (k, v))
+                k, v = dequantize_rows(quantize_keys(k), k.shape[-1]), dequantize_rows(quantize_rows(v), v.shape[-1])
             kp, vp = gather(k, meta.q_index, meta.batch_size), gather(v, meta.q_index, meta.batch_size)
         qp = gather(q, meta.q_index, meta.batch_size)
         if int8 or not has_native_half_gemm(q.device, dtype):
@@ -252,7 +255,10 @@ class TorchRefBackend(ReferenceLayout[TorchRefMeta[DecodeMeta], DecodeMeta]):
         shape = (bsz, kv_heads, meta.max_kv, width)
         kp = k_cache.view(-1, width).index_select(0, meta.head_rows).view(shape)
         vp = v_cache.view(-1, width).index_select(0, meta.head_rows).view(shape)
-        kp, vp = (dequantize_rows(kp, dim), dequantize_rows(vp, dim)) if is_int8(k_cache) else (kp.float(), vp.float())
+        if is_int8(k_cache):  # the keys stored rotated: the queries turned alike
+            kp, vp, q = dequantize_rows(kp, dim), dequantize_rows(vp, dim), rotate_queries(q)
+        else:
+            kp, vp = kp.float(), vp.float()
         qg = q.float().reshape(bsz, kv_heads, num_heads // kv_heads, dim) * scale
         scores = torch.matmul(qg, kp.transpose(-1, -2))  # [B, kv_heads, group, max_kv]
         if softcap is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
-from kernels.attention.int8_kv import blocks, dequantize_rows, is_int8, quantize_rows
+from kernels.attention.int8_kv import blocks, dequantize_rows, is_int8, quantize_keys, quantize_rows, rotate_queries
 from kernels.triton.decode import decode_attention
 from kernels.triton.extend import extend_attention
 from kernels.triton.kv_store import store_kv
@@ -66,7 +66,7 @@ class TritonBackend(AttentionBackend[TritonStep]):
         k, v = k.contiguous(), v.contiguous()
         if is_int8(k_cache):
             head_dim = k.shape[-1]
-            k_rows, v_rows = quantize_rows(k), quantize_rows(v)
+            k_rows, v_rows = quantize_keys(k), quantize_rows(v)
             store_kv(k_rows, v_rows, k_cache, v_cache, state.meta.out_locs)
             k, v = dequantize_rows(k_rows, head_dim), dequantize_rows(v_rows, head_dim)
         else:
@@ -82,6 +82,8 @@ class TritonBackend(AttentionBackend[TritonStep]):
         meta = state.meta
         head_dim = q.shape[-1]
         int8_block = head_dim // blocks(head_dim) if is_int8(k_cache) else 0  # values per scale
+        if int8_block:  # the keys stored rotated: the queries turned alike
+            q = rotate_queries(q).to(q.dtype)
         if not state.decode:
             return extend_attention(q, k, v, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                                     state.max_q_len, scale, window=window, softcap=softcap, int8_block=int8_block)

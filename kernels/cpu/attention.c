@@ -4,9 +4,9 @@
  *
  * For item b and KV head h the keys are pool rows table[rows[b], 0 .. kv_lens[b]-1] (under a sliding window of
  * `window` positions only the last `window` of them), taken in blocks of KEY_BLOCK rows: float32 rows are read where
- * they lie, bfloat16 rows are widened and int8 rows (kv_q8) scaled into a small buffer first; each block serves
- * every query head of h's group. Scores are a vector of keys (8 or 16) at a time, softmax runs
- * online across blocks in float32 (each score first capped as softcap * tanh(s / softcap) where softcap > 0, Gemma 2),
+ * they lie, bfloat16 rows are widened and int8 rows (kv_q8; their keys rotated, so the queries are turned alike)
+ * scaled into a small buffer first; each block serves every query head of h's group. Scores are a vector of keys
+ * (8 or 16) at a time, softmax runs online across blocks in float32 (each score first capped as softcap * tanh(s / softcap) where softcap > 0, Gemma 2),
  * and the output is rounded to the activation dtype at the end.
  *
  * Compiled with -ffast-math so that expf vectorises through glibc's libmvec; the running maximum
@@ -197,7 +197,10 @@ static void kv_store_q8(int8_t *dst, const float *x, int64_t head_dim) {
 void kv_store_q8_head(void *k_pool, void *v_pool, int64_t loc, int64_t head, int64_t kv_heads, const float *k,
                       const float *v, int64_t head_dim) {
     const int64_t at = (loc * kv_heads + head) * kv_row_bytes_q8(head_dim);
-    kv_store_q8((int8_t *)k_pool + at, k, head_dim);
+    float rotated[head_dim];
+    memcpy(rotated, k, (size_t)head_dim * sizeof(float));
+    hadamard_groups_f32(rotated, head_dim);
+    kv_store_q8((int8_t *)k_pool + at, rotated, head_dim);
     kv_store_q8((int8_t *)v_pool + at, v, head_dim);
 }
 
@@ -233,6 +236,11 @@ static void NAME(const attention_call *a, int64_t b, int64_t nt, int64_t h) {   
         for (int64_t d = 0; d < head_dim; d++) {                                                         \
             qf[r * head_dim + d] = LOAD(qrow[d]) * a->scale;                                             \
             acc[r * head_dim + d] = 0.0f;                                                                \
+        }                                                                                                \
+        if (a->kv_q8) { /* int8 pages hold keys rotated (kv_store_q8_head): the query turns alike */      \
+            hadamard_groups_f32(qf + r * head_dim, head_dim);                                            \
+            const float inv = 1.0f / (float)(head_dim & -head_dim);                                      \
+            for (int64_t d = 0; d < head_dim; d++) qf[r * head_dim + d] *= inv;                          \
         }                                                                                                \
         max[r] = sum[r] = 0.0f;                                                                          \
     }                                                                                                    \

@@ -65,3 +65,19 @@ void rope_##SUFFIX(T *x, int64_t tokens, int64_t heads, int64_t token_stride, co
 
 DEFINE_ROWS(f32, float, F32_LOAD, F32_STORE)
 DEFINE_ROWS(bf16, uint16_t, BF16_LOAD, BF16_STORE)
+
+/* x (n values) times the Walsh-Hadamard matrix of order g = n & -n (the largest power of two dividing n) in each
+ * group of g, unnormalised (entries +-1; Sylvester's order): int8 KV pages store keys so rotated, which spreads a
+ * key's few large channels over its group, and their queries rotated alike (times 1/g: H H = g I, so q . k holds).
+ * Each butterfly is one addition or subtraction, compiled without fast math: kernels/attention/int8_kv.py's `rotate`
+ * gives the same float32 values bit for bit. */
+void hadamard_groups_f32(float *x, int64_t n) {
+    const int64_t g = n & -n;
+    for (int64_t h = 1; h < g; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+}
