@@ -6,8 +6,9 @@
  * `window` positions only the last `window` of them), taken in blocks of KEY_BLOCK rows: float32 rows are read where
  * they lie, bfloat16 rows are widened and int8 rows (kv_q8; their keys rotated, so the queries are turned alike)
  * scaled into a small buffer first; each block serves every query head of h's group. Scores are a vector of keys
- * (8 or 16) at a time, softmax runs online across blocks in float32 (each score first capped as softcap * tanh(s / softcap) where softcap > 0, Gemma 2),
- * and the output is rounded to the activation dtype at the end.
+ * (8 or 16) at a time, softmax runs online across blocks in float32 (each score first capped as
+ * softcap * tanh(s / softcap) where softcap > 0, Gemma 2), and the output is rounded to the activation dtype at the
+ * end.
  *
  * Compiled with -ffast-math so that expf vectorises through glibc's libmvec; the running maximum
  * starts at the first block's instead of -inf, so no infinity is ever computed (fast math assumes none).
