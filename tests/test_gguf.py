@@ -9,6 +9,7 @@ model's top-1 token agrees with the dequantized model's nearly everywhere.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -164,6 +165,14 @@ def test_text_chat_template_and_eos_come_from_the_file(mixed_files, checkpoints)
     original = AutoTokenizer.from_pretrained(checkpoints["llama"])
     text = "The quick brown fox jumps over the lazy dog; héllo wörld, 日本語のテキスト."
     assert llm.tokenizer.encode(text) == original.encode(text)
+    # the converted directory names the added tokens (so a load need not parse tokenizer.json for them) as
+    # transformers reads them from the file
+    path = mixed_files["llama"]
+    from_file = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    listed = json.loads((llm.checkpoint.meta / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert {int(i): t["content"] for i, t in listed.items()} == \
+        {i: t.content for i, t in from_file.added_tokens_decoder.items()} != {}
+    assert llm.tokenizer.added_tokens_decoder == from_file.added_tokens_decoder
     chat = [{"role": "user", "content": "To be, or not to be"}]
     expected = original.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert llm.encode_prompt(chat) == expected

@@ -45,7 +45,7 @@ from kernels.quant import BLOCK_TYPES, QTYPES
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ PERMUTED_ARCHS = ("llama",)
 SHIFTED_NORM_ARCHS = ("gemma2", "gemma3")
 """GGUF architectures whose RMSNorm weights llama.cpp stores as 1 + w (Gemma's norm scales by 1 + w; llama.cpp's
 by its weight), as transformers' GGUF loader also undoes."""
-INDEX_VERSION = 3  # 2: generation_config.json from the sampling metadata; 3: tensor ranges checked
+INDEX_VERSION = 4  # 2: generation_config.json from the sampling metadata; 3: tensor ranges checked; 4: the added
+# tokens in tokenizer_config.json
 EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)")
 """A per-expert HF name (prefix, expert, projection), which GGUF stores in one stacked tensor per projection."""
 
@@ -150,6 +151,7 @@ def _convert_metadata(path: Path, meta: Path) -> None:
     try:
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _list_added_tokens(tmp, tokenizer)
         sampling = {key: _decimal(reader.fields[name].contents()) for name, key in GGUF_KEYS.items()
                     if name in reader.fields}
         if sampling:  # read back like any checkpoint's (engine/generation_defaults.py)
@@ -162,6 +164,17 @@ def _convert_metadata(path: Path, meta: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _list_added_tokens(directory: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Name the tokenizer's added tokens in its tokenizer_config.json, as checkpoints on the Hub do. Without them
+    transformers parses the whole tokenizer.json in Python at every load to find them: 1.1 s of Gemma 3's 3 s
+    (a 33 MB file, 6,384 added tokens; the same tokenizer either way)."""
+    path = directory / "tokenizer_config.json"
+    settings = json.loads(path.read_text())
+    settings.setdefault("added_tokens_decoder", {str(i): token.__getstate__()
+                                                 for i, token in tokenizer.added_tokens_decoder.items()})
+    path.write_text(json.dumps(settings, ensure_ascii=False))
 
 
 def _completed(config: PretrainedConfig, reader: GGUFReader, arch: str) -> PretrainedConfig:
