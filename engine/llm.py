@@ -72,7 +72,6 @@ from engine.tokenizer import (
 )
 from engine.tools import ToolFormat, template_messages, tool_format
 from kernels.attention import int8_kv, make_backend
-from kernels.attention.int8_kv import is_int8
 from kernels.cpu import load_cpu_kernels
 from kernels.cpu.build import cache_dir
 from kernels.quant import BlockMatrix, DeviceBlockWeight
@@ -260,7 +259,7 @@ class LLM:
                  "gemm": self._gemm(), "attention": attention, "page_size": kv.page_size,
                  "tensor_parallel": [cfg.parallel.tensor_parallel_size, self.model.num_kv_heads],
                  "kv": [spec.num_layers, self.model.num_kv_heads, spec.head_dim,
-                        int8_kv.LAYOUT if is_int8(self.kv.buffer) else str(self.kv.buffer.dtype)]}
+                        int8_kv.LAYOUT if int8_kv.is_int8(self.kv.buffer) else str(self.kv.buffer.dtype)]}
         files = [*self.checkpoint.weight_files(), self.checkpoint.meta / "config.json"]
         return open_tiers(self.kv, fingerprint(files, cache_dir() / WEIGHTS_MEMO, facts), host,
                           where if disk else None, disk, pin=self.device.type == "cuda")

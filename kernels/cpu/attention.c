@@ -200,7 +200,7 @@ void kv_store_q8_head(void *k_pool, void *v_pool, int64_t loc, int64_t head, int
     const int64_t at = (loc * kv_heads + head) * kv_row_bytes_q8(head_dim);
     float rotated[head_dim];
     memcpy(rotated, k, (size_t)head_dim * sizeof(float));
-    hadamard_groups_f32(rotated, head_dim);
+    hadamard_groups_f32(rotated, head_dim, 0);
     kv_store_q8((int8_t *)k_pool + at, rotated, head_dim);
     kv_store_q8((int8_t *)v_pool + at, v, head_dim);
 }
@@ -238,11 +238,8 @@ static void NAME(const attention_call *a, int64_t b, int64_t nt, int64_t h) {   
             qf[r * head_dim + d] = LOAD(qrow[d]) * a->scale;                                             \
             acc[r * head_dim + d] = 0.0f;                                                                \
         }                                                                                                \
-        if (a->kv_q8) { /* int8 pages hold keys rotated (kv_store_q8_head): the query turns alike */      \
-            hadamard_groups_f32(qf + r * head_dim, head_dim);                                            \
-            const float inv = 1.0f / (float)(head_dim & -head_dim);                                      \
-            for (int64_t d = 0; d < head_dim; d++) qf[r * head_dim + d] *= inv;                          \
-        }                                                                                                \
+        if (a->kv_q8) /* int8 pages hold keys rotated (kv_store_q8_head): the query turns alike */        \
+            hadamard_groups_f32(qf + r * head_dim, head_dim, 1);                                         \
         max[r] = sum[r] = 0.0f;                                                                          \
     }                                                                                                    \
     for (int64_t j0 = begin; j0 < last; j0 += kb) {                                                      \

@@ -24,7 +24,7 @@ typedef struct {
 /* One token's keys `k` and values `v` for KV head `head` into int8 pools at KV location `loc`: per row round(x / s)
  * per block of 32 (or the whole row where head_dim is not a multiple of 32), s = max|x| / 127 over the block, the
  * float32 scales after the values; the keys first rotated (hadamard_groups_f32; kernels/attention/int8_kv.py). */
-void hadamard_groups_f32(float *x, int64_t n); /* elementwise.c */
+void hadamard_groups_f32(float *x, int64_t n, int query); /* elementwise.c */
 void kv_store_q8_head(void *k_pool, void *v_pool, int64_t loc, int64_t head, int64_t kv_heads, const float *k,
                       const float *v, int64_t head_dim);
 

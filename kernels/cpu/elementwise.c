@@ -68,10 +68,10 @@ DEFINE_ROWS(bf16, uint16_t, BF16_LOAD, BF16_STORE)
 
 /* x (n values) times the Walsh-Hadamard matrix of order g = n & -n (the largest power of two dividing n) in each
  * group of g, unnormalised (entries +-1; Sylvester's order): int8 KV pages store keys so rotated, which spreads a
- * key's few large channels over its group, and their queries rotated alike (times 1/g: H H = g I, so q . k holds).
- * Each butterfly is one addition or subtraction, compiled without fast math: kernels/attention/int8_kv.py's `rotate`
- * gives the same float32 values bit for bit. */
-void hadamard_groups_f32(float *x, int64_t n) {
+ * key's few large channels over its group, and their queries rotated alike and then times 1/g (`query`: H H = g I,
+ * so q . k holds). Each butterfly is one addition or subtraction, compiled without fast math:
+ * kernels/attention/int8_kv.py's `rotate` and `rotate_queries` give the same float32 values bit for bit. */
+void hadamard_groups_f32(float *x, int64_t n, int query) {
     const int64_t g = n & -n;
     for (int64_t h = 1; h < g; h *= 2)
         for (int64_t i = 0; i < n; i += 2 * h)
@@ -80,4 +80,6 @@ void hadamard_groups_f32(float *x, int64_t n) {
                 x[j] = a + b;
                 x[j + h] = a - b;
             }
+    if (query)
+        for (int64_t d = 0; d < n; d++) x[d] *= 1.0f / (float)g;
 }
